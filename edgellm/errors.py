@@ -1,0 +1,40 @@
+"""Typed errors. Each says what was expected and what was found, and names the file/field."""
+from __future__ import annotations
+
+
+class EdgeLLMError(Exception):
+    """Base of every error edgellm raises on purpose; the CLI prints these as one line."""
+
+
+class ModelFormatError(EdgeLLMError):
+    """A model file is malformed or inconsistent. Raised before any large allocation."""
+
+    def __init__(self, path: str, field: str, message: str):
+        self.path = str(path)
+        self.field = field
+        self.message = message
+        super().__init__(f"{self.path}: {field}: {message}")
+
+
+class UnsupportedModelError(ModelFormatError):
+    """A well-formed model that edgellm cannot run (architecture, tensor type)."""
+
+
+class ModelNotFoundError(EdgeLLMError):
+    """A model name or path that resolves to nothing."""
+
+
+class PullError(EdgeLLMError):
+    """Fetching or verifying a model package failed."""
+
+
+class ConfigError(EdgeLLMError):
+    """A bad argument or setting (sampling parameter, thread count, ...)."""
+
+
+class ContextFull(EdgeLLMError):
+    """The request needs more KV positions than the cache holds."""
+
+
+class Cancelled(EdgeLLMError):
+    """A generation was cancelled through its handle; the engine stays reusable."""
