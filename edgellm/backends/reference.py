@@ -1,0 +1,201 @@
+"""The numpy backend: ground truth for every other backend's ops, and the first runnable unit.
+
+Ops work on float32 and accumulate in float32 (BLAS sgemm) or wider. Shapes use T = tokens in
+the chunk, n = tokens in the KV cache so far (past + chunk), H / KVH = query / key-value heads,
+hd = head_dim.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import quant
+from ..model.config import ModelConfig
+
+NAME = "reference"
+OPS = ("embedding", "rmsnorm", "matmul", "rope", "attention", "swiglu", "add", "lm_head")
+
+
+def available() -> tuple[bool, str]:
+    return True, "numpy runs everywhere"
+
+
+def supports(op: str, precision: str = "fp32") -> tuple[bool, str]:
+    if op not in OPS:
+        return False, f"op {op!r} is not implemented by the reference backend"
+    return True, "reference implements every op in fp32"
+
+
+# ---- ops -------------------------------------------------------------------------------------
+
+def embedding(table: "EmbeddingTable", ids: np.ndarray) -> np.ndarray:
+    """ids (T,) -> (T, d) float32; dequantizes only the looked-up rows."""
+    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x (T, d) -> x / sqrt(mean(x^2) + eps) * w."""
+    ms = np.einsum("td,td->t", x, x, dtype=np.float32) / np.float32(x.shape[1])
+    return x * (1.0 / np.sqrt(ms + np.float32(eps)))[:, None] * w
+
+
+def matmul(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
+    """x (T, in) @ w (out, in)^T [+ b (out,)] -> (T, out). w keeps GGUF's row-major (out, in)."""
+    y = x @ w.T
+    if b is not None:
+        y += b
+    return y
+
+
+def rope_tables(cfg: ModelConfig, n_ctx: int, freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin tables (n_ctx, rope_dim/2): angle(p, i) = p * theta^(-2i/rope_dim) [/ factor_i]."""
+    inv = cfg.rope_theta ** (-np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim)
+    if freq_factors is not None:
+        inv = inv / freq_factors.astype(np.float64)
+    ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    """x (T, heads, hd), cos/sin (T, rope_dim/2) for the chunk's positions -> rotated copy.
+    style "norm" rotates adjacent pairs (2i, 2i+1); "neox" rotates (i, i + rope_dim/2)."""
+    half = cos.shape[1]
+    out = x.copy()
+    c, s = cos[:, None, :], sin[:, None, :]
+    if style == "norm":
+        x0, x1 = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+        out[..., 0 : 2 * half : 2] = x0 * c - x1 * s
+        out[..., 1 : 2 * half : 2] = x0 * s + x1 * c
+    else:
+        x0, x1 = x[..., :half], x[..., half : 2 * half]
+        out[..., :half] = x0 * c - x1 * s
+        out[..., half : 2 * half] = x0 * s + x1 * c
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal GQA attention of a chunk against the cache.
+    q (T, H, hd) at positions start..start+T-1; k, v (KVH, n, hd) hold positions 0..n-1 with
+    n = start + T. Query head h reads kv head h // (H / KVH), as llama.cpp groups them.
+    Returns (T, H * hd)."""
+    T, H, hd = q.shape
+    kvh, n, _ = k.shape
+    g = H // kvh
+    qh = q.transpose(1, 0, 2).reshape(kvh, g * T, hd)                 # (KVH, G*T, hd)
+    scores = (qh @ k.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(hd))  # (KVH, G*T, n)
+    if T > 1:
+        # key j is visible to query t iff j <= start + t
+        hidden = np.arange(n)[None, :] > (start + np.arange(T))[:, None]  # (T, n)
+        scores = scores.reshape(kvh, g, T, n)
+        scores[:, :, hidden] = -np.inf
+        scores = scores.reshape(kvh, g * T, n)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores @ v                                                    # (KVH, G*T, hd)
+    return out.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, H * hd)
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """gate_up (T, 2*ff) = [gate | up] -> silu(gate) * up, (T, ff)."""
+    ff = gate_up.shape[1] // 2
+    g, u = gate_up[:, :ff], gate_up[:, ff:]
+    return g / (1.0 + np.exp(-g)) * u
+
+
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return a + b
+
+
+def lm_head(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x (T, d) final-normed -> logits (T, vocab)."""
+    return x @ w.T
+
+
+# ---- resident weights ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    raw: np.ndarray            # memory-mapped file bytes of token_embd, kept in its GGUF type
+    qtype: object              # GGMLQuantizationType
+    d_model: int
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: np.ndarray      # (d,)
+    wqkv: np.ndarray           # (q_dim + 2*kv_dim, d): Q, K, V stacked so one GEMM projects all three
+    bqkv: np.ndarray | None    # (q_dim + 2*kv_dim,) or None
+    wo: np.ndarray             # (d, q_dim)
+    ffn_norm: np.ndarray       # (d,)
+    w_gate_up: np.ndarray      # (2*d_ff, d): gate then up, one GEMM
+    w_down: np.ndarray         # (d, d_ff)
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    embedding: EmbeddingTable
+    layers: tuple[LayerWeights, ...]
+    output_norm: np.ndarray    # (d,)
+    lm_head: np.ndarray        # (vocab, d) fp32
+    rope_freqs: np.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.output_norm.nbytes + self.lm_head.nbytes
+        for lw in self.layers:
+            n += sum(a.nbytes for a in (lw.attn_norm, lw.wqkv, lw.wo, lw.ffn_norm, lw.w_gate_up, lw.w_down))
+        return n
+
+
+def prepared_nbytes(cfg: ModelConfig) -> int:
+    """Resident bytes prepare() will allocate (fp32 weights; the embedding stays mapped)."""
+    per_layer = cfg.d_model * (cfg.q_dim + 2 * cfg.kv_dim + cfg.q_dim + 3 * cfg.d_ff) + 2 * cfg.d_model
+    return 4 * (cfg.n_layers * per_layer + cfg.vocab_size * cfg.d_model + cfg.d_model)
+
+
+def prepare(model, precision: str = "fp32", progress=None) -> PreparedWeights:
+    """Dequantize every matrix to fp32 once, at load, and fuse QKV and gate/up.
+    fp32 because numpy's only fast GEMM is sgemm; the cost is stated by prepared_nbytes()."""
+    cfg: ModelConfig = model.config
+
+    def f32(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return quant.dequantize(model.raw(name), model.tensor_type(name), shape)
+
+    d = cfg.d_model
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        wqkv = np.concatenate([f32(p + "attn_q.weight", (cfg.q_dim, d)), f32(p + "attn_k.weight", (cfg.kv_dim, d)),
+                               f32(p + "attn_v.weight", (cfg.kv_dim, d))])
+        bqkv = None
+        if cfg.qkv_bias:
+            bqkv = np.concatenate([f32(p + "attn_q.bias", (cfg.q_dim,)), f32(p + "attn_k.bias", (cfg.kv_dim,)),
+                                   f32(p + "attn_v.bias", (cfg.kv_dim,))])
+        layers.append(LayerWeights(
+            attn_norm=f32(p + "attn_norm.weight", (d,)), wqkv=wqkv, bqkv=bqkv,
+            wo=f32(p + "attn_output.weight", (d, cfg.q_dim)), ffn_norm=f32(p + "ffn_norm.weight", (d,)),
+            w_gate_up=np.concatenate([f32(p + "ffn_gate.weight", (cfg.d_ff, d)), f32(p + "ffn_up.weight", (cfg.d_ff, d))]),
+            w_down=f32(p + "ffn_down.weight", (d, cfg.d_ff)),
+        ))
+        if progress:
+            progress(i + 1, cfg.n_layers + 1)
+    head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    lm = f32(head_name, (cfg.vocab_size, d))
+    if progress:
+        progress(cfg.n_layers + 1, cfg.n_layers + 1)
+    return PreparedWeights(
+        embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
+        layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm,
+        rope_freqs=f32("rope_freqs.weight", (cfg.rope_dim // 2,)) if cfg.has_rope_freqs else None,
+    )
+
+
+_OP_FUNCS = {"embedding": embedding, "rmsnorm": rmsnorm, "matmul": matmul, "rope": rope,
+             "attention": attention, "swiglu": swiglu, "add": add, "lm_head": lm_head}
+
+
+def run(op: str, *inputs):
+    """Execute one op by name (the backend interface's generic entry point)."""
+    return _OP_FUNCS[op](*inputs)

@@ -1,0 +1,200 @@
+"""ModelConfig: the hyperparameters of a Llama-family GGUF, validated against its tensors.
+
+Covers RELIABILITY.md items 13-14: metadata of the wrong type, lengths inconsistent with the
+vocabulary or the layer count, hyperparameters inconsistent with tensor shapes, missing tensors.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from gguf import GGMLQuantizationType as T
+
+from ..errors import ModelFormatError, UnsupportedModelError
+from ..quant import SUPPORTED_TYPES
+
+# Llama-family architectures and how they differ from plain llama.
+#   rope_style "norm": rotate adjacent pairs (x0,x1),(x2,x3)... (llama.cpp's LLAMA_ROPE_TYPE_NORM;
+#   the GGUF converter permuted Q/K so this matches HF's rotate_half); "neox": rotate (x_i, x_i+d/2).
+ARCHITECTURES = {
+    "llama": dict(rope_style="norm", qkv_bias=False),
+    "qwen2": dict(rope_style="neox", qkv_bias=True),
+}
+
+MAX_LAYERS = 1024
+MAX_DIM = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                 # GGUF general.architecture
+    name: str                 # general.name, for display
+    n_layers: int             # transformer blocks
+    d_model: int              # residual stream width
+    n_heads: int              # query heads
+    n_kv_heads: int           # key/value heads (GQA when < n_heads)
+    head_dim: int             # per-head width of Q and K/V
+    d_ff: int                 # FFN hidden width (gate/up output)
+    vocab_size: int           # rows of the embedding table
+    context_length: int       # trained context, in tokens
+    rope_theta: float         # RoPE frequency base
+    rope_dim: int             # leading dims of each head that RoPE rotates
+    rope_style: str           # "norm" | "neox", see ARCHITECTURES
+    norm_eps: float           # RMSNorm epsilon
+    tied_embeddings: bool     # lm_head reuses token_embd (no output.weight)
+    qkv_bias: bool            # Q/K/V projections carry a bias
+    has_rope_freqs: bool      # a rope_freqs.weight tensor divides the frequencies (Llama 3.x)
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+def _get(meta: Mapping[str, Any], path: str, key: str, kind: type, *, default: Any = None, required: bool = True):
+    if key not in meta:
+        if required:
+            raise ModelFormatError(path, key, "required key is missing")
+        return default
+    v = meta[key]
+    ok = (isinstance(v, kind) and not isinstance(v, bool)) if kind in (int, float) else isinstance(v, kind)
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        ok, v = True, float(v)
+    if not ok:
+        raise ModelFormatError(path, key, f"expected a {kind.__name__}, found {type(v).__name__} {str(v)[:40]!r}")
+    return v
+
+
+def _positive(path: str, key: str, v: int, cap: int) -> int:
+    if not 0 < v <= cap:
+        raise ModelFormatError(path, key, f"expected 1..{cap}, found {v}")
+    return v
+
+
+def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> GGUF shape (ne order: row length first) that the forward pass needs."""
+    d, v = cfg.d_model, cfg.vocab_size
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (d, v), "output_norm.weight": (d,)}
+    if not cfg.tied_embeddings:
+        shapes["output.weight"] = (d, v)
+    if cfg.has_rope_freqs:
+        shapes["rope_freqs.weight"] = (cfg.rope_dim // 2,)
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        shapes.update({
+            p + "attn_norm.weight": (d,),
+            p + "attn_q.weight": (d, cfg.q_dim),
+            p + "attn_k.weight": (d, cfg.kv_dim),
+            p + "attn_v.weight": (d, cfg.kv_dim),
+            p + "attn_output.weight": (cfg.q_dim, d),
+            p + "ffn_norm.weight": (d,),
+            p + "ffn_gate.weight": (d, cfg.d_ff),
+            p + "ffn_up.weight": (d, cfg.d_ff),
+            p + "ffn_down.weight": (cfg.d_ff, d),
+        })
+        if cfg.qkv_bias:
+            shapes.update({p + "attn_q.bias": (cfg.q_dim,), p + "attn_k.bias": (cfg.kv_dim,), p + "attn_v.bias": (cfg.kv_dim,)})
+    return shapes
+
+
+# Tensors a Llama-family GGUF may carry that the forward pass does not read.
+_IGNORED = re.compile(r"^(blk\.\d+\.attn_rot_embd|rope_factors_(long|short))")
+
+
+def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelConfig:
+    """Build and validate the config; `tensors` maps name -> object with .shape (ne order) and .ggml_type."""
+    arch = _get(meta, path, "general.architecture", str)
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(path, "general.architecture",
+                                    f"{arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    a = f"{arch}."
+    n_layers = _positive(path, a + "block_count", _get(meta, path, a + "block_count", int), MAX_LAYERS)
+    d_model = _positive(path, a + "embedding_length", _get(meta, path, a + "embedding_length", int), MAX_DIM)
+    d_ff = _positive(path, a + "feed_forward_length", _get(meta, path, a + "feed_forward_length", int), MAX_DIM)
+    n_heads = _positive(path, a + "attention.head_count", _get(meta, path, a + "attention.head_count", int), 4096)
+    n_kv = _get(meta, path, a + "attention.head_count_kv", int, default=n_heads, required=False)
+    _positive(path, a + "attention.head_count_kv", n_kv, n_heads)
+    if n_heads % n_kv:
+        raise ModelFormatError(path, a + "attention.head_count_kv",
+                               f"head_count {n_heads} is not a multiple of head_count_kv {n_kv}")
+    head_dim = _get(meta, path, a + "attention.key_length", int, default=None, required=False)
+    if head_dim is None:
+        if d_model % n_heads:
+            raise ModelFormatError(path, a + "attention.head_count",
+                                   f"embedding_length {d_model} is not divisible by head_count {n_heads}")
+        head_dim = d_model // n_heads
+    _positive(path, a + "attention.key_length", head_dim, 4096)
+    v_len = _get(meta, path, a + "attention.value_length", int, default=head_dim, required=False)
+    if v_len != head_dim:
+        raise UnsupportedModelError(path, a + "attention.value_length",
+                                    f"value_length {v_len} != key_length {head_dim} is not supported")
+    ctx = _positive(path, a + "context_length", _get(meta, path, a + "context_length", int), 1 << 24)
+    theta = _get(meta, path, a + "rope.freq_base", float, default=10000.0, required=False)
+    if not 0 < theta < 1e12:
+        raise ModelFormatError(path, a + "rope.freq_base", f"expected a positive frequency base, found {theta}")
+    rope_dim = _get(meta, path, a + "rope.dimension_count", int, default=head_dim, required=False)
+    if not (0 < rope_dim <= head_dim and rope_dim % 2 == 0):
+        raise ModelFormatError(path, a + "rope.dimension_count",
+                               f"expected an even count in 2..head_dim {head_dim}, found {rope_dim}")
+    eps = _get(meta, path, a + "attention.layer_norm_rms_epsilon", float)
+    if not 0 < eps < 1:
+        raise ModelFormatError(path, a + "attention.layer_norm_rms_epsilon", f"expected 0 < eps < 1, found {eps}")
+    scaling = meta.get(a + "rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise UnsupportedModelError(path, a + "rope.scaling.type", f"RoPE scaling {scaling!r} is not supported yet")
+
+    if "token_embd.weight" not in tensors:
+        raise ModelFormatError(path, "tensor 'token_embd.weight'", "required tensor is missing")
+    emb_shape = tuple(tensors["token_embd.weight"].shape)
+    if len(emb_shape) != 2 or emb_shape[0] != d_model:
+        raise ModelFormatError(path, "tensor 'token_embd.weight'",
+                               f"expected shape ({d_model}, vocab), found {emb_shape}")
+    vocab = emb_shape[1]
+    meta_vocab = _get(meta, path, a + "vocab_size", int, default=vocab, required=False)
+    if meta_vocab != vocab:
+        raise ModelFormatError(path, a + "vocab_size", f"{meta_vocab} disagrees with token_embd's {vocab} rows")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(tokens) != vocab:
+        raise ModelFormatError(path, "tokenizer.ggml.tokens",
+                               f"{len(tokens)} tokens disagree with the embedding's {vocab} rows")
+
+    cfg = ModelConfig(
+        arch=arch, name=str(meta.get("general.name", arch)), n_layers=n_layers, d_model=d_model,
+        n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, d_ff=d_ff, vocab_size=vocab,
+        context_length=ctx, rope_theta=theta, rope_dim=rope_dim, rope_style=ARCHITECTURES[arch]["rope_style"],
+        norm_eps=eps, tied_embeddings="output.weight" not in tensors,
+        qkv_bias=ARCHITECTURES[arch]["qkv_bias"] and "blk.0.attn_q.bias" in tensors,
+        has_rope_freqs="rope_freqs.weight" in tensors,
+    )
+    check_tensors(path, cfg, tensors)
+    return cfg
+
+
+def check_tensors(path: str, cfg: ModelConfig, tensors: Mapping[str, Any]) -> None:
+    want = expected_tensor_shapes(cfg)
+    for name, shape in want.items():
+        if name not in tensors:
+            raise ModelFormatError(path, f"tensor {name!r}", "required tensor is missing")
+        info = tensors[name]
+        if tuple(info.shape) != shape:
+            raise ModelFormatError(path, f"tensor {name!r}",
+                                   f"expected shape {shape} from the hyperparameters, found {tuple(info.shape)}")
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(path, f"tensor {name!r}",
+                                        f"type {info.ggml_type.name} is not supported; supported: "
+                                        + ", ".join(t.name for t in SUPPORTED_TYPES))
+        if len(shape) == 1 and info.ggml_type not in (T.F32, T.F16):
+            raise ModelFormatError(path, f"tensor {name!r}", f"a 1-D tensor must be F32/F16, found {info.ggml_type.name}")
+    for name in tensors:
+        if name in want or _IGNORED.match(name):
+            continue
+        m = re.match(r"^blk\.(\d+)\.", name)
+        if m and int(m.group(1)) >= cfg.n_layers:
+            raise ModelFormatError(path, f"tensor {name!r}",
+                                   f"belongs to layer {m.group(1)} but block_count is {cfg.n_layers}")
+        raise UnsupportedModelError(path, f"tensor {name!r}",
+                                    f"not part of the {cfg.arch} forward pass edgellm implements")
