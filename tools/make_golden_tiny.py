@@ -1,0 +1,70 @@
+"""Golden logits from llama.cpp for tiny synthetic models (tests/synthetic.py), one per
+architecture variant and tensor type the loader supports.
+
+Run with a Python that has llama-cpp-python and gguf (not a test dependency):
+    python tools/make_golden_tiny.py [--out tests/data/golden_tiny.json]
+The models are rebuilt by the tests from the same specs; their sha256 is recorded so a change in
+the writer shows up as a clear failure instead of a silent mismatch.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.synthetic import write_tiny_model  # noqa: E402
+
+# spec: keyword arguments of write_tiny_model (tensor_type by name)
+SPECS = [
+    {"arch": "llama", "tensor_type": "F32", "seed": 11},
+    {"arch": "llama", "tensor_type": "F16", "seed": 12},
+    {"arch": "llama", "tensor_type": "Q8_0", "seed": 13},
+    {"arch": "llama", "tensor_type": "Q4_0", "seed": 14},
+    {"arch": "llama", "tensor_type": "Q4_1", "seed": 15, "tied_embeddings": False},
+    {"arch": "qwen2", "tensor_type": "F32", "seed": 16},
+    {"arch": "qwen2", "tensor_type": "Q8_0", "seed": 17, "n_heads": 4, "n_kv_heads": 1},
+]
+IDS = [1, 40, 41, 300, 7, 7, 7, 128, 255, 3, 99, 180, 181, 182, 20, 21]
+
+
+def build(spec: dict, path: Path):
+    from gguf import GGMLQuantizationType as QT
+
+    kw = dict(spec)
+    kw["tensor_type"] = QT[kw["tensor_type"]]
+    return write_tiny_model(path, **kw)
+
+
+def main() -> None:
+    import llama_cpp
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="tests/data/golden_tiny.json")
+    args = ap.parse_args()
+    out = {"generator": {"tool": "tools/make_golden_tiny.py", "llama_cpp_python": llama_cpp.__version__,
+                         "note": "raw logits of every position, teacher-forced, n_threads=1"},
+           "ids": IDS, "models": []}
+    with tempfile.TemporaryDirectory() as d:
+        for spec in SPECS:
+            path = Path(d) / "m.gguf"
+            build(spec, path)
+            llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, n_threads=1, seed=0,
+                                  verbose=False)
+            llm.eval(IDS)
+            logits = np.array(llm.scores[: len(IDS)], dtype=np.float64)
+            out["models"].append({"spec": spec, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                                  "logits": np.round(logits, 6).tolist()})
+            del llm
+            print(spec, "std of logits", float(logits.std()), file=sys.stderr)
+    Path(args.out).write_text(json.dumps(out) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
