@@ -99,7 +99,7 @@ class Engine:
                **kwargs) -> Iterator[str]:
         """Yield text pieces as they are produced. Keywords mirror the CLI flags (max_tokens,
         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop)."""
-        cfg = _merge(config, kwargs)
+        cfg = generation_config(config, **kwargs)
         t0 = time.perf_counter()
         ids = self.tokenize(prompt)
         yield from self._generate_ids(ids, cfg, cancel, t0, time.perf_counter())
@@ -183,7 +183,8 @@ class Engine:
         st.peak_rss_mb = peak_rss_mb()
 
 
-def _merge(config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+def generation_config(config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
+    """`config` with keyword overrides, validated (ConfigError naming the bad option)."""
     cfg = config or GenerationConfig()
     unknown = set(kwargs) - set(GenerationConfig.__dataclass_fields__)
     if unknown:
@@ -220,7 +221,6 @@ def load(model: str | os.PathLike | None = None, device: str | None = None, *, n
     path = resolve_model(None if model is None else os.fspath(model),
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)
     mf = open_model(path)
-    tok = Tokenizer.from_metadata(mf.metadata, mf.path)
     n_ctx = min(int(n_ctx), mf.config.context_length)
     need = memory_needed(mf, n_ctx)
     avail = psutil.virtual_memory().available
@@ -231,7 +231,7 @@ def load(model: str | os.PathLike | None = None, device: str | None = None, *, n
     _limit_blas_threads(threads)
     runner = ModelRunner(mf, n_ctx, prefill_chunk,
                          progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
-    return Engine(mf, tok, runner, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
+    return Engine(mf, mf.tokenizer, runner, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
 
 
 _BLAS_LIMIT = None

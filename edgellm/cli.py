@@ -46,7 +46,8 @@ class Progress:
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         pct = int(100 * done / total) if total else 100
-        if not self.tty and self.last.get(stage, -100) + 25 > pct and done < total:
+        # without a terminal (logs, CI): downloads in 25% steps, the fast local stages not at all
+        if not self.tty and (stage != "pull" or (self.last.get(stage, -100) + 25 > pct and done < total)):
             return
         self.last[stage] = pct
         label = {"pull": "downloading model", "prepare": "preparing weights"}.get(stage, stage)
@@ -81,10 +82,13 @@ def run(
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print timing statistics to stderr"),
 ):
     """Generate text from a prompt, streamed to stdout."""
-    eng = _load(model, ctx, threads)
-    kw = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-              repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
-    pieces = eng.chat_stream([{"role": "user", "content": prompt}], **kw) if chat else eng.stream(prompt, **kw)
+    from .api import generation_config
+
+    gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
+    eng = _load(model, ctx, threads)  # after validating the options: fail before the slow part
+    pieces = (eng.chat_stream([{"role": "user", "content": prompt}], config=gen) if chat
+              else eng.stream(prompt, config=gen))
     previous = signal.signal(signal.SIGINT, lambda *_: eng.cancel())
     try:
         for piece in pieces:
@@ -112,6 +116,9 @@ def chat(
     stats: bool = typer.Option(False, "--stats/--no-stats", help="Print statistics after each answer"),
 ):
     """Interactive chat. Ctrl-C stops the current answer; Ctrl-D or /exit quits; /reset forgets."""
+    from .api import generation_config
+
+    gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     eng = _load(model, ctx, threads)
     messages = [{"role": "system", "content": system}] if system else []
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D quits, /reset clears", err=True)
@@ -132,8 +139,7 @@ def chat(
         previous = signal.signal(signal.SIGINT, lambda *_: eng.cancel())
         answer = []
         try:
-            for piece in eng.chat_stream(messages, max_tokens=max_tokens, temperature=temperature,
-                                         top_k=top_k, top_p=top_p, seed=seed):
+            for piece in eng.chat_stream(messages, config=gen):
                 answer.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()

@@ -33,30 +33,37 @@ def bytes_per_row(qtype: T, row_len: int) -> int:
     return (row_len // QK) * _BLOCK_DTYPES[qtype].itemsize
 
 
-def _unpack_nibbles(qs: np.ndarray) -> np.ndarray:
-    """(..., 16) packed bytes -> (..., 32) values 0..15 in ggml's order (low nibbles first)."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def dequantize(raw: np.ndarray, qtype: T, shape: tuple[int, ...]) -> np.ndarray:
+def dequantize(raw: np.ndarray, qtype: T, shape: tuple[int, ...], out: np.ndarray | None = None) -> np.ndarray:
     """Raw tensor bytes (uint8, or the f32/f16 view) -> float32 array of numpy `shape`
-    (GGUF ne reversed: (rows, row_len) for a matrix)."""
+    (GGUF ne reversed: (rows, row_len) for a matrix). With `out` (float32, C-contiguous, that
+    shape), the values are written there: fused weights are filled without a concatenate copy."""
     n = int(np.prod(shape))
-    if qtype == T.F32:
-        return np.asarray(raw).view(np.float32).reshape(-1)[:n].reshape(shape).astype(np.float32, copy=False)
-    if qtype == T.F16:
-        return np.asarray(raw).view(np.float16).reshape(-1)[:n].reshape(shape).astype(np.float32)
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)
+    if qtype in (T.F32, T.F16):
+        src = np.asarray(raw).view(np.float32 if qtype == T.F32 else np.float16).reshape(-1)[:n]
+        out.reshape(-1)[...] = src
+        return out
     if qtype not in _BLOCK_DTYPES:
         raise ValueError(f"no dequantizer for tensor type {qtype.name}")
     blocks = np.asarray(raw).view(np.uint8).reshape(-1).view(_BLOCK_DTYPES[qtype])
+    o = out.reshape(-1, QK)                                   # (blocks, 32)
     d = blocks["d"].astype(np.float32)[:, None]
+    qs = blocks["qs"]
     if qtype == T.Q8_0:
-        out = blocks["qs"].astype(np.float32) * d
-    elif qtype == T.Q4_0:
-        out = (_unpack_nibbles(blocks["qs"]).astype(np.float32) - 8.0) * d
+        np.multiply(qs, d, out=o)
+        return out
+    # 4-bit: low nibbles are values 0..15 of the block, high nibbles 16..31 (ggml's order)
+    lo, hi = o[:, : QK // 2], o[:, QK // 2 :]
+    np.bitwise_and(qs, 0x0F, out=lo, casting="unsafe")
+    np.right_shift(qs, 4, out=hi, casting="unsafe")
+    if qtype == T.Q4_0:
+        o -= 8.0
+        o *= d
     else:  # Q4_1
-        out = _unpack_nibbles(blocks["qs"]).astype(np.float32) * d + blocks["m"].astype(np.float32)[:, None]
-    return out.reshape(shape)
+        o *= d
+        o += blocks["m"].astype(np.float32)[:, None]
+    return out
 
 
 def dequantize_rows(raw: np.ndarray, qtype: T, row_len: int, rows: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from synthetic import gguf_layout, write_tiny_model  # noqa: E402
 
 from edgellm.errors import ModelFormatError  # noqa: E402
+from edgellm.backends import reference
+from edgellm.model.loader import open_model
 from edgellm.model.gguf_file import read_gguf, tensor_view  # noqa: E402
 
 settings.register_profile(
@@ -38,12 +41,16 @@ FUZZ = settings.get_profile("edgellm-fuzz")
 
 
 def fuzz_target(path: str) -> None:
-    """What the fuzzer drives. Raises ModelFormatError on a malformed file; anything else is a
-    bug. Extend this to the full loader (config, tokenizer, weights) as they land."""
-    g = read_gguf(path)
+    """What the fuzzer drives: the whole open path (header walk, config against tensors,
+    tokenizer metadata) and the weight preparation. Raises ModelFormatError on a malformed file;
+    anything else is a bug."""
+    mf = open_model(path)
+    g = mf.gguf
     for info in g.tensors.values():
         assert g.data_offset <= info.offset and info.offset + info.nbytes <= g.file_size
         tensor_view(g, info)
+    with np.errstate(all="ignore"):  # mutated weights may hold NaN/inf: a numeric, not a format, matter
+        reference.prepare(mf)
 
 
 @dataclass(frozen=True)

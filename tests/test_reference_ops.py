@@ -109,3 +109,14 @@ def test_run_dispatches_by_name():
     x = rng.standard_normal((2, 8)).astype(np.float32)
     w = np.ones(8, np.float32)
     np.testing.assert_array_equal(ref.run("rmsnorm", x, w, 1e-6), ref.rmsnorm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("T,start,block", [(7, 0, 2), (9, 4, 3), (5, 0, 1), (6, 3, 16)])
+def test_attention_query_blocks(monkeypatch, T, start, block):
+    """Several query blocks, each scoring only the keys it can see, equal the naive definition."""
+    monkeypatch.setattr(ref, "ATTN_Q_BLOCK", block)
+    H, kvh, hd = 4, 2, 8
+    q = rng.standard_normal((T, H, hd)).astype(np.float32)
+    k = rng.standard_normal((kvh, start + T, hd)).astype(np.float32)
+    v = rng.standard_normal((kvh, start + T, hd)).astype(np.float32)
+    assert nmse(ref.attention(q, k, v, start), _naive_attention(q, k, v, start)) < 1e-10

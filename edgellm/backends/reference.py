@@ -74,34 +74,62 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndar
     return out
 
 
+# Query rows per block of causal attention: each block only scores the keys it can see, which
+# skips most of the masked triangle in a long prefill while keeping GEMMs large enough for BLAS.
+ATTN_Q_BLOCK = 128
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
     """Causal GQA attention of a chunk against the cache.
     q (T, H, hd) at positions start..start+T-1; k, v (KVH, n, hd) hold positions 0..n-1 with
     n = start + T. Query head h reads kv head h // (H / KVH), as llama.cpp groups them.
     Returns (T, H * hd)."""
     T, H, hd = q.shape
-    kvh, n, _ = k.shape
+    kvh = k.shape[0]
     g = H // kvh
-    qh = q.transpose(1, 0, 2).reshape(kvh, g * T, hd)                 # (KVH, G*T, hd)
-    scores = (qh @ k.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(hd))  # (KVH, G*T, n)
-    if T > 1:
-        # key j is visible to query t iff j <= start + t
-        hidden = np.arange(n)[None, :] > (start + np.arange(T))[:, None]  # (T, n)
-        scores = scores.reshape(kvh, g, T, n)
-        scores[:, :, hidden] = -np.inf
-        scores = scores.reshape(kvh, g * T, n)
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = scores @ v                                                    # (KVH, G*T, hd)
+    # scale folded into q: T*H*hd multiplies instead of one per score
+    qh = (q * np.float32(1.0 / np.sqrt(hd))).transpose(1, 0, 2).reshape(kvh, g, T, hd)
+    out = np.empty((kvh, g, T, hd), dtype=np.float32)
+    for b0 in range(0, T, ATTN_Q_BLOCK):
+        b1 = min(T, b0 + ATTN_Q_BLOCK)
+        n = start + b1                                           # keys visible to the block's last row
+        qb = qh[:, :, b0:b1].reshape(kvh, g * (b1 - b0), hd)
+        s = qb @ k[:, :n].transpose(0, 2, 1)                     # (KVH, G*rows, n)
+        s = s.reshape(kvh, g, b1 - b0, n)
+        if b1 - b0 > 1:
+            # key j is visible to query t iff j <= start + t: the last rows - 1 columns form a triangle
+            s[..., start + b0 + 1 :] += _causal_bias(b1 - b0)
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        denom = s.sum(axis=-1, keepdims=True)                    # (KVH, G, rows, 1)
+        pv = s.reshape(kvh, g * (b1 - b0), n) @ v[:, :n]          # (KVH, G*rows, hd)
+        # normalise the (rows, hd) result rather than the (rows, n) probabilities
+        out[:, :, b0:b1] = pv.reshape(kvh, g, b1 - b0, hd) / denom
     return out.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, H * hd)
+
+
+_BIAS_CACHE: dict[int, np.ndarray] = {}
+
+
+def _causal_bias(rows: int) -> np.ndarray:
+    """(rows, rows - 1) additive mask: row t may see the first t of the last rows - 1 key columns."""
+    bias = _BIAS_CACHE.get(rows)
+    if bias is None:
+        bias = np.where(np.arange(rows - 1)[None, :] < np.arange(rows)[:, None], 0.0, -np.inf).astype(np.float32)
+        _BIAS_CACHE[rows] = bias
+    return bias
 
 
 def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up (T, 2*ff) = [gate | up] -> silu(gate) * up, (T, ff)."""
     ff = gate_up.shape[1] // 2
     g, u = gate_up[:, :ff], gate_up[:, ff:]
-    return g / (1.0 + np.exp(-g)) * u
+    out = np.negative(g)            # in place from here: one temporary instead of four
+    np.exp(out, out=out)
+    out += 1.0
+    np.divide(g, out, out=out)
+    out *= u
+    return out
 
 
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -163,12 +191,21 @@ def prepare(model, precision: str = "fp32", progress=None) -> PreparedWeights:
     def f32(name: str, shape: tuple[int, ...]) -> np.ndarray:
         return quant.dequantize(model.raw(name), model.tensor_type(name), shape)
 
+    def fused(*parts: tuple[str, int], cols: int) -> np.ndarray:
+        """Dequantize several (out_i, cols) matrices into one stacked (sum out_i, cols) buffer."""
+        buf = np.empty((sum(r for _, r in parts), cols), dtype=np.float32)
+        row = 0
+        for name, rows in parts:
+            quant.dequantize(model.raw(name), model.tensor_type(name), (rows, cols), out=buf[row : row + rows])
+            row += rows
+        return buf
+
     d = cfg.d_model
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        wqkv = np.concatenate([f32(p + "attn_q.weight", (cfg.q_dim, d)), f32(p + "attn_k.weight", (cfg.kv_dim, d)),
-                               f32(p + "attn_v.weight", (cfg.kv_dim, d))])
+        wqkv = fused((p + "attn_q.weight", cfg.q_dim), (p + "attn_k.weight", cfg.kv_dim),
+                     (p + "attn_v.weight", cfg.kv_dim), cols=d)
         bqkv = None
         if cfg.qkv_bias:
             bqkv = np.concatenate([f32(p + "attn_q.bias", (cfg.q_dim,)), f32(p + "attn_k.bias", (cfg.kv_dim,)),
@@ -176,7 +213,7 @@ def prepare(model, precision: str = "fp32", progress=None) -> PreparedWeights:
         layers.append(LayerWeights(
             attn_norm=f32(p + "attn_norm.weight", (d,)), wqkv=wqkv, bqkv=bqkv,
             wo=f32(p + "attn_output.weight", (d, cfg.q_dim)), ffn_norm=f32(p + "ffn_norm.weight", (d,)),
-            w_gate_up=np.concatenate([f32(p + "ffn_gate.weight", (cfg.d_ff, d)), f32(p + "ffn_up.weight", (cfg.d_ff, d))]),
+            w_gate_up=fused((p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), cols=d),
             w_down=f32(p + "ffn_down.weight", (d, cfg.d_ff)),
         ))
         if progress:

@@ -10,9 +10,10 @@ from functools import cached_property
 
 import numpy as np
 
-from ..errors import ModelNotFoundError
+from ..errors import ModelFormatError, ModelNotFoundError
 from .config import ModelConfig, config_from_gguf
 from .gguf_file import GGUFFile, read_gguf, tensor_view
+from .tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class ModelFile:
     path: str
     gguf: GGUFFile
     config: ModelConfig
+    tokenizer: Tokenizer
 
     def raw(self, name: str) -> np.ndarray:
         """Zero-copy view of a tensor's bytes (F32/F16 as floats, block types as uint8)."""
@@ -45,10 +47,16 @@ class ModelFile:
 
 
 def open_model(path: str | os.PathLike) -> ModelFile:
-    """Validate and open; raises ModelFormatError/UnsupportedModelError naming file and field."""
+    """Validate and open: header walk, hyperparameters against tensors, tokenizer metadata.
+    Raises ModelFormatError/UnsupportedModelError naming file and field; nothing large is
+    allocated (tensor data stay mapped)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ModelNotFoundError(f"{path}: no such model file")
     g = read_gguf(path)
     cfg = config_from_gguf(path, g.metadata, g.tensors)
-    return ModelFile(path=path, gguf=g, config=cfg)
+    tok = Tokenizer.from_metadata(g.metadata, path)
+    if tok.vocab_size != cfg.vocab_size:
+        raise ModelFormatError(path, "tokenizer.ggml.tokens",
+                               f"{tok.vocab_size} tokens disagree with the embedding's {cfg.vocab_size} rows")
+    return ModelFile(path=path, gguf=g, config=cfg, tokenizer=tok)
