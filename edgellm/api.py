@@ -98,18 +98,25 @@ class Engine:
     def stream(self, prompt: str, *, config: GenerationConfig | None = None, cancel: CancelToken | None = None,
                **kwargs) -> Iterator[str]:
         """Yield text pieces as they are produced. Keywords mirror the CLI flags (max_tokens,
-        temperature, top_k, top_p, min_p, repeat_penalty, seed, stop)."""
-        cfg = generation_config(config, **kwargs)
-        t0 = time.perf_counter()
-        ids = self.tokenize(prompt)
-        yield from self._generate_ids(ids, cfg, cancel, t0, time.perf_counter())
+        temperature, top_k, top_p, min_p, repeat_penalty, seed, stop). Options are validated
+        here, before the first piece is asked for."""
+        return self._stream(lambda: prompt, time.perf_counter(), generation_config(config, **kwargs), cancel)
 
     def generate(self, prompt: str, **kwargs) -> str:
         return "".join(self.stream(prompt, **kwargs))
 
-    def chat_stream(self, messages: Sequence[dict], **kwargs) -> Iterator[str]:
-        """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...]."""
-        return self.stream(self.render_chat(messages), **kwargs)
+    def chat_stream(self, messages: Sequence[dict], *, config: GenerationConfig | None = None,
+                    cancel: CancelToken | None = None, **kwargs) -> Iterator[str]:
+        """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...]. The template is
+        rendered inside the TTFT clock, as part of tokenization."""
+        t0 = time.perf_counter()
+        cfg = generation_config(config, **kwargs)
+        self.template.check_messages(messages)
+        return self._stream(lambda: self.render_chat(messages), t0, cfg, cancel)
+
+    def _stream(self, text_fn, t0: float, cfg: GenerationConfig, cancel: CancelToken | None) -> Iterator[str]:
+        ids = self.tokenize(text_fn())
+        yield from self._generate_ids(ids, cfg, cancel, t0, time.perf_counter())
 
     def chat(self, messages: Sequence[dict], **kwargs) -> str:
         return "".join(self.chat_stream(messages, **kwargs))

@@ -85,13 +85,7 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                **extra: Any) -> str:
         """The prompt text for ``messages``; ``extra`` reaches the template (e.g. tools)."""
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise ConfigError(f"messages: expected a list of {{role, content}} dicts, found "
-                              f"{type(messages).__name__}")
-        for k, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise ConfigError(f"messages[{k}]: expected {{'role': str, 'content': str}}, found {m!r}")
+        self.check_messages(messages)
         try:
             return self._template.render(messages=[dict(m) for m in messages],
                                          add_generation_prompt=add_generation_prompt,
@@ -100,3 +94,14 @@ class ChatTemplate:
             raise ConfigError(f"the chat template of {self.source} rejected the conversation: {e}") from None
         except jinja2.TemplateError as e:
             raise ModelFormatError(self.source, _KEY, f"rendering failed: {e}") from None
+
+    @staticmethod
+    def check_messages(messages: Any) -> None:
+        """ConfigError unless messages is a list of {'role': str, 'content': str}."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise ConfigError(f"messages: expected a list of {{role, content}} dicts, found "
+                              f"{type(messages).__name__}")
+        for k, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), str):
+                raise ConfigError(f"messages[{k}]: expected {{'role': str, 'content': str}}, found {m!r}")
