@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import os
-import resource
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -12,13 +11,14 @@ import psutil
 
 from .backends import reference
 from .engine import CancelToken, ModelRunner
-from .errors import Cancelled, ConfigError, ContextFull
+from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (re-exported)
+from .errors import ConfigError
 from .kv.contiguous import ContiguousKV
 from .model.loader import ModelFile, open_model
 from .model.registry import resolve_model
 from .model.chat_template import ChatTemplate
 from .model.tokenizer import Tokenizer
-from .sampling import Sampler, SamplingConfig, StopChecker
+from .sampling import SamplingConfig
 
 DEFAULT_CTX = 2048
 
@@ -40,28 +40,6 @@ class GenerationConfig:
                               min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed)
 
 
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    tokenize_ms: float = 0.0               # text -> ids (template included)
-    prefill_ms: float = 0.0                # forward pass over the prompt
-    ttft_ms: float = 0.0                   # call -> first token available (tokenize + prefill + sample)
-    decode_ms: float = 0.0                 # after the first token, until the last
-    decode_tps: float = 0.0                # (generated - 1) / decode time
-    peak_rss_mb: float = 0.0               # process peak resident memory so far
-    stop_reason: str = ""                  # eos | stop | max_tokens | context_full | cancelled
-
-    def summary(self) -> str:
-        return (f"prompt {self.prompt_tokens} tok, TTFT {self.ttft_ms:.0f} ms (tokenize {self.tokenize_ms:.1f}, "
-                f"prefill {self.prefill_ms:.0f}), decode {self.generated_tokens} tok at {self.decode_tps:.1f} tok/s, "
-                f"peak RSS {self.peak_rss_mb:.0f} MB, stop: {self.stop_reason}")
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
-
-
 def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -69,12 +47,14 @@ def default_threads() -> int:
 class Engine:
     """One loaded model. Not thread-safe: one generation at a time (the scheduler will queue)."""
 
-    def __init__(self, model: ModelFile, tokenizer: Tokenizer, runner: ModelRunner, *, threads: int, load_ms: float):
+    def __init__(self, model: ModelFile, tokenizer: Tokenizer, runner: ModelRunner, *, n_ctx: int, threads: int,
+                 load_ms: float):
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
         self.template = ChatTemplate.from_metadata(model.metadata, model.path)
         self.runner = runner
+        self.n_ctx = n_ctx
         self.threads = threads
         self.load_ms = load_ms
         self.last_stats = GenerationStats()
@@ -123,71 +103,33 @@ class Engine:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced next-token logits, (len(token_ids), vocab) float32, from an empty cache."""
-        self.runner.reset()
+        seq = self._new_sequence()
         try:
-            return self.runner.forward(np.asarray(token_ids, dtype=np.int64), all_logits=True).astype(np.float32)
+            return self.runner.forward(seq, np.asarray(token_ids, dtype=np.int64), all_logits=True).astype(np.float32)
         finally:
-            self.runner.reset()
+            seq.free()
+
+    def _new_sequence(self):
+        c = self.config
+        return ContiguousKV(c.n_layers, c.n_kv_heads, self.n_ctx, c.head_dim)
+
+    def _open_sequence(self, ids: list[int]):
+        """A KV sequence for a prompt, and how many of its leading tokens already hold KV."""
+        return self._new_sequence(), 0
+
+    def _close_sequence(self, seq, keep: bool) -> None:
+        seq.free()
 
     def _generate_ids(self, ids: list[int], cfg: GenerationConfig, cancel: CancelToken | None,
                       t0: float, t_tok: float) -> Iterator[str]:
         cancel = cancel or self._cancel
         cancel.reset()
-        st = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(t_tok - t0) * 1e3)
-        self.last_stats = st
-        if not ids:
-            raise ConfigError("the prompt is empty (it tokenizes to no tokens)")
-        if len(ids) >= self.runner.n_ctx:
-            raise ContextFull(f"the prompt has {len(ids)} tokens but the context holds {self.runner.n_ctx} "
-                              f"(raise n_ctx / --ctx)")
-        sampler = Sampler(cfg.sampling())
-        stopper = StopChecker(cfg.stop)
-        decoder = self.tokenizer.decoder()
-        history = list(ids)
-        self.runner.reset()
-        try:
-            logits = self.runner.forward(ids, cancel=cancel)
-        except Cancelled:
-            st.stop_reason = "cancelled"
-            return
-        st.prefill_ms = (time.perf_counter() - t_tok) * 1e3
-        t_first = None
-        while True:
-            tok = sampler.sample(logits, history)
-            if t_first is None:
-                t_first = time.perf_counter()
-                st.ttft_ms = (t_first - t0) * 1e3
-            if tok in self.tokenizer.eot_ids and not cfg.ignore_eos:
-                st.stop_reason = "eos"
-                break
-            history.append(tok)
-            st.generated_tokens += 1
-            hit, text = stopper.feed(decoder.push(tok))
-            if text:
-                yield text
-            if hit:
-                st.stop_reason = "stop"
-                break
-            if st.generated_tokens >= cfg.max_tokens:
-                st.stop_reason = "max_tokens"
-                break
-            if cancel.cancelled:
-                st.stop_reason = "cancelled"
-                break
-            if self.runner.n_past >= self.runner.n_ctx:
-                st.stop_reason = "context_full"
-                break
-            logits = self.runner.forward([tok])
-        if st.stop_reason != "stop":
-            hit, rest = stopper.feed(decoder.flush())  # bytes of an unfinished UTF-8 character
-            rest += "" if hit else stopper.flush()
-            if rest:
-                yield rest
-        t_end = time.perf_counter()
-        st.decode_ms = (t_end - t_first) * 1e3 if t_first else 0.0
-        if st.generated_tokens > 1 and st.decode_ms > 0:
-            st.decode_tps = (st.generated_tokens - 1) / (st.decode_ms / 1e3)
-        st.peak_rss_mb = peak_rss_mb()
+        gen = Generation(self, ids, cfg, cancel, t0, t_tok)
+        self.last_stats = gen.stats
+        while not gen.done:
+            piece = gen.step()
+            if piece:
+                yield piece
 
 
 def generation_config(config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
@@ -238,7 +180,7 @@ def load(model: str | os.PathLike | None = None, device: str | None = None, *, n
     _limit_blas_threads(threads)
     runner = ModelRunner(mf, n_ctx, prefill_chunk,
                          progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
-    return Engine(mf, mf.tokenizer, runner, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
+    return Engine(mf, mf.tokenizer, runner, n_ctx=n_ctx, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
 
 
 _BLAS_LIMIT = None

@@ -11,7 +11,6 @@ import numpy as np
 
 from .backends import reference
 from .errors import Cancelled, ConfigError
-from .kv.contiguous import ContiguousKV
 from .model.loader import ModelFile
 
 
@@ -33,61 +32,62 @@ class CancelToken:
 
 
 class ModelRunner:
-    def __init__(self, model: ModelFile, n_ctx: int, prefill_chunk: int = 512, progress=None):
+    """Weights, RoPE tables and the layer loop. KV state lives in per-sequence objects (a block
+    pool sequence, a ring buffer) with one interface: n_tokens, reserve(n), write(layer, start,
+    k, v), read(layer, n), commit(n, ids), truncate(n), and rotate_on_read."""
+
+    def __init__(self, model: ModelFile, max_positions: int, prefill_chunk: int = 512, progress=None):
         cfg = model.config
-        if n_ctx < 1:
-            raise ConfigError(f"n_ctx must be >= 1, got {n_ctx}")
+        if max_positions < 1:
+            raise ConfigError(f"the context must hold >= 1 token, got {max_positions}")
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.cfg = cfg
-        self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
         self.be = reference
         self.w = reference.prepare(model, progress=progress)
-        self.cos, self.sin = reference.rope_tables(cfg, n_ctx, self.w.rope_freqs)
-        self.kv = ContiguousKV(cfg.n_layers, cfg.n_kv_heads, n_ctx, cfg.head_dim)
+        self.cos, self.sin = reference.rope_tables(cfg, max_positions, self.w.rope_freqs)  # (positions, rope_dim/2)
 
-    @property
-    def n_past(self) -> int:
-        return self.kv.n_tokens
-
-    def reset(self, keep: int = 0) -> None:
-        """Forget cached positions from `keep` on (keep=0 empties the cache)."""
-        self.kv.n_tokens = min(keep, self.kv.n_tokens)
-
-    def forward(self, ids: np.ndarray | list[int], *, all_logits: bool = False,
-                cancel: CancelToken | None = None) -> np.ndarray:
-        """Append `ids` after the cached positions and return logits: (vocab,) for the last
-        position, or (len(ids), vocab) with all_logits. On cancel the cache is rolled back to
-        where it was, so the runner stays usable."""
+    def forward(self, seq, ids: np.ndarray | list[int], *, all_logits: bool = False,
+                cancel: CancelToken | None = None, chunk: int | None = None) -> np.ndarray:
+        """Append `ids` to `seq` in chunks and return logits: (vocab,) for the last position, or
+        (len(ids), vocab) with all_logits. ContextFull before anything is written if a chunk
+        does not fit; on cancel the sequence is rolled back to where it was, so it stays usable."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise ConfigError("forward needs a non-empty 1-D list of token ids")
         if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
             bad = int(ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0])
             raise ConfigError(f"token id {bad} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
-        start0 = self.kv.n_tokens
-        self.kv.check_room(start0, len(ids))
+        step = min(chunk or self.prefill_chunk, getattr(seq, "max_chunk", None) or len(ids))
+        start0 = seq.n_tokens
         outs = []
         try:
-            for c in range(0, len(ids), self.prefill_chunk):
-                chunk = ids[c : c + self.prefill_chunk]
-                h = self._layers(chunk, start0 + c, cancel)
-                self.kv.n_tokens = start0 + c + len(chunk)
+            for c in range(0, len(ids), step):
+                part = ids[c : c + step]
+                if cancel is not None and cancel.cancelled:
+                    raise Cancelled("cancelled between prefill chunks")
+                seq.reserve(len(part))
+                h = self._layers(seq, part, cancel)
+                seq.commit(seq.n_tokens + len(part), part)
                 if all_logits:
                     outs.append(self._head(h))
-                elif c + self.prefill_chunk >= len(ids):
+                elif c + step >= len(ids):
                     outs.append(self._head(h[-1:]))
         except Cancelled:
-            self.kv.n_tokens = start0
+            seq.truncate(start0)
             raise
         logits = np.concatenate(outs) if len(outs) > 1 else outs[0]
         return logits if all_logits else logits[0]
 
-    def _layers(self, ids: np.ndarray, start: int, cancel: CancelToken | None) -> np.ndarray:
+    def _layers(self, seq, ids: np.ndarray, cancel: CancelToken | None) -> np.ndarray:
+        """One chunk through every layer. The chunk's positions are seq.n_tokens.. (absolute for
+        a pool; cache positions for a ring, whose keys are stored unrotated and rotated here)."""
         cfg, be, w = self.cfg, self.be, self.w
         T = len(ids)
-        cos, sin = self.cos[start : start + T], self.sin[start : start + T]
+        start = seq.chunk_start(T) if seq.rotate_on_read else seq.n_tokens
+        n = start + T                                                         # keys visible to the chunk
+        cos, sin = self.cos[start:n], self.sin[start:n]
         x = be.embedding(w.embedding, ids)                                   # (T, d)
         q_end, k_end = cfg.q_dim, cfg.q_dim + cfg.kv_dim
         for li, lw in enumerate(w.layers):
@@ -96,10 +96,15 @@ class ModelRunner:
             h = be.rmsnorm(x, lw.attn_norm, cfg.norm_eps)
             qkv = be.matmul(h, lw.wqkv, lw.bqkv)                             # (T, q_dim + 2 kv_dim)
             q = be.rope(qkv[:, :q_end].reshape(T, cfg.n_heads, cfg.head_dim), cos, sin, cfg.rope_style)
-            k = be.rope(qkv[:, q_end:k_end].reshape(T, cfg.n_kv_heads, cfg.head_dim), cos, sin, cfg.rope_style)
+            k = qkv[:, q_end:k_end].reshape(T, cfg.n_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].reshape(T, cfg.n_kv_heads, cfg.head_dim)
-            self.kv.write(li, start, k, v)
-            kc, vc = self.kv.view(li, start + T)
+            if seq.rotate_on_read:
+                seq.write(li, start, k, v)
+                kc, vc = seq.read(li, n)                                      # (KVH, n, hd), unrotated
+                kc = be.rope(kc.transpose(1, 0, 2), self.cos[:n], self.sin[:n], cfg.rope_style).transpose(1, 0, 2)
+            else:
+                seq.write(li, start, be.rope(k, cos, sin, cfg.rope_style), v)
+                kc, vc = seq.read(li, n)                                      # (KVH, n, hd)
             att = be.attention(q, kc, vc, start)                              # (T, q_dim)
             x = be.add(x, be.matmul(att, lw.wo))
             h = be.rmsnorm(x, lw.ffn_norm, cfg.norm_eps)

@@ -44,11 +44,10 @@ def test_logits_teacher_forced_shape_and_consistency(engine):
     lg = engine.logits(ids)
     assert lg.shape == (len(ids), engine.config.vocab_size) and lg.dtype == np.float32
     # each row equals what an incremental forward pass over the prefix produces
-    r = engine.runner
-    r.reset()
-    np.testing.assert_allclose(r.forward(ids[:2]), lg[1], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(r.forward(ids[2:3]), lg[2], rtol=1e-4, atol=1e-5)
-    r.reset()
+    r, seq = engine.runner, engine._new_sequence()
+    np.testing.assert_allclose(r.forward(seq, ids[:2]), lg[1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(r.forward(seq, ids[2:3]), lg[2], rtol=1e-4, atol=1e-5)
+    seq.free()
 
 
 def test_stop_string_is_not_emitted(engine):

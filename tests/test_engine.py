@@ -8,8 +8,19 @@ from gguf import GGMLQuantizationType as QT
 
 from edgellm.engine import CancelToken, ModelRunner
 from edgellm.errors import Cancelled, ConfigError, ContextFull
+from edgellm.kv.contiguous import ContiguousKV
 from edgellm.model.loader import open_model
 from tests.synthetic import write_tiny_model
+
+
+def new_seq(runner, capacity=64):
+    c = runner.cfg
+    return ContiguousKV(c.n_layers, c.n_kv_heads, capacity, c.head_dim)
+
+
+def fwd(path, ids, capacity=64, chunk=512, **kw):
+    r = ModelRunner(open_model(path), capacity, prefill_chunk=chunk)
+    return r.forward(new_seq(r, capacity), ids, **kw)
 
 
 def naive_forward(tm, ids, theta=10000.0, eps=1e-5, neox=False):
@@ -68,7 +79,7 @@ def tiny(tmp_path_factory):
 def test_forward_matches_from_scratch_transformer(tmp_path, arch, tied):
     tm = write_tiny_model(tmp_path / "m.gguf", arch=arch, tensor_type=QT.F32, tied_embeddings=tied, seed=3)
     ids = [5, 77, 130, 9, 200, 41, 3]
-    got = ModelRunner(open_model(tm.path), 64).forward(ids, all_logits=True)
+    got = fwd(tm.path, ids, all_logits=True)
     want = naive_forward(tm, ids, neox=(arch == "qwen2"))
     assert nmse(got, want) < 1e-9
 
@@ -78,55 +89,58 @@ def test_quantized_model_close_to_float_weights(tmp_path, qtype, bound):
     """Quantized files dequantize to the writer's weights up to the format's rounding error."""
     tm = write_tiny_model(tmp_path / "q.gguf", tensor_type=qtype, seed=4)
     ids = [1, 50, 99, 150, 250]
-    got = ModelRunner(open_model(tm.path), 64).forward(ids, all_logits=True)
+    got = fwd(tm.path, ids, all_logits=True)
     assert nmse(got, naive_forward(tm, ids)) < bound
 
 
 def test_chunked_prefill_equals_single_pass(tiny):
     ids = list(range(3, 40))
-    one = ModelRunner(open_model(tiny.path), 64, prefill_chunk=512).forward(ids, all_logits=True)
-    chunked = ModelRunner(open_model(tiny.path), 64, prefill_chunk=5).forward(ids, all_logits=True)
+    one = fwd(tiny.path, ids, all_logits=True)
+    chunked = fwd(tiny.path, ids, chunk=5, all_logits=True)
     assert nmse(chunked, one) < 1e-10
-    last = ModelRunner(open_model(tiny.path), 64, prefill_chunk=5).forward(ids)
+    last = fwd(tiny.path, ids, chunk=5)
     assert nmse(last, one[-1]) < 1e-10
 
 
 def test_decode_steps_equal_teacher_forcing(tiny):
     ids = [7, 8, 9, 100, 101, 5, 6, 250]
-    full = ModelRunner(open_model(tiny.path), 64).forward(ids, all_logits=True)
+    full = fwd(tiny.path, ids, all_logits=True)
     r = ModelRunner(open_model(tiny.path), 64)
-    steps = [r.forward(ids[:3])] + [r.forward([t]) for t in ids[3:]]
-    assert r.n_past == len(ids)
+    seq = new_seq(r)
+    steps = [r.forward(seq, ids[:3])] + [r.forward(seq, [t]) for t in ids[3:]]
+    assert seq.n_tokens == len(ids)
     assert nmse(np.stack(steps), full[2:]) < 1e-10
 
 
 def test_cancel_mid_prefill_rolls_back_and_engine_stays_usable(tiny):
     r = ModelRunner(open_model(tiny.path), 64, prefill_chunk=4)
-    r.forward([1, 2, 3])
+    seq = new_seq(r)
+    r.forward(seq, [1, 2, 3])
     tok = CancelToken()
     tok.cancel()
     with pytest.raises(Cancelled):
-        r.forward(list(range(10, 30)), cancel=tok)
-    assert r.n_past == 3
-    after = r.forward([4, 5])
-    fresh = ModelRunner(open_model(tiny.path), 64).forward([1, 2, 3, 4, 5])
+        r.forward(seq, list(range(10, 30)), cancel=tok)
+    assert seq.n_tokens == 3
+    after = r.forward(seq, [4, 5])
+    fresh = fwd(tiny.path, [1, 2, 3, 4, 5])
     assert nmse(after, fresh) < 1e-10
 
 
 def test_context_full_refuses_without_writing(tiny):
     r = ModelRunner(open_model(tiny.path), 8)
-    r.forward([1, 2, 3, 4, 5, 6])
-    k_before = r.kv.k.copy()
+    seq = new_seq(r, 8)
+    r.forward(seq, [1, 2, 3, 4, 5, 6])
+    k_before = seq.k.copy()
     with pytest.raises(ContextFull, match="8"):
-        r.forward([7, 8, 9])
-    assert r.n_past == 6
-    np.testing.assert_array_equal(r.kv.k, k_before)
+        r.forward(seq, [7, 8, 9])
+    assert seq.n_tokens == 6
+    np.testing.assert_array_equal(seq.k, k_before)
 
 
 @pytest.mark.parametrize("ids", [[], [-1], [10**6]])
 def test_bad_token_ids_are_typed_errors(tiny, ids):
     with pytest.raises(ConfigError):
-        ModelRunner(open_model(tiny.path), 16).forward(ids)
+        fwd(tiny.path, ids, capacity=16)
 
 
 def test_cancel_token_from_another_thread(tiny):

@@ -85,15 +85,14 @@ def test_mean_kl(measured):
 
 
 def _greedy(engine, prompt_ids, n):
-    r = engine.runner
-    r.reset()
-    logits = r.forward(prompt_ids)
+    r, seq = engine.runner, engine._new_sequence()
+    logits = r.forward(seq, prompt_ids)
     out = []
     for _ in range(n):
         tok = int(np.argmax(logits))
         out.append(tok)
-        logits = r.forward([tok])
-    r.reset()
+        logits = r.forward(seq, [tok])
+    seq.free()
     return out
 
 

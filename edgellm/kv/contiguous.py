@@ -17,6 +17,28 @@ class ContiguousKV:
         self.k = np.zeros((n_layers, n_kv_heads, capacity, head_dim), dtype=dtype)  # (layers, KVH, ctx, hd)
         self.v = np.zeros((n_layers, n_kv_heads, capacity, head_dim), dtype=dtype)  # (layers, KVH, ctx, hd)
         self.n_tokens = 0  # positions committed by finished forward passes
+        self.tokens: list[int] = []
+        self._reserved = 0
+
+    rotate_on_read = False
+
+    def reserve(self, n_new: int) -> None:
+        self.check_room(self.n_tokens, n_new)
+        self._reserved = n_new
+
+    def commit(self, n_tokens: int, token_ids=()) -> None:
+        self.tokens.extend(int(t) for t in token_ids)
+        self.n_tokens = n_tokens
+
+    def truncate(self, n_tokens: int) -> None:
+        self.n_tokens = min(n_tokens, self.n_tokens)
+        del self.tokens[self.n_tokens :]
+
+    def free(self) -> None:
+        self.truncate(0)
+
+    def read(self, layer: int, n: int):
+        return self.view(layer, n)
 
     @staticmethod
     def nbytes_for(n_layers: int, n_kv_heads: int, capacity: int, head_dim: int, itemsize: int = 4) -> int:

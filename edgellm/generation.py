@@ -1,0 +1,133 @@
+"""One request's generation as a step machine: each step() is one unit of model work (one
+prefill chunk or one decode step). Engine.stream drives one to completion; the scheduler
+interleaves several, so a long prefill does not hold a short chat turn behind it."""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .engine import CancelToken
+from .errors import Cancelled, ConfigError, ContextFull
+from .sampling import Sampler, StopChecker
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0                 # prompt tokens whose KV came from the prefix cache
+    generated_tokens: int = 0
+    tokenize_ms: float = 0.0               # text -> ids (template included)
+    prefill_ms: float = 0.0                # forward passes over the uncached prompt
+    ttft_ms: float = 0.0                   # call -> first token available (tokenize + prefill + sample)
+    decode_ms: float = 0.0                 # after the first token, until the last
+    decode_tps: float = 0.0                # (generated - 1) / decode time
+    peak_rss_mb: float = 0.0               # process peak resident memory so far
+    stop_reason: str = ""                  # eos | stop | max_tokens | context_full | cancelled
+
+    def summary(self) -> str:
+        cached = f", {self.cached_tokens} cached" if self.cached_tokens else ""
+        return (f"prompt {self.prompt_tokens} tok{cached}, TTFT {self.ttft_ms:.0f} ms (tokenize "
+                f"{self.tokenize_ms:.1f}, prefill {self.prefill_ms:.0f}), decode {self.generated_tokens} tok at "
+                f"{self.decode_tps:.1f} tok/s, peak RSS {self.peak_rss_mb:.0f} MB, stop: {self.stop_reason}")
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
+
+
+class Generation:
+    def __init__(self, engine, ids: list[int], cfg, cancel: CancelToken, t0: float, t_tok: float,
+                 chunk: int | None = None):
+        self.engine = engine
+        self.cfg = cfg
+        self.cancel = cancel
+        self.t0 = t0
+        self.t_tok = t_tok
+        self.stats = GenerationStats(prompt_tokens=len(ids), tokenize_ms=(t_tok - t0) * 1e3)
+        if not ids:
+            raise ConfigError("the prompt is empty (it tokenizes to no tokens)")
+        if len(ids) >= engine.n_ctx:
+            raise ContextFull(f"the prompt has {len(ids)} tokens but the context holds {engine.n_ctx} "
+                              f"(raise n_ctx / --ctx)")
+        self.chunk = chunk or engine.runner.prefill_chunk
+        self.sampler = Sampler(cfg.sampling())
+        self.stopper = StopChecker(cfg.stop)
+        self.decoder = engine.tokenizer.decoder()
+        self.history = list(ids)
+        self.seq, cached = engine._open_sequence(ids)
+        self.stats.cached_tokens = cached
+        self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
+        self.last_tok: int | None = None
+        self.t_first: float | None = None
+        self.done = False
+
+    @property
+    def in_prefill(self) -> bool:
+        return not self.done and len(self.pending) > 0
+
+    def step(self) -> str | None:
+        """One unit of work. Returns text to show ('' when a token produced none yet), or None
+        after a prefill chunk that is not the last."""
+        if self.done:
+            return ""
+        runner = self.engine.runner
+        try:
+            if len(self.pending):
+                part, self.pending = self.pending[: self.chunk], self.pending[self.chunk :]
+                logits = runner.forward(self.seq, part, cancel=self.cancel)
+                if len(self.pending):
+                    return None
+                self.stats.prefill_ms = (time.perf_counter() - self.t_tok) * 1e3
+            else:
+                logits = runner.forward(self.seq, [self.last_tok])
+        except Cancelled:
+            return self._finish("cancelled")
+        except ContextFull:
+            if self.t_first is None:  # the prompt itself does not fit beside other requests
+                self._finish("context_full")
+                raise
+            return self._finish("context_full")
+        except BaseException:
+            self._finish("error")
+            raise
+        return self._emit(logits)
+
+    def _emit(self, logits: np.ndarray) -> str:
+        st = self.stats
+        tok = self.sampler.sample(logits, self.history)
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+            st.ttft_ms = (self.t_first - self.t0) * 1e3
+        if tok in self.engine.tokenizer.eot_ids and not self.cfg.ignore_eos:
+            return self._finish("eos")
+        self.history.append(tok)
+        st.generated_tokens += 1
+        hit, text = self.stopper.feed(self.decoder.push(tok))
+        if hit:
+            return text + self._finish("stop")
+        for ended, reason in ((st.generated_tokens >= self.cfg.max_tokens, "max_tokens"),
+                              (self.cancel.cancelled, "cancelled"),
+                              (self.seq.n_tokens >= self.engine.n_ctx, "context_full")):
+            if ended:
+                return text + self._finish(reason)
+        self.last_tok = tok
+        return text
+
+    def _finish(self, reason: str) -> str:
+        st = self.stats
+        st.stop_reason = reason
+        self.done = True
+        rest = ""
+        if reason != "stop":
+            hit, rest = self.stopper.feed(self.decoder.flush())  # bytes of an unfinished UTF-8 character
+            rest += "" if hit else self.stopper.flush()
+        if self.t_first is not None:
+            st.decode_ms = (time.perf_counter() - self.t_first) * 1e3
+            if st.generated_tokens > 1 and st.decode_ms > 0:
+                st.decode_tps = (st.generated_tokens - 1) / (st.decode_ms / 1e3)
+        st.peak_rss_mb = peak_rss_mb()
+        self.engine._close_sequence(self.seq, keep=reason not in ("cancelled", "error"))
+        return rest
