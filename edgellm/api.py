@@ -1,6 +1,9 @@
 """The embedded Python API: load() -> Engine with generate / stream / chat / logits / tokenize."""
 from __future__ import annotations
 
+import hashlib
+import logging
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -11,9 +14,11 @@ import psutil
 
 from .backends import reference
 from .engine import CancelToken, ModelRunner
-from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (re-exported)
+from .generation import Generation, GenerationStats  # noqa: F401 (GenerationStats: part of the API)
 from .errors import ConfigError
-from .kv.contiguous import ContiguousKV
+from .kv.pool import KVPool
+from .kv.session_file import read_session, write_session
+from .kv.store import KVConfig, make_store
 from .model.loader import ModelFile, open_model
 from .model.registry import resolve_model
 from .model.chat_template import ChatTemplate
@@ -21,6 +26,7 @@ from .model.tokenizer import Tokenizer
 from .sampling import SamplingConfig
 
 DEFAULT_CTX = 2048
+log = logging.getLogger("edgellm")
 
 
 @dataclass(frozen=True)
@@ -47,14 +53,17 @@ def default_threads() -> int:
 class Engine:
     """One loaded model. Not thread-safe: one generation at a time (the scheduler will queue)."""
 
-    def __init__(self, model: ModelFile, tokenizer: Tokenizer, runner: ModelRunner, *, n_ctx: int, threads: int,
+    def __init__(self, model: ModelFile, tokenizer: Tokenizer, runner: ModelRunner, kv, *, threads: int,
                  load_ms: float):
         self.model = model
         self.config = model.config
         self.tokenizer = tokenizer
         self.template = ChatTemplate.from_metadata(model.metadata, model.path)
         self.runner = runner
-        self.n_ctx = n_ctx
+        self.kv = kv
+        self.n_ctx = kv.capacity                   # tokens one conversation may hold
+        self._model_sha: str | None = None
+        self.session_meta: dict = {}               # meta of the last session loaded
         self.threads = threads
         self.load_ms = load_ms
         self.last_stats = GenerationStats()
@@ -110,15 +119,73 @@ class Engine:
             seq.free()
 
     def _new_sequence(self):
-        c = self.config
-        return ContiguousKV(c.n_layers, c.n_kv_heads, self.n_ctx, c.head_dim)
+        return self.kv.new_sequence()
 
     def _open_sequence(self, ids: list[int]):
         """A KV sequence for a prompt, and how many of its leading tokens already hold KV."""
-        return self._new_sequence(), 0
+        return self.kv.open(ids)
 
-    def _close_sequence(self, seq, keep: bool) -> None:
-        seq.free()
+    def _close_sequence(self, seq, keep: bool, token_ids=()) -> None:
+        self.kv.close(seq, keep, token_ids)
+
+    # -- caches and sessions -------------------------------------------------------------------
+    def warm(self, text: str) -> int:
+        """Precompute the KV of `text` (a system prompt, say) into the prefix cache, so a later
+        prompt that starts with it computes only the rest. Returns the tokens now cached."""
+        ids = self.tokenize(text)
+        if not ids:
+            raise ConfigError("warm needs a non-empty text")
+        seq, n = self.kv.open(ids)
+        if n < len(ids):
+            self.runner.forward(seq, ids[n:])
+        self.kv.close(seq, keep=True, token_ids=ids)
+        return seq.n_tokens
+
+    def clear_cache(self) -> None:
+        """Forget every cached prefix and the last conversation."""
+        self.kv.clear()
+
+    def model_sha256(self) -> str:
+        if self._model_sha is None:
+            h = hashlib.sha256()
+            with open(self.model.path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    h.update(block)
+            self._model_sha = h.hexdigest()
+        return self._model_sha
+
+    def _session_keys(self) -> dict:
+        cfg_hash = hashlib.sha256(repr((self.config, self.kv.kv.layout)).encode()).hexdigest()[:32]
+        return dict(model_sha256=self.model_sha256(), config_hash=cfg_hash, kv_layout=self.kv.kv.layout)
+
+    def save_session(self, path: str | os.PathLike, meta: dict | None = None) -> int:
+        """Write the last conversation (token ids and KV) atomically; returns its token count.
+        `meta` (JSON-able, e.g. the chat messages) comes back as session_meta on load."""
+        tokens, arrays = self.kv.snapshot()
+        meta = {**(meta or {}), "model_name": self.config.name, "n_tokens": len(tokens)}
+        try:
+            write_session(path, token_ids=tokens, arrays=arrays, meta=meta, **self._session_keys())
+        except (OSError, TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: cannot save the session: {e}") from None
+        return len(tokens)
+
+    def load_session(self, path: str | os.PathLike) -> bool:
+        """Restore a saved conversation; the next prompt that extends it continues in place. A
+        missing, stale or corrupt file is a cache miss (False, one warning line), never an error."""
+        data = read_session(path, max_tokens=self.n_ctx - 1, **self._session_keys())
+        if data is None:
+            return False
+        ids = data.token_ids.tolist()
+        if max(ids, default=0) >= self.config.vocab_size:
+            log.warning("session cache miss: %s: token id outside the vocabulary", path)
+            return False
+        try:
+            self.kv.restore(ids, data.arrays)
+        except (ConfigError, KeyError) as e:
+            log.warning("session cache miss: %s: %s", path, e)
+            return False
+        self.session_meta = dict(data.meta)
+        return True
 
     def _generate_ids(self, ids: list[int], cfg: GenerationConfig, cancel: CancelToken | None,
                       t0: float, t_tok: float) -> Iterator[str]:
@@ -148,20 +215,30 @@ def generation_config(config: GenerationConfig | None = None, **kwargs) -> Gener
     return cfg
 
 
-def memory_needed(model: ModelFile, n_ctx: int) -> int:
+def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None) -> int:
     """Bytes load() allocates: fp32 resident weights + the KV cache (the GGUF itself stays mapped)."""
-    c = model.config
-    return reference.prepared_nbytes(c) + ContiguousKV.nbytes_for(c.n_layers, c.n_kv_heads, n_ctx, c.head_dim)
+    c, kv = model.config, kv or KVConfig()
+    if kv.kind == "ring":
+        item = 2 if kv.precision == "f16" else 4
+        kv_bytes = 2 * c.n_layers * c.n_kv_heads * kv.window * c.head_dim * item
+    else:
+        kv_bytes = KVPool.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, math.ceil(n_ctx / kv.block_tokens),
+                                     kv.block_tokens, kv.precision)
+    return reference.prepared_nbytes(c) + kv_bytes
 
 
 def load(model: str | os.PathLike | None = None, device: str | None = None, *, n_ctx: int = DEFAULT_CTX,
-         threads: int | None = None, prefill_chunk: int = 512,
-         progress: Callable[[str, int, int], None] | None = None) -> Engine:
+         threads: int | None = None, prefill_chunk: int = 512, kv: str = "pool", kv_precision: str = "f16",
+         window: int = 1024, sinks: int = 4, progress: Callable[[str, int, int], None] | None = None) -> Engine:
     """Load a model (a GGUF path, a registry name, or None for the default, pulled when missing).
 
     device: None or "cpu" for now; device profiles arrive with the dispatcher.
+    kv: "pool" (block pool of n_ctx tokens with a prefix cache) or "ring" (a sliding window of
+    `window` tokens keeping the first `sinks`, for chats of any length in constant memory).
+    kv_precision: "f16" (default), "f32", or "int8" (pool only).
     progress(stage, done, total) is called while pulling and while preparing weights.
     """
+    kv_cfg = KVConfig(kind=kv, precision=kv_precision, window=window, sinks=sinks)
     if device not in (None, "cpu"):
         raise ConfigError(f"device {device!r} is not known; this build runs on 'cpu' (the numpy reference backend)")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
@@ -171,16 +248,17 @@ def load(model: str | os.PathLike | None = None, device: str | None = None, *, n
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)
     mf = open_model(path)
     n_ctx = min(int(n_ctx), mf.config.context_length)
-    need = memory_needed(mf, n_ctx)
+    need = memory_needed(mf, n_ctx, kv_cfg)
     avail = psutil.virtual_memory().available
     if need > avail:
         raise ConfigError(f"not enough memory: the model needs {need / 2**20:.0f} MiB at n_ctx={n_ctx} "
                           f"but {avail / 2**20:.0f} MiB are available; lower n_ctx or use a smaller model")
     threads = threads or default_threads()
     _limit_blas_threads(threads)
-    runner = ModelRunner(mf, n_ctx, prefill_chunk,
+    store = make_store(mf.config, kv_cfg, n_ctx)
+    runner = ModelRunner(mf, store.max_positions, prefill_chunk,
                          progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
-    return Engine(mf, mf.tokenizer, runner, n_ctx=n_ctx, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
+    return Engine(mf, mf.tokenizer, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
 
 
 _BLAS_LIMIT = None

@@ -4,6 +4,7 @@ included. A warm-up run per length is not counted."""
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import numpy as np
@@ -69,3 +70,39 @@ def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
             "threads": engine.threads,
         })
     return records
+
+
+def run_concurrent(engine: Engine, long_tokens: int, short_tokens: int, delay_ms: float, gen_tokens: int,
+                   runs: int, chunk: int = 128, on_run: Callable[[str, int, dict], None] | None = None) -> dict:
+    """A long prefill, then a short request `delay_ms` later: the short one's TTFT when the
+    scheduler interleaves, against its TTFT when queued behind the long one (FIFO), in one run."""
+    from .scheduler import Scheduler
+
+    long_text, long_n = prompt_of_length(engine, long_tokens)
+    short_text, short_n = prompt_of_length(engine, short_tokens)
+    kw = dict(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[float]] = {}
+    for policy in ("interleave", "fifo"):
+        short_ttft, long_ttft = [], []
+        with Scheduler(engine, chunk=chunk, policy=policy) as s:
+            s.submit(short_text, **kw).result()  # warm-up
+            for r in range(runs):
+                long = s.submit(long_text, **kw)
+                time.sleep(delay_ms / 1e3)
+                short = s.submit(short_text, **kw)
+                short.result()
+                long.result()
+                short_ttft.append(short.stats.ttft_ms)
+                long_ttft.append(long.stats.ttft_ms)
+                if on_run:
+                    on_run(policy, r, {"short_ttft_ms": short.stats.ttft_ms, "long_ttft_ms": long.stats.ttft_ms})
+        out[policy] = [statistics.median(short_ttft), statistics.median(long_ttft)]
+    return {
+        "scenario": "concurrent", "long_prompt_tokens": long_n, "short_prompt_tokens": short_n,
+        "delay_ms": delay_ms, "chunk": chunk, "runs": runs, "threads": engine.threads,
+        "short_ttft_ms_p50_interleaved": round(out["interleave"][0], 1),
+        "short_ttft_ms_p50_queued": round(out["fifo"][0], 1),
+        "short_ttft_ratio": round(out["interleave"][0] / out["fifo"][0], 3),
+        "long_ttft_ms_p50_interleaved": round(out["interleave"][1], 1),
+        "long_ttft_ms_p50_queued": round(out["fifo"][1], 1),
+    }

@@ -57,10 +57,29 @@ class Progress:
         sys.stderr.flush()
 
 
-def _load(model, ctx, threads):
+def _load(model, ctx, threads, kv="pool", kv_precision="f16", window=1024, sinks=4):
     from .api import load
 
-    return load(model, n_ctx=ctx, threads=threads, progress=Progress())
+    return load(model, n_ctx=ctx, threads=threads, kv=kv, kv_precision=kv_precision, window=window, sinks=sinks,
+                progress=Progress())
+
+
+def _session_path(eng, name: str) -> Path:
+    """A bare name is an entry of the on-disk cache (per model); anything path-like is a file."""
+    from .kv import disk_cache
+
+    if "/" in name or name.endswith(".edgesess"):
+        return Path(name)
+    try:
+        disk_cache.cache_dir(create=True)
+        return disk_cache.entry_path(eng.model_sha256(), name)
+    except ValueError as e:
+        from .errors import ConfigError
+
+        raise ConfigError(f"--session {name!r}: {e}") from None
+
+
+KV_HELP = "KV cache: 'pool' (blocks + prefix cache, n_ctx tokens) or 'ring' (sliding window + sinks, endless chat)"
 
 
 @app.command()
@@ -80,23 +99,47 @@ def run(
     ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens (KV cache capacity)"),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads (default: all usable cores)"),
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print timing statistics to stderr"),
+    session: Optional[str] = typer.Option(None, "--session", help="Continue the conversation saved under this "
+                                          "name (in the cache, see `edgellm cache`) or in this file (a path), when "
+                                          "it matches the model, and save it back afterwards"),
+    kv: str = typer.Option("pool", "--kv", help=KV_HELP),
+    kv_precision: str = typer.Option("f16", "--kv-precision", help="KV storage: f16, f32, or int8 (pool)"),
+    window: int = typer.Option(1024, help="--kv ring: window in tokens, sinks included"),
+    sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
 ):
     """Generate text from a prompt, streamed to stdout."""
     from .api import generation_config
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
-    eng = _load(model, ctx, threads)  # after validating the options: fail before the slow part
-    pieces = (eng.chat_stream([{"role": "user", "content": prompt}], config=gen) if chat
-              else eng.stream(prompt, config=gen))
+    eng = _load(model, ctx, threads, kv, kv_precision, window, sinks)  # after validating the options
+    # a session file carries the conversation so far (chat messages or plain text) beside its KV
+    if session is not None:
+        session = _session_path(eng, session)
+    saved = eng.session_meta if session is not None and eng.load_session(session) else {}
+    if saved:
+        typer.echo(f"[session: continuing {saved.get('n_tokens', 0)} cached tokens from {session}]", err=True)
+    if chat:
+        messages = list(saved.get("messages", [])) + [{"role": "user", "content": prompt}]
+        text = eng.render_chat(messages)
+    else:
+        text = saved.get("text", "") + prompt
+    pieces = eng.stream(text, config=gen)
     previous = signal.signal(signal.SIGINT, lambda *_: eng.cancel())
+    answer = []
     try:
         for piece in pieces:
+            answer.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()
     finally:
         signal.signal(signal.SIGINT, previous)
     sys.stdout.write("\n")
+    if session is not None and eng.last_stats.stop_reason not in ("cancelled", ""):
+        meta = ({"messages": messages + [{"role": "assistant", "content": "".join(answer)}]} if chat
+                else {"text": text + "".join(answer)})
+        n = eng.save_session(session, meta=meta)
+        typer.echo(f"[session: saved {n} tokens to {session}]", err=True)
     if stats:
         typer.echo(f"[load {eng.load_ms:.0f} ms] {eng.last_stats.summary()}", err=True)
 
@@ -114,12 +157,16 @@ def chat(
     ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens"),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads"),
     stats: bool = typer.Option(False, "--stats/--no-stats", help="Print statistics after each answer"),
+    kv: str = typer.Option("pool", "--kv", help=KV_HELP),
+    window: int = typer.Option(1024, help="--kv ring: window in tokens, sinks included"),
+    sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
 ):
-    """Interactive chat. Ctrl-C stops the current answer; Ctrl-D or /exit quits; /reset forgets."""
+    """Interactive chat. Ctrl-C stops the current answer; Ctrl-D or /exit quits; /reset forgets.
+    Earlier turns stay in the KV cache, so each answer starts after computing only the new turn."""
     from .api import generation_config
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    eng = _load(model, ctx, threads)
+    eng = _load(model, ctx, threads, kv, "f16", window, sinks)
     messages = [{"role": "system", "content": system}] if system else []
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D quits, /reset clears", err=True)
     while True:
@@ -207,6 +254,10 @@ def bench(
     runs: int = typer.Option(5, help="Measured runs per prompt length (after one warm-up)"),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the records as JSON here"),
+    concurrent: bool = typer.Option(False, "--concurrent", help="Also measure a short request arriving during "
+                                    "a long prefill: interleaved vs queued (long = the largest --prompt-tokens)"),
+    short_tokens: int = typer.Option(32, help="--concurrent: prompt tokens of the short request"),
+    delay_ms: float = typer.Option(50.0, help="--concurrent: the short request arrives this long after the long one"),
 ):
     """Measure TTFT (median, p95), prefill and decode tok/s, peak RSS."""
     from . import bench as b
@@ -218,7 +269,8 @@ def bench(
         raise ConfigError(f"--prompt-tokens must be comma-separated integers, got {prompt_tokens!r}")
     if not lengths or min(lengths) < 1 or runs < 1 or gen_tokens < 1:
         raise ConfigError("--prompt-tokens, --runs and --gen-tokens must be positive")
-    eng = _load(model, max(2048, max(lengths) + gen_tokens + 16), threads)
+    need = max(lengths) + gen_tokens + 16 + (short_tokens + gen_tokens + 16 if concurrent else 0)
+    eng = _load(model, max(2048, need), threads)
     typer.echo(f"model {eng.config.name}, threads {eng.threads}, load {eng.load_ms:.0f} ms", err=True)
     recs = b.run(eng, lengths, gen_tokens, runs,
                  on_run=lambda n, r, m: typer.echo(f"  {n} tok run {r + 1}/{runs}: TTFT {m['ttft_ms']:.0f} ms, "
@@ -227,8 +279,54 @@ def bench(
     for r in recs:
         typer.echo(f"{r['prompt_tokens']:>7} {r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p95']:>6.0f}ms "
                    f"{r['prefill_tps']:>5.0f}t/s {r['decode_tps']:>5.1f}t/s {r['peak_rss_mb']:>6.0f} MB")
+    if concurrent:
+        c = b.run_concurrent(eng, max(lengths), short_tokens, delay_ms, gen_tokens, runs,
+                             on_run=lambda p, r, m: typer.echo(f"  concurrent {p} run {r + 1}/{runs}: short TTFT "
+                                                               f"{m['short_ttft_ms']:.0f} ms", err=True))
+        typer.echo(f"concurrent: {c['short_prompt_tokens']}-token request {c['delay_ms']:.0f} ms after a "
+                   f"{c['long_prompt_tokens']}-token prefill: TTFT {c['short_ttft_ms_p50_interleaved']:.0f} ms "
+                   f"interleaved vs {c['short_ttft_ms_p50_queued']:.0f} ms queued (ratio {c['short_ttft_ratio']:.2f})")
+        recs.append(c)
     if json_path:
         json_path.write_text(json.dumps(recs, indent=2) + "\n")
+
+
+cache_app = typer.Typer(help="The on-disk session / prefix cache (EDGELLM_HOME/cache).", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("list")
+@friendly
+def cache_list():
+    """One line per cached session: tokens, size, model, layout; invalid files with the reason."""
+    from .kv import disk_cache
+
+    entries = disk_cache.list_entries()
+    if not entries:
+        typer.echo(f"(empty: {disk_cache.cache_dir()})")
+    for e in entries:
+        what = (f"{e.n_tokens:>6} tok  {e.size / 2**20:7.1f} MiB  {e.model_name or e.model_short}  {e.kv_layout}"
+                if e.valid else f"invalid: {e.reason}")
+        typer.echo(f"{e.path.name}  {what}")
+
+
+@cache_app.command("info")
+@friendly
+def cache_info():
+    """Directory, entry count and total size."""
+    from .kv import disk_cache
+
+    for k, v in disk_cache.info().items():
+        typer.echo(f"{k:<12} {v}")
+
+
+@cache_app.command("clear")
+@friendly
+def cache_clear():
+    """Remove every cached session file."""
+    from .kv import disk_cache
+
+    typer.echo(f"removed {disk_cache.clear()} file(s) from {disk_cache.cache_dir()}")
 
 
 def main() -> None:

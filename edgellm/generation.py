@@ -129,5 +129,5 @@ class Generation:
             if st.generated_tokens > 1 and st.decode_ms > 0:
                 st.decode_tps = (st.generated_tokens - 1) / (st.decode_ms / 1e3)
         st.peak_rss_mb = peak_rss_mb()
-        self.engine._close_sequence(self.seq, keep=reason not in ("cancelled", "error"))
+        self.engine._close_sequence(self.seq, keep=reason not in ("cancelled", "error"), token_ids=self.history)
         return rest

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 from edgellm.engine import ModelRunner
-from edgellm.kv.contiguous import ContiguousKV
+from edgellm.kv.pool import KVPool
 from edgellm.model.loader import open_model
 from tests.synthetic import write_tiny_model
 
@@ -40,7 +40,8 @@ def test_logits_match_llama_cpp(tmp_path, entry):
         "tests/synthetic.py now writes a different file; rerun tools/make_golden_tiny.py"
     r = ModelRunner(open_model(path), 64)
     c = r.cfg
-    got = r.forward(ContiguousKV(c.n_layers, c.n_kv_heads, 64, c.head_dim), GOLDEN["ids"], all_logits=True)
+    seq = KVPool(c.n_layers, c.n_kv_heads, c.head_dim, 4, 16, "f32").new_sequence()
+    got = r.forward(seq, GOLDEN["ids"], all_logits=True)
     want = np.array(entry["logits"])
     err = centred_nmse(got.astype(np.float64), want)
     assert err < BOUND[entry["spec"]["tensor_type"]], f"centred NMSE {err:.2e}"

@@ -1,0 +1,175 @@
+"""The engine's KV state: a block pool with its prefix cache, or a ring buffer. It hands the
+generation a sequence for a prompt (reusing what is cached) and takes it back afterwards."""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..model.config import ModelConfig
+from .pool import PRECISIONS, KVPool
+from .prefix import PrefixCache
+from .ring import RingKV
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    kind: str = "pool"          # "pool": block pool + prefix cache; "ring": sliding window + sinks
+    precision: str = "f16"      # pool: f32 | f16 | int8; ring: f32 | f16
+    block_tokens: int = 16      # pool: tokens per block (prefix reuse is per whole block)
+    window: int = 1024          # ring: capacity in tokens, sinks included
+    sinks: int = 4              # ring: first tokens kept forever (attention sinks)
+
+    def __post_init__(self):
+        if self.kind not in ("pool", "ring"):
+            raise ConfigError(f"kv must be 'pool' or 'ring', got {self.kind!r}")
+        allowed = tuple(PRECISIONS) if self.kind == "pool" else ("f32", "f16")
+        if self.precision not in allowed:
+            raise ConfigError(f"kv_precision for kv={self.kind!r} must be one of {', '.join(allowed)}, "
+                              f"got {self.precision!r}")
+        if not 1 <= self.block_tokens <= 4096:
+            raise ConfigError(f"block_tokens must be in 1..4096, got {self.block_tokens}")
+        if self.kind == "ring" and not 0 <= self.sinks < self.window:
+            raise ConfigError(f"ring needs 0 <= sinks < window, got sinks={self.sinks}, window={self.window}")
+
+    @property
+    def layout(self) -> str:
+        if self.kind == "pool":
+            return f"pool/{self.precision}/block{self.block_tokens}"
+        return f"ring/{self.precision}/window{self.window}/sinks{self.sinks}"
+
+
+def make_store(cfg: ModelConfig, kv: KVConfig, n_ctx: int):
+    return PoolStore(cfg, kv, n_ctx) if kv.kind == "pool" else RingStore(cfg, kv)
+
+
+class PoolStore:
+    """One pool of n_ctx tokens shared by every sequence; full blocks of finished sequences stay
+    in the prefix cache (evicted LRU when a new sequence needs room). The last finished sequence
+    is kept whole, so the next turn of a conversation continues without recomputing anything."""
+
+    rotate_on_read = False
+
+    def __init__(self, cfg: ModelConfig, kv: KVConfig, n_ctx: int):
+        self.kv = kv
+        self.capacity = n_ctx                      # tokens one sequence may hold
+        self.max_positions = n_ctx                 # RoPE positions needed
+        self.pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, math.ceil(n_ctx / kv.block_tokens),
+                           kv.block_tokens, kv.precision)
+        self.prefix = PrefixCache(self.pool)
+        self.last = None                           # the last finished sequence, kept whole
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    def new_sequence(self):
+        return self.pool.new_sequence()
+
+    def open(self, ids: list[int]):
+        """(sequence, positions of ids it already holds). The last conversation continues in
+        place when ids extend it; otherwise the prefix cache supplies whole matching blocks."""
+        last, self.last = self.last, None
+        if last is not None:
+            n = last.n_tokens
+            if 0 < n < len(ids) and last.tokens[:n] == list(ids[:n]):
+                return last, n
+            last.free()
+        seq = self.pool.new_sequence()
+        return seq, self.prefix.lookup(seq, ids)
+
+    def close(self, seq, keep: bool, token_ids=()) -> None:
+        if keep and seq.n_tokens:
+            self.prefix.register(seq)
+            if self.last is not None and self.last is not seq:
+                self.last.free()
+            self.last = seq
+        else:
+            seq.free()
+
+    def clear(self) -> None:
+        if self.last is not None:
+            self.last.free()
+            self.last = None
+        self.prefix.clear()
+
+    def snapshot(self) -> tuple[list[int], dict[str, np.ndarray]]:
+        """The last conversation's token ids and KV, (layers, n, kv_heads, head_dim) each, in
+        the pool's storage precision (f16 stays f16, so a restore is bit-exact)."""
+        seq = self.last
+        if seq is None or not seq.n_tokens:
+            raise ConfigError("there is no conversation to save yet: generate first")
+        n, store = seq.n_tokens, np.float32 if self.kv.precision == "int8" else PRECISIONS[self.kv.precision]
+        ks, vs = [], []
+        for layer in range(self.pool.n_layers):
+            k, v = seq.read(layer, n)                                  # (KVH, n, hd) f32
+            ks.append(k.transpose(1, 0, 2).astype(store))
+            vs.append(v.transpose(1, 0, 2).astype(store))
+        return list(seq.tokens[:n]), {"k": np.stack(ks), "v": np.stack(vs)}
+
+    def restore(self, token_ids: list[int], arrays: dict[str, np.ndarray]) -> None:
+        k, v = arrays["k"], arrays["v"]
+        n = len(token_ids)
+        want = (self.pool.n_layers, n, self.pool.n_kv_heads, self.pool.head_dim)
+        if k.shape != want or v.shape != want:
+            raise ConfigError(f"session KV has shape {k.shape}, expected {want}")
+        self.clear()
+        seq = self.pool.new_sequence()
+        seq.reserve(n)
+        for layer in range(self.pool.n_layers):
+            seq.write(layer, 0, k[layer].astype(np.float32), v[layer].astype(np.float32))
+        seq.commit(n, token_ids)
+        self.close(seq, keep=True)
+
+
+class RingStore:
+    """One ring buffer holding the conversation: each turn appends only what the ring has not
+    seen, so a chat runs on in constant memory. Prompts longer than the window slide through."""
+
+    rotate_on_read = True
+
+    def __init__(self, cfg: ModelConfig, kv: KVConfig):
+        self.kv = kv
+        self.capacity = sys.maxsize                # the ring never fills: it slides
+        self.max_positions = kv.window             # cache positions only
+        self.ring = RingKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv.window, kv.sinks, kv.precision)
+        self.history: list[int] = []               # every token id the ring has taken, in order
+        self._cfg = cfg
+
+    @property
+    def nbytes(self) -> int:
+        return self.ring.nbytes
+
+    def new_sequence(self):
+        return RingKV(self._cfg.n_layers, self._cfg.n_kv_heads, self._cfg.head_dim, self.kv.window,
+                      self.kv.sinks, self.kv.precision)
+
+    def open(self, ids: list[int]):
+        n = len(self.history)
+        if 0 < n < len(ids) and self.history == list(ids[:n]):
+            return self.ring, n
+        self.ring.free()
+        self.history = []
+        return self.ring, 0
+
+    def close(self, seq, keep: bool, token_ids=()) -> None:
+        """token_ids: the prompt and generated ids of the finished request; the ring took the
+        first total_tokens of them (the last sampled token is never fed back)."""
+        if seq is not self.ring:
+            seq.free()
+            return
+        self.history = [int(t) for t in token_ids[: seq.total_tokens]] if keep else []
+        if not keep:
+            seq.free()
+
+    def clear(self) -> None:
+        self.ring.free()
+        self.history = []
+
+    def snapshot(self):
+        raise ConfigError("sessions are saved from the block pool (kv='pool'); the ring buffer has none yet")
+
+    restore = snapshot
