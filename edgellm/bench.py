@@ -106,3 +106,52 @@ def run_concurrent(engine: Engine, long_tokens: int, short_tokens: int, delay_ms
         "long_ttft_ms_p50_interleaved": round(out["interleave"][1], 1),
         "long_ttft_ms_p50_queued": round(out["fifo"][1], 1),
     }
+
+
+def run_shared_prefix(engine: Engine, prefix_tokens: int, suffix_tokens: list[int], gen_tokens: int, runs: int,
+                      on_run: Callable[[int, int, dict], None] | None = None) -> list[dict]:
+    """A `prefix_tokens` system prompt shared by requests that differ in a `suffix_tokens` user
+    message: cold TTFT (prefix cache cleared) and TTFT with the prefix warmed, in one run. Each
+    run uses a different user message, so only the prefix can come from the cache."""
+    prefix, _ = prompt_of_length(engine, prefix_tokens)
+    prefix = prefix.rstrip() + "\n"  # a newline ends a pre-token: the prefix tokenizes the same alone
+    gen = GenerationConfig(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+    records = []
+    for n in suffix_tokens:
+        base, _ = prompt_of_length(engine, n + 8)
+        cold, cached, cached_tokens, prefill_tps, decode_tps, rss = [], [], [], [], [], []
+        for r in range(runs + 1):  # run 0 warms up and is not counted
+            text = prefix + engine.detokenize(engine.tokenize(f"Message {r}: " + base)[:n])
+            engine.clear_cache()
+            engine.generate(text, config=gen)
+            s = engine.last_stats
+            cold_ttft, total = s.ttft_ms, s.prompt_tokens
+            prefill_tps.append(s.prompt_tokens / (s.prefill_ms / 1e3))
+            engine.clear_cache()
+            engine.warm(prefix)
+            engine.generate(text, config=gen)
+            s = engine.last_stats
+            if r == 0:
+                continue
+            cold.append(cold_ttft)
+            cached.append(s.ttft_ms)
+            cached_tokens.append(s.cached_tokens)
+            decode_tps.append(s.decode_tps)
+            rss.append(s.peak_rss_mb)
+            if on_run:
+                on_run(n, r - 1, {"ttft_ms": cold_ttft, "ttft_ms_cached": s.ttft_ms, "cached": s.cached_tokens})
+        records.append({
+            "prompt_tokens": total,
+            "ttft_ms_p50": round(statistics.median(cold), 2),
+            "ttft_ms_p95": round(float(np.percentile(cold, 95)), 2),
+            "ttft_ms_p50_cached": round(statistics.median(cached), 2),
+            "cached_prefix_tokens": int(statistics.median(cached_tokens)),
+            "cached_ttft_ratio": round(statistics.median(cached) / statistics.median(cold), 4),
+            "prefill_tps": round(statistics.median(prefill_tps[1:]), 2),
+            "decode_tps": round(statistics.median(decode_tps), 2),
+            "peak_rss_mb": round(max(rss), 1),
+            "load_ms": round(engine.load_ms, 1),
+            "shared_prefix_tokens": prefix_tokens, "gen_tokens": gen_tokens, "runs": runs,
+            "threads": engine.threads,
+        })
+    return records

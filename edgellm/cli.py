@@ -257,6 +257,9 @@ def bench(
     concurrent: bool = typer.Option(False, "--concurrent", help="Also measure a short request arriving during "
                                     "a long prefill: interleaved vs queued (long = the largest --prompt-tokens)"),
     short_tokens: int = typer.Option(32, help="--concurrent: prompt tokens of the short request"),
+    shared_prefix: int = typer.Option(0, "--shared-prefix", help="Measure prompts that share an N-token system "
+                                      "prefix: cold TTFT vs TTFT with the prefix cached (--prompt-tokens are then "
+                                      "the lengths of the user message after it)"),
     delay_ms: float = typer.Option(50.0, help="--concurrent: the short request arrives this long after the long one"),
 ):
     """Measure TTFT (median, p95), prefill and decode tok/s, peak RSS."""
@@ -269,16 +272,30 @@ def bench(
         raise ConfigError(f"--prompt-tokens must be comma-separated integers, got {prompt_tokens!r}")
     if not lengths or min(lengths) < 1 or runs < 1 or gen_tokens < 1:
         raise ConfigError("--prompt-tokens, --runs and --gen-tokens must be positive")
-    need = max(lengths) + gen_tokens + 16 + (short_tokens + gen_tokens + 16 if concurrent else 0)
+    if shared_prefix < 0:
+        raise ConfigError("--shared-prefix must be >= 0")
+    need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
     eng = _load(model, max(2048, need), threads)
     typer.echo(f"model {eng.config.name}, threads {eng.threads}, load {eng.load_ms:.0f} ms", err=True)
-    recs = b.run(eng, lengths, gen_tokens, runs,
-                 on_run=lambda n, r, m: typer.echo(f"  {n} tok run {r + 1}/{runs}: TTFT {m['ttft_ms']:.0f} ms, "
-                                                   f"decode {m['decode_tps']:.1f} tok/s", err=True))
+    if shared_prefix:
+        recs = b.run_shared_prefix(
+            eng, shared_prefix, lengths, gen_tokens, runs,
+            on_run=lambda n, r, m: typer.echo(f"  {shared_prefix}+{n} tok run {r + 1}/{runs}: TTFT cold "
+                                              f"{m['ttft_ms']:.0f} ms, cached {m['ttft_ms_cached']:.0f} ms "
+                                              f"({m['cached']} tokens cached)", err=True))
+    else:
+        recs = b.run(eng, lengths, gen_tokens, runs,
+                     on_run=lambda n, r, m: typer.echo(f"  {n} tok run {r + 1}/{runs}: TTFT {m['ttft_ms']:.0f} ms, "
+                                                       f"decode {m['decode_tps']:.1f} tok/s", err=True))
     typer.echo(f"{'prompt':>7} {'TTFT p50':>9} {'p95':>8} {'prefill':>9} {'decode':>8} {'peak RSS':>9}")
     for r in recs:
         typer.echo(f"{r['prompt_tokens']:>7} {r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p95']:>6.0f}ms "
                    f"{r['prefill_tps']:>5.0f}t/s {r['decode_tps']:>5.1f}t/s {r['peak_rss_mb']:>6.0f} MB")
+    if shared_prefix:
+        for r in recs:
+            typer.echo(f"shared prefix: {r['cached_prefix_tokens']} of {r['prompt_tokens']} tokens cached: TTFT "
+                       f"{r['ttft_ms_p50_cached']:.0f} ms vs {r['ttft_ms_p50']:.0f} ms cold "
+                       f"(ratio {r['cached_ttft_ratio']:.3f})")
     if concurrent:
         c = b.run_concurrent(eng, max(lengths), short_tokens, delay_ms, gen_tokens, runs,
                              on_run=lambda p, r, m: typer.echo(f"  concurrent {p} run {r + 1}/{runs}: short TTFT "

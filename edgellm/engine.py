@@ -47,6 +47,9 @@ class ModelRunner:
         self.be = reference
         self.w = reference.prepare(model, progress=progress)
         self.cos, self.sin = reference.rope_tables(cfg, max_positions, self.w.rope_freqs)  # (positions, rope_dim/2)
+        # K/V read buffers reused by every layer and step: (KVH, positions, hd) each. Fresh arrays
+        # of this size per read would be returned to the OS and faulted in again each time.
+        self._kv_bufs = tuple(np.empty((cfg.n_kv_heads, max_positions, cfg.head_dim), np.float32) for _ in range(2))
 
     def forward(self, seq, ids: np.ndarray | list[int], *, all_logits: bool = False,
                 cancel: CancelToken | None = None, chunk: int | None = None) -> np.ndarray:
@@ -104,7 +107,7 @@ class ModelRunner:
                 kc = be.rope(kc.transpose(1, 0, 2), self.cos[:n], self.sin[:n], cfg.rope_style).transpose(1, 0, 2)
             else:
                 seq.write(li, start, be.rope(k, cos, sin, cfg.rope_style), v)
-                kc, vc = seq.read(li, n)                                      # (KVH, n, hd)
+                kc, vc = seq.read(li, n, out=self._kv_bufs)                   # (KVH, n, hd) views
             att = be.attention(q, kc, vc, start)                              # (T, q_dim)
             x = be.add(x, be.matmul(att, lw.wo))
             h = be.rmsnorm(x, lw.ffn_norm, cfg.norm_eps)

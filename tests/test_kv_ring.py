@@ -23,30 +23,31 @@ from edgellm.kv.ring import RingIndex, RingKV
 from edgellm.model.config import ModelConfig
 
 EXAMPLES = int(os.environ.get("EDGELLM_PROPERTY_EXAMPLES", "10000"))
-PROPERTY = settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,
+PROPERTY = settings(max_examples=EXAMPLES, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 L, KVH, HD = 2, 2, 2   # tiny dims: the bookkeeping, not the arithmetic, is under test
-MAX_ID = 4096          # token ids a test may use (a sequence draws at most 24 chunks of <= 12)
+MAX_ID = 4096          # token ids a test may use (a sequence draws at most 12 chunks of <= 12)
 
 
 def _tables():
-    """Every token's K and V rows, distinct per token, layer, head and dim: (L, KVH, MAX_ID, HD)
-    float32, and the same rounded through float16 (what an f16 ring must read back)."""
+    """Every token's K and V rows, distinct per token, layer, head and dim. Per precision, the
+    (L, 2 * KVH, MAX_ID, HD) float32 rows a read must give (K heads then V heads; f16 rounded
+    through float16), and the float32 rows written."""
     k = (np.arange(MAX_ID, dtype=np.float64)[None, None, :, None] * (L * KVH * HD)
          + np.arange(L * KVH * HD, dtype=np.float64).reshape(L, KVH, 1, HD))
-    k32, v32 = k.astype(np.float32), (-k - 0.5).astype(np.float32)
-    return {"f32": (k32, v32),
-            "f16": (k32.astype(np.float16).astype(np.float32), v32.astype(np.float16).astype(np.float32))}
+    kv = np.concatenate([k, -k - 0.5], axis=1).astype(np.float32)
+    return {"f32": kv, "f16": kv.astype(np.float16).astype(np.float32)}
 
 
 TABLES = _tables()
+WRITE_K = np.ascontiguousarray(TABLES["f32"][:, :KVH].transpose(0, 2, 1, 3))   # (L, MAX_ID, KVH, HD)
+WRITE_V = np.ascontiguousarray(TABLES["f32"][:, KVH:].transpose(0, 2, 1, 3))   # (L, MAX_ID, KVH, HD)
 
 
 def rows(ids, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(T, KVH, HD) float32 K and V rows of tokens `ids`."""
-    k, v = TABLES["f32"]
-    return k[layer][:, ids].transpose(1, 0, 2), v[layer][:, ids].transpose(1, 0, 2)
+    return WRITE_K[layer, ids], WRITE_V[layer, ids]
 
 
 def window_of(seq: list[int], sinks: int, cap: int) -> list[int]:
@@ -55,15 +56,16 @@ def window_of(seq: list[int], sinks: int, cap: int) -> list[int]:
 
 
 def expect_read(ring: RingKV, held: list[int], layers=range(L), prefix: int | None = None) -> None:
-    """read() of each layer gives the rows of `held` in order; the last layer reads only the
-    first `prefix` positions when given (a partial read is a prefix of the full one)."""
-    tk, tv = TABLES[ring.precision]
-    idx = np.array(held, dtype=np.intp)
+    """read() of each layer gives the rows of `held` in order (or of its first `prefix`)."""
+    n = len(held) if prefix is None else prefix
+    want = TABLES[ring.precision][layers[0] : layers[-1] + 1, :, held[:n]] if len(layers) else None
+    got = []
     for layer in layers:
-        n = prefix if prefix is not None and layer == layers[-1] else len(held)
         k, v = ring.read(layer, n)
-        assert k.dtype == np.float32 and v.dtype == np.float32 and k.shape == (KVH, n, HD)
-        assert (k == tk[layer][:, idx[:n]]).all() and (v == tv[layer][:, idx[:n]]).all(), (layer, held, n)
+        assert k.dtype == np.float32 and v.dtype == np.float32 and k.shape == v.shape == (KVH, n, HD)
+        got += (k, v)
+    if got:   # one comparison for every layer: (layers, 2 * KVH, n, HD)
+        assert (np.concatenate(got).reshape(want.shape) == want).all(), (list(layers), held, n)
 
 
 def expect_committed(ring: RingKV, seq: list[int]) -> None:
@@ -140,11 +142,12 @@ def run_ops(ring: RingKV, ops: list[tuple]) -> None:
             assert start == len(held_after) - t
             assert ring.positions() == range(start, start + t)
             n_write = L if end == NO_CANCEL else layers_done
+            pieces = ((0, split), (split, t)) if seed % 3 == 0 else ((0, t),)   # sometimes in two writes
             for layer in range(n_write):
-                k, v = rows(ids, layer)
-                for a, b in ((0, split), (split, t)):   # the chunk written in up to two pieces
-                    if b > a:
-                        ring.write(layer, start + a, k[a:b], v[a:b])
+                for a, b in pieces:
+                    if b > a:   # ids are consecutive: their rows are a slice of the table
+                        ring.write(layer, start + a, WRITE_K[layer, ids[a] : ids[a] + b - a],
+                                   WRITE_V[layer, ids[a] : ids[a] + b - a])
             # what attention sees during the chunk: the window of the sequence with the chunk last
             expect_read(ring, held_after, layers=range(n_write))
             if n_write and seed % 4 == 0:   # a partial read is a prefix of the full one
@@ -174,13 +177,13 @@ def run_ops(ring: RingKV, ops: list[tuple]) -> None:
 
 
 @PROPERTY
-@given(st.binary(min_size=1 + 4 * 6, max_size=1 + 4 * 24))
+@given(st.binary(min_size=2 + 4 * 3, max_size=2 + 4 * 12))
 def test_random_operation_sequences_match_list_model(raw):
-    """One draw per sequence (cheap enough for 10,000): byte 0 picks sinks 0..4, ring capacity
-    1..12 and the precision; the rest are operations."""
-    sinks, cap, f16 = raw[0] % 5, 1 + (raw[0] // 5) % 12, raw[0] >= 180
+    """One draw per sequence (cheap enough for 10,000): byte 0 picks sinks 0..4 and ring capacity
+    1..12, byte 1 the precision (f16 one time in three); the rest are 3..12 operations."""
+    sinks, cap, f16 = raw[0] % 5, 1 + (raw[0] // 5) % 12, raw[1] % 3 == 2
     ring = RingKV(L, KVH, HD, sinks + cap, sinks=sinks, precision="f16" if f16 else "f32")
-    ops = decode_ops(raw[1:], cap)
+    ops = decode_ops(raw[2:], cap)
     try:
         run_ops(ring, ops)
     except Exception as e:
@@ -188,8 +191,8 @@ def test_random_operation_sequences_match_list_model(raw):
         raise
 
 
-@settings(PROPERTY, max_examples=max(1, EXAMPLES // 5))   # RingKV's test above covers this index too
-@given(st.integers(0, 6), st.integers(1, 16), st.binary(min_size=2 * 8, max_size=2 * 40))
+@settings(PROPERTY, max_examples=max(1, EXAMPLES // 10))   # RingKV's test above covers this index too
+@given(st.integers(0, 6), st.integers(1, 16), st.binary(min_size=2 * 6, max_size=2 * 24))
 def test_ring_index_slots_against_list_model(sinks, cap, raw):
     """The slot bookkeeping alone: a list of slots filled through reserve's evictions, read back
     through the position -> slot map, must hold the list model's window."""
@@ -305,7 +308,10 @@ def test_engine_protocol_cancel_rolls_back_the_chunk_after_an_eviction():
     ring.commit(ring.n_tokens + 2, seq[4:])
     expect_committed(ring, seq)
     ring.reserve(3)                             # evicts 3 of the 4 ring tokens
+    assert (ring.n_tokens, ring.total_tokens, ring.tokens) == (6, 6, seq)   # nothing committed yet
+    assert ring.positions() == range(3, 6) and ring.chunk_start(3) == 3
     ring.write(0, ring.chunk_start(3), *rows([100, 101, 102], 0))   # cancelled after layer 0
+    expect_read(ring, seq[:2] + seq[5:] + [100, 101, 102], layers=[0])
     ring.truncate(ring.n_tokens)
     expect_committed(ring, seq)
 
@@ -428,13 +434,13 @@ def test_memory_is_flat_however_long_the_sequence():
     decode(0, 2 * window)                      # past the first wrap: every later step evicts
     tracemalloc.start()
     try:
-        decode(2 * window, 500)
+        decode(2 * window, 200)
         base, _ = tracemalloc.get_traced_memory()
-        decode(2 * window + 500, 2000)
+        decode(2 * window + 200, 1000)
         now, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert now - base < 16 * 1024, f"ring memory grew by {now - base} bytes over 2000 tokens"
+    assert now - base < 16 * 1024, f"ring memory grew by {now - base} bytes over 1000 tokens"
     assert ring.nbytes == nbytes and (ring.k, ring.v, ring.ids) == bufs
-    assert ring.total_tokens == 2 * window + 2500 and ring.n_tokens == window
+    assert ring.total_tokens == 2 * window + 1200 and ring.n_tokens == window
     expect_committed(ring, list(range(ring.total_tokens)))

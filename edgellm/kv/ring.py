@@ -26,7 +26,10 @@ Choices, and why:
   Committed tokens can be truncated only where the result is exactly what the shorter sequence
   would hold (`can_truncate`): anything while nothing was ever evicted, the sinks alone, or a
   no-op. Tokens evicted by a committed chunk are gone; truncating past them raises ConfigError
-  rather than leave a cache that silently differs from the sequence.
+  rather than leave a cache that silently differs from the sequence. truncate counts cache
+  positions (like n_tokens), so once the ring is full truncate(n_tokens) undoes only the pending
+  chunk: chunks committed earlier in the same forward stay, and total_tokens says how many of the
+  sequence's tokens the ring has taken.
 
 Storage, per layer: (n_kv_heads, window, head_dim) for K and for V, float32 or float16. Slots
 0..s-1 hold the sinks; slots s..window-1 are a circular region whose oldest token sits at slot
@@ -250,7 +253,8 @@ class RingKV:
         """Ids of the held committed tokens in cache order (sinks, then oldest to newest); -1 where
         commit was given no ids. Once total_tokens > n_tokens this is not a prefix of the sequence."""
         committed = self._committed_index()  # a pending chunk's slots still hold the evicted ids
-        return [int(t) for t in self.ids[committed.slots(0, committed.n_tokens)]]
+        return np.concatenate([self.ids[s : s + m] for _, s, m in committed.runs(0, committed.n_tokens)]
+                              or [self.ids[:0]]).tolist()
 
     def _committed_index(self) -> RingIndex:
         if self._pending is None:
@@ -265,13 +269,15 @@ class RingKV:
         """Make room for n_new (1..max_chunk) tokens after the held ones, evicting the oldest
         non-sink tokens; their rows are kept until commit so truncate can undo this chunk."""
         if self._pending is not None:
-            raise ConfigError(f"a chunk of {self._pending.count} tokens is already reserved: commit or truncate it first")
+            raise ConfigError(f"a chunk of {self._pending.count} tokens is already reserved: "
+                              f"commit or truncate it first")
         before = self.index.state
         evicted = self.index.reserve(n_new)
         k_saved = v_saved = ids_saved = None
-        if evicted:
-            idx = np.concatenate([np.arange(s, s + m) for _, s, m in evicted])
-            k_saved, v_saved, ids_saved = self.k[:, :, idx], self.v[:, :, idx], self.ids[idx]
+        if evicted:   # one or two slot runs; copies, since write will overwrite these slots
+            k_saved = np.concatenate([self.k[:, :, s : s + m] for _, s, m in evicted], axis=2)
+            v_saved = np.concatenate([self.v[:, :, s : s + m] for _, s, m in evicted], axis=2)
+            ids_saved = np.concatenate([self.ids[s : s + m] for _, s, m in evicted])
         self._pending = _Pending(int(n_new), before, evicted, k_saved, v_saved, ids_saved)
 
     def chunk_start(self, n_new: int | None = None) -> int:
@@ -345,8 +351,9 @@ class RingKV:
 
     def truncate(self, n_tokens: int) -> None:
         """Undo a pending chunk (restoring the rows it evicted), then keep committed cache
-        positions 0..n_tokens-1. truncate(self.n_tokens) cancels just the pending chunk.
-        Raises ConfigError, changing nothing, where the result would not be exact."""
+        positions 0..n_tokens-1 (n_tokens counts held tokens, not the sequence: see the module
+        docstring). truncate(self.n_tokens) cancels just the pending chunk. Raises ConfigError,
+        changing nothing, where the result would not be exact."""
         if not self.can_truncate(n_tokens):
             raise ConfigError(self._committed_index()._truncate_refusal(n_tokens))
         p = self._pending

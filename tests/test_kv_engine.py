@@ -1,0 +1,166 @@
+"""The KV caches inside the engine, on tiny models: prefix reuse, multi-turn continuation,
+cancellation at many points, sessions (round trip, mutations are misses), the ring buffer."""
+import os
+import random
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import edgellm
+from edgellm.engine import CancelToken
+from edgellm.errors import ConfigError, ContextFull
+from tests.synthetic import write_tiny_model
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("kv") / "tiny.gguf", tensor_type=QT.F16, seed=8,
+                            context_length=4096).path
+
+
+def load(path, **kw):
+    return edgellm.load(path, n_ctx=kw.pop("n_ctx", 512), threads=1, **kw)
+
+
+def text_of(engine, n, seed=0):
+    rng = random.Random(seed)
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "theta", "kappa", "mu"]
+    ids = engine.tokenize(" ".join(rng.choice(words) for _ in range(n)))
+    return engine.detokenize(ids[:n])
+
+
+def test_warm_prefix_is_reused_and_output_unchanged(tiny_path):
+    e = load(tiny_path)
+    system = text_of(e, 100, seed=1) + "\n"
+    prompt = system + text_of(e, 20, seed=2)
+    cold = e.generate(prompt, max_tokens=8, **GREEDY)
+    assert e.last_stats.cached_tokens == 0 or e.last_stats.cached_tokens < 100
+    e.clear_cache()
+    assert e.warm(system) == len(e.tokenize(system))
+    warm = e.generate(prompt, max_tokens=8, **GREEDY)
+    assert e.last_stats.cached_tokens >= len(e.tokenize(system)) - 16
+    assert warm == cold
+
+
+def test_multi_turn_continues_in_place(tiny_path):
+    e = load(tiny_path)
+    first = text_of(e, 60, seed=3)
+    answer = e.generate(first, max_tokens=10, **GREEDY)
+    follow = first + answer + text_of(e, 10, seed=4)
+    e.generate(follow, max_tokens=4, **GREEDY)
+    # everything but the re-tokenization boundary of the answer comes from the cache
+    assert e.last_stats.cached_tokens >= len(e.tokenize(first))
+
+
+def test_pool_full_is_context_full_and_engine_recovers(tiny_path):
+    e = load(tiny_path, n_ctx=64)
+    with pytest.raises(ContextFull):
+        e.generate(text_of(e, 80), max_tokens=2, **GREEDY)
+    out = e.generate(text_of(e, 20), max_tokens=60, **GREEDY)
+    assert e.last_stats.stop_reason == "context_full" and out
+
+
+class CancelAfter(CancelToken):
+    """Cancels at the k-th time the engine looks (between layers, between chunks)."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    @property
+    def cancelled(self):
+        self.k -= 1
+        return self.k < 0
+
+    def reset(self):
+        pass
+
+
+def test_cancel_at_100_points_leaves_engine_equal_to_fresh(tiny_path):
+    e = load(tiny_path, prefill_chunk=16)
+    fresh = load(tiny_path, prefill_chunk=16)
+    rng = random.Random(0)
+    prompts = [text_of(e, rng.randint(20, 120), seed=s) for s in range(5)]
+    want = {p: fresh.generate(p, max_tokens=6, **GREEDY) for p in prompts}
+    for point in range(100):
+        p = prompts[point % len(prompts)]
+        e.clear_cache() if point % 3 == 0 else None  # with and without cached prefixes around
+        e.generate(p, max_tokens=6, cancel=CancelAfter(rng.randint(0, 40)), **GREEDY)
+        assert e.generate(p, max_tokens=6, **GREEDY) == want[p], f"after cancel point {point}"
+        e.kv.pool.check()
+
+
+def test_session_round_trip_continues_identically(tiny_path, tmp_path):
+    a = load(tiny_path)
+    first = text_of(a, 50, seed=5)
+    ans = a.generate(first, max_tokens=12, **GREEDY)
+    path = tmp_path / "s.edgesess"
+    n = a.save_session(path, meta={"text": first + ans})
+    follow = first + ans + text_of(a, 8, seed=6)
+    never_stopped = a.generate(follow, max_tokens=12, **GREEDY)
+    b = load(tiny_path)
+    assert b.load_session(path) and b.session_meta["text"] == first + ans and b.session_meta["n_tokens"] == n
+    assert b.generate(follow, max_tokens=12, **GREEDY) == never_stopped
+    assert b.last_stats.cached_tokens >= n - 16
+
+
+def test_session_mismatch_and_mutations_are_misses(tiny_path, tmp_path, caplog):
+    a = load(tiny_path)
+    a.generate(text_of(a, 40), max_tokens=4, **GREEDY)
+    path = tmp_path / "s.edgesess"
+    a.save_session(path)
+    other = load(tiny_path, kv_precision="f32")  # another KV layout: a miss, not an error
+    assert other.load_session(path) is False
+    data = path.read_bytes()
+    rng = random.Random(1)
+    bad = tmp_path / "bad.edgesess"
+    n = int(os.environ.get("EDGELLM_FUZZ_EXAMPLES", "1000"))
+    for i in range(n):
+        b = bytearray(data)
+        kind = i % 3
+        if kind == 0:
+            for _ in range(rng.randint(1, 8)):
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        elif kind == 1:
+            del b[rng.randrange(len(b)):]
+        else:
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        bad.write_bytes(bytes(b))
+        assert b == bytearray(data) or a.load_session(bad) is False
+    assert a.load_session(path) is True  # and the engine is still fine
+    assert a.generate("alpha beta", max_tokens=3, **GREEDY)
+
+
+def test_ring_runs_past_its_window_in_constant_memory(tiny_path):
+    e = load(tiny_path, kv="ring", window=64, sinks=4, prefill_chunk=16)
+    nbytes = e.kv.nbytes
+    out = e.generate(text_of(e, 30), max_tokens=300, **GREEDY)
+    assert e.last_stats.generated_tokens == 300 and e.last_stats.stop_reason == "max_tokens" and out
+    assert e.kv.ring.n_tokens <= 64 and e.kv.nbytes == nbytes
+    # a long prompt slides through the window in chunks
+    e.generate(text_of(e, 200, seed=9), max_tokens=5, **GREEDY)
+    assert e.last_stats.stop_reason == "max_tokens"
+
+
+def test_ring_below_window_equals_pool(tiny_path):
+    pool = load(tiny_path, kv_precision="f32")
+    ring = load(tiny_path, kv="ring", kv_precision="f32", window=256, sinks=4)
+    p = text_of(pool, 40, seed=11)
+    assert ring.generate(p, max_tokens=20, **GREEDY) == pool.generate(p, max_tokens=20, **GREEDY)
+
+
+@pytest.mark.parametrize("kw", [dict(kv="disk"), dict(kv_precision="int4"), dict(kv="ring", kv_precision="int8"),
+                                dict(kv="ring", window=4, sinks=4)])
+def test_bad_kv_options(tiny_path, kw):
+    with pytest.raises(ConfigError):
+        load(tiny_path, **kw)
+
+
+def test_ring_has_no_sessions_yet(tiny_path, tmp_path):
+    e = load(tiny_path, kv="ring", window=64)
+    e.generate("alpha", max_tokens=2, **GREEDY)
+    with pytest.raises(ConfigError):
+        e.save_session(tmp_path / "x.edgesess")
