@@ -78,7 +78,11 @@ class ModelRunner:
                 elif c + step >= len(ids):
                     outs.append(self._head(h[-1:]))
         except Cancelled:
-            seq.truncate(start0)
+            seq.truncate(seq.n_tokens)  # drop the pending chunk: always exact
+            # earlier chunks of this call: a pool drops them; a ring that already evicted for them
+            # cannot restore what it evicted, so it keeps them (the caller decides: the engine frees it)
+            if getattr(seq, "can_truncate", lambda n: True)(start0):
+                seq.truncate(start0)
             raise
         logits = np.concatenate(outs) if len(outs) > 1 else outs[0]
         return logits if all_logits else logits[0]

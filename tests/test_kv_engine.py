@@ -164,3 +164,16 @@ def test_ring_has_no_sessions_yet(tiny_path, tmp_path):
     e.generate("alpha", max_tokens=2, **GREEDY)
     with pytest.raises(ConfigError):
         e.save_session(tmp_path / "x.edgesess")
+
+
+@pytest.mark.parametrize("held", [20, 120])
+def test_cancelled_ring_prefill_leaves_a_usable_engine(tiny_path, held):
+    """Cancel in the third chunk of a forward, with the ring below and past its window."""
+    e = load(tiny_path, kv="ring", window=64, sinks=4, prefill_chunk=8)
+    fresh = load(tiny_path, kv="ring", window=64, sinks=4, prefill_chunk=8)
+    first = text_of(e, held, seed=12)
+    e.generate(first, max_tokens=1, **GREEDY)
+    e.generate(first + text_of(e, 24, seed=13), max_tokens=4, cancel=CancelAfter(8), **GREEDY)
+    assert e.last_stats.stop_reason == "cancelled"
+    p = text_of(e, 30, seed=14)
+    assert e.generate(p, max_tokens=6, **GREEDY) == fresh.generate(p, max_tokens=6, **GREEDY)

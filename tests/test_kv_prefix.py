@@ -16,7 +16,7 @@ from edgellm.errors import ConfigError, ContextFull
 from edgellm.kv.pool import KVInvariantError, KVPool
 from edgellm.kv.prefix import PrefixCache
 
-from .test_kv_pool import PROPERTY, Harness, configs, decode_ops, op_bytes, run_ops
+from .test_kv_pool import PROPERTY, Harness, decode, examples, run_ops
 
 BT = 4
 
@@ -253,7 +253,7 @@ def test_miss_statistics():
 
 
 @PROPERTY
-@given(cfg=configs, data=op_bytes)
-def test_pool_with_prefix_cache_random_operations_match_model(cfg, data):
-    precision, n_layers, kvh, hd, n_blocks, bt = cfg
-    run_ops(Harness(precision, n_layers, kvh, hd, n_blocks, bt, with_cache=True), decode_ops(data))
+@given(data=examples)
+def test_pool_with_prefix_cache_random_operations_match_model(data):
+    cfg, ops = decode(data)
+    run_ops(Harness(*cfg, with_cache=True), ops)

@@ -1,5 +1,5 @@
 """Ring-buffer KV cache (edgellm/kv/ring.py): property tests of random operation sequences against a
-plain list model, RoPE/attention equivalence with the contiguous path, and flat memory.
+plain list model, RoPE/attention equivalence with the pool path, and flat memory.
 
 The list model is the whole sequence of token ids; the ring must hold exactly its first `sinks`
 ids, then its last `window - sinks`, in that order. Each token's K/V rows are a function of its id,
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from edgellm.backends import reference
 from edgellm.errors import ConfigError
-from edgellm.kv.contiguous import ContiguousKV
+from edgellm.kv.pool import KVPool
 from edgellm.kv.ring import RingIndex, RingKV
 from edgellm.model.config import ModelConfig
 
@@ -341,9 +341,9 @@ def _ring_step(ring: RingKV, q, k, v, ids, cos, sin, style):
 
 @pytest.mark.parametrize("style", ["norm", "neox"])
 @pytest.mark.parametrize("precision, tol", [("f32", 1e-5), ("f16", 2e-3)])
-def test_attention_below_the_window_equals_the_contiguous_path(style, precision, tol):
+def test_attention_below_the_window_equals_the_pool_path(style, precision, tol):
     """Shorter than the window nothing slides: rotating keys at read (positions 0..n-1) must give
-    the attention of keys rotated once at write into a contiguous cache, chunk by chunk."""
+    the attention of keys rotated once at write into the block pool, chunk by chunk."""
     rng = np.random.default_rng(7)
     H, kvh, hd, window, total = 4, 2, 8, 64, 61
     cfg = _cfg(hd, H, kvh, style)
@@ -352,15 +352,17 @@ def test_attention_below_the_window_equals_the_contiguous_path(style, precision,
     k = rng.standard_normal((total, kvh, hd)).astype(np.float32)
     v = rng.standard_normal((total, kvh, hd)).astype(np.float32)
     ring = RingKV(1, kvh, hd, window, sinks=4, precision=precision)
-    flat = ContiguousKV(1, kvh, window, hd)
+    flat = KVPool(1, kvh, hd, window // 8, 8, "f32").new_sequence()
     p = 0
     for t in (1, 7, 3, 16, 1, 1, 32):
         if p + t > total:
             t = total - p
         sl = slice(p, p + t)
         got = _ring_step(ring, q[sl], k[sl], v[sl], range(p, p + t), cos, sin, style)
+        flat.reserve(t)
         flat.write(0, p, reference.rope(k[sl], cos[sl], sin[sl], style), v[sl])
-        kc, vc = flat.view(0, p + t)
+        kc, vc = flat.read(0, p + t)
+        flat.commit(p + t, range(p, p + t))
         want = reference.attention(reference.rope(q[sl], cos[sl], sin[sl], style), kc, vc, p)
         np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
         p += t

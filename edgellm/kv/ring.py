@@ -18,7 +18,7 @@ Choices, and why:
 - Eviction happens at `reserve`: a chunk of T tokens is attended after the T oldest ring tokens
   have made room, so the chunk's first query sees `window - T + 1` tokens when the ring is full
   (decode, T = 1, sees the full window; keep prefill chunks well below the window). Below the
-  window nothing is evicted and the ring is exactly the contiguous cache, whatever the chunking.
+  window nothing is evicted and the ring is exactly the block pool, whatever the chunking.
 - A chunk may hold at most `max_chunk = window - sinks` tokens (constant, so an engine can pick
   one chunk size per forward); a larger `reserve` raises ConfigError.
 - Rollback: `reserve` copies the rows of the tokens it evicts (at most T rows per layer, freed at
