@@ -35,8 +35,8 @@ Storage, per layer: (n_kv_heads, window, head_dim) for K and for V, float32 or f
 0..s-1 hold the sinks; slots s..window-1 are a circular region whose oldest token sits at slot
 s + head. `RingIndex` is that slot bookkeeping alone (no arrays), so it can be tested on its own.
 
-Counts: `n_tokens` = tokens held by committed chunks (<= window, unchanged by reserve, like the
-contiguous cache); `total_tokens` = tokens ever committed (the sequence length). The per-sequence
+Counts: `n_tokens` = tokens held by committed chunks (<= window, unchanged by reserve, like a
+pool sequence); `total_tokens` = tokens ever committed (the sequence length). The per-sequence
 protocol the engine drives, per chunk:
 
     seq.reserve(T)                     # evicts as needed; positions() = the chunk's cache positions
