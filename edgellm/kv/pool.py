@@ -69,10 +69,12 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     A row of zeros gets scale 0 (and q 0) rather than a division by zero."""
     amax = np.abs(x).max(axis=-1)
     scale = (amax / np.float32(127.0)).astype(np.float32)
-    inv = np.divide(np.float32(1.0), scale, out=np.zeros_like(scale), where=scale > 0)
-    # |x * inv| <= 127 * (1 + 2**-23) < 127.5, so the rounded value always fits: no clip needed
-    q = np.rint(x * inv[..., None]).astype(np.int8)
-    return q, scale
+    s = scale[..., None]
+    # divide, not multiply by 1/scale: for a subnormal scale (amax < ~1.5e-36) 1/scale overflows
+    q = np.divide(x, s, out=np.zeros(x.shape, dtype=np.float32), where=s > 0)
+    # |x / scale| <= 127 up to rounding, but a subnormal scale has lost precision: clip
+    np.clip(np.rint(q, out=q), -127, 127, out=q)
+    return q.astype(np.int8), scale
 
 
 def f16_to_f32(bits: np.ndarray, out: np.ndarray, scratch: tuple[np.ndarray, np.ndarray]) -> None:
@@ -369,7 +371,8 @@ class PoolSequence:
         pool, bt = self.pool, self.pool.block_tokens
         shape = (pool.n_kv_heads, pool.head_dim)
         if k.ndim != 3 or k.shape[1:] != shape or v.shape != k.shape:
-            raise ValueError(f"write needs k, v of shape (T, {shape[0]}, {shape[1]}), got {k.shape}, {v.shape}")
+            raise ValueError(f"write needs k, v of shape (T, {shape[0]}, {shape[1]}), "
+                             f"got {k.shape}, {v.shape}")
         if not 0 <= layer < pool.n_layers:
             raise ValueError(f"layer {layer} outside 0..{pool.n_layers - 1}")
         t = k.shape[0]
@@ -407,8 +410,9 @@ class PoolSequence:
 
         out=(k_buf, v_buf), float32 (n_kv_heads, >= n, head_dim), makes the result views
         k_buf[:, :n], v_buf[:, :n]. A caller that reads every layer of every step (the forward
-        pass) should pass them: two fresh ~n*KB arrays per call are returned to the OS and
-        faulted in again by the allocator, which costs more than the gather itself."""
+        pass) should pass them: fresh arrays this large (768 KB each at n=1024 for SmolLM2) go
+        back to the OS when freed and are page-faulted in again on the next call, which costs
+        several times the gather itself."""
         pool = self.pool
         if n < 0 or n > self.capacity:
             raise KVInvariantError(f"read of {n} positions; {self.capacity} reserved")
@@ -418,10 +422,10 @@ class PoolSequence:
         else:
             ko, vo = out
             for o in out:
-                if o.dtype != np.float32 or o.ndim != 3 or o.shape[0] != shape[0] or o.shape[2] != shape[2] \
-                        or o.shape[1] < n:
-                    raise ValueError(f"read out= needs float32 buffers of shape {shape[0]}, >= {n}, {shape[2]}; "
-                                     f"got {o.dtype} {o.shape}")
+                if (o.dtype != np.float32 or o.ndim != 3 or o.shape[0] != shape[0]
+                        or o.shape[2] != shape[2] or o.shape[1] < n):
+                    raise ValueError(f"read out= needs float32 buffers of shape ({shape[0]}, >= {n}, "
+                                     f"{shape[2]}); got {o.dtype} {o.shape}")
             ko, vo = ko[:, :n], vo[:, :n]
         self._gather(pool.k, pool.k_scale, layer, n, ko)
         self._gather(pool.v, pool.v_scale, layer, n, vo)
