@@ -72,6 +72,7 @@ def main() -> None:
         llama_cpp_once(llm, text, args.gen_tokens)  # warm-ups
         e_ttft, e_dec, l_ttft, l_dec = [], [], [], []
         for _ in range(args.runs):
+            eng.clear_cache()  # measure the prompt computed, not served from the prefix cache
             eng.generate(text, config=gen)
             e_ttft.append(eng.last_stats.ttft_ms)
             e_dec.append(eng.last_stats.decode_tps)
