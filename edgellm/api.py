@@ -17,6 +17,7 @@ from .engine import CancelToken, ModelRunner
 from .generation import Generation, GenerationStats  # noqa: F401 (GenerationStats: part of the API)
 from .errors import ConfigError
 from .kv.pool import KVPool
+from .kv.ring import RingKV
 from .kv.session_file import read_session, write_session
 from .kv.store import KVConfig, make_store
 from .model.loader import ModelFile, open_model
@@ -51,7 +52,8 @@ def default_threads() -> int:
 
 
 class Engine:
-    """One loaded model. Not thread-safe: one generation at a time (the scheduler will queue)."""
+    """One loaded model. Not thread-safe: one generation at a time; several requests from an
+    app's threads go through edgellm.scheduler.Scheduler, which owns the engine while it runs."""
 
     def __init__(self, model: ModelFile, tokenizer: Tokenizer, runner: ModelRunner, kv, *, threads: int,
                  load_ms: float):
@@ -219,8 +221,8 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None) -> i
     """Bytes load() allocates: fp32 resident weights + the KV cache (the GGUF itself stays mapped)."""
     c, kv = model.config, kv or KVConfig()
     if kv.kind == "ring":
-        item = 2 if kv.precision == "f16" else 4
-        kv_bytes = 2 * c.n_layers * c.n_kv_heads * kv.window * c.head_dim * item
+        kv_bytes = RingKV.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, kv.window,
+                                     2 if kv.precision == "f16" else 4)
     else:
         kv_bytes = KVPool.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, math.ceil(n_ctx / kv.block_tokens),
                                      kv.block_tokens, kv.precision)
