@@ -37,7 +37,7 @@ def test_warm_prefix_is_reused_and_output_unchanged(tiny_path):
     system = text_of(e, 100, seed=1) + "\n"
     prompt = system + text_of(e, 20, seed=2)
     cold = e.generate(prompt, max_tokens=8, **GREEDY)
-    assert e.last_stats.cached_tokens == 0 or e.last_stats.cached_tokens < 100
+    assert e.last_stats.cached_tokens == 0  # a fresh engine has nothing cached
     e.clear_cache()
     assert e.warm(system) == len(e.tokenize(system))
     warm = e.generate(prompt, max_tokens=8, **GREEDY)
