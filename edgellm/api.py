@@ -23,7 +23,6 @@ from .kv.store import KVConfig, make_store
 from .model.loader import ModelFile, open_model
 from .model.registry import resolve_model
 from .model.chat_template import ChatTemplate
-from .model.tokenizer import Tokenizer
 from .sampling import SamplingConfig
 
 DEFAULT_CTX = 2048
@@ -55,11 +54,11 @@ class Engine:
     """One loaded model. Not thread-safe: one generation at a time; several requests from an
     app's threads go through edgellm.scheduler.Scheduler, which owns the engine while it runs."""
 
-    def __init__(self, model: ModelFile, tokenizer: Tokenizer, runner: ModelRunner, kv, *, threads: int,
+    def __init__(self, model: ModelFile, runner: ModelRunner, kv, *, threads: int,
                  load_ms: float):
         self.model = model
         self.config = model.config
-        self.tokenizer = tokenizer
+        self.tokenizer = model.tokenizer
         self.template = ChatTemplate.from_metadata(model.metadata, model.path)
         self.runner = runner
         self.kv = kv
@@ -260,7 +259,7 @@ def load(model: str | os.PathLike | None = None, device: str | None = None, *, n
     store = make_store(mf.config, kv_cfg, n_ctx)
     runner = ModelRunner(mf, store.max_positions, prefill_chunk,
                          progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
-    return Engine(mf, mf.tokenizer, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
+    return Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
 
 
 _BLAS_LIMIT = None

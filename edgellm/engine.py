@@ -34,7 +34,8 @@ class CancelToken:
 class ModelRunner:
     """Weights, RoPE tables and the layer loop. KV state lives in per-sequence objects (a block
     pool sequence, a ring buffer) with one interface: n_tokens, reserve(n), write(layer, start,
-    k, v), read(layer, n), commit(n, ids), truncate(n), and rotate_on_read."""
+    k, v), read(layer, n), commit(n, ids), truncate(n), can_truncate(n), max_chunk (None: no
+    limit) and rotate_on_read."""
 
     def __init__(self, model: ModelFile, max_positions: int, prefill_chunk: int = 512, progress=None):
         cfg = model.config
@@ -62,7 +63,7 @@ class ModelRunner:
         if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
             bad = int(ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0])
             raise ConfigError(f"token id {bad} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
-        step = min(chunk or self.prefill_chunk, getattr(seq, "max_chunk", None) or len(ids))
+        step = min(chunk or self.prefill_chunk, seq.max_chunk or len(ids))
         start0 = seq.n_tokens
         outs = []
         try:
@@ -81,7 +82,7 @@ class ModelRunner:
             seq.truncate(seq.n_tokens)  # drop the pending chunk: always exact
             # earlier chunks of this call: a pool drops them; a ring that already evicted for them
             # cannot restore what it evicted, so it keeps them (the caller decides: the engine frees it)
-            if getattr(seq, "can_truncate", lambda n: True)(start0):
+            if seq.can_truncate(start0):
                 seq.truncate(start0)
             raise
         logits = np.concatenate(outs) if len(outs) > 1 else outs[0]

@@ -7,13 +7,13 @@ goldens come with their GGUF files in tests/data and always run.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
 from edgellm.model.chat_template import ChatTemplate
+from edgellm.model.gguf_file import read_gguf
 from edgellm.model.tokenizer import Tokenizer, _bytes_to_unicode
 
 DATA = Path(__file__).parent / "data"
@@ -23,13 +23,6 @@ GOLDEN_BPE = json.loads((DATA / "golden_bpe_tiny.json").read_text(encoding="utf-
 
 
 def read_metadata(path: Path) -> dict:
-    try:
-        from edgellm.model.gguf_file import read_gguf
-    except ImportError:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        return {k: f.contents() for k, f in reader.fields.items()}
     return dict(read_gguf(path).metadata)
 
 

@@ -14,7 +14,6 @@ from .. import quant
 from ..model.config import ModelConfig
 
 NAME = "reference"
-OPS = ("embedding", "rmsnorm", "matmul", "rope", "attention", "swiglu", "add", "lm_head")
 
 
 def available() -> tuple[bool, str]:
@@ -22,7 +21,7 @@ def available() -> tuple[bool, str]:
 
 
 def supports(op: str, precision: str = "fp32") -> tuple[bool, str]:
-    if op not in OPS:
+    if op not in _OP_FUNCS:
         return False, f"op {op!r} is not implemented by the reference backend"
     return True, "reference implements every op in fp32"
 
@@ -168,13 +167,6 @@ class PreparedWeights:
     output_norm: np.ndarray    # (d,)
     lm_head: np.ndarray        # (vocab, d) fp32
     rope_freqs: np.ndarray | None
-
-    @property
-    def nbytes(self) -> int:
-        n = self.output_norm.nbytes + self.lm_head.nbytes
-        for lw in self.layers:
-            n += sum(a.nbytes for a in (lw.attn_norm, lw.wqkv, lw.wo, lw.ffn_norm, lw.w_gate_up, lw.w_down))
-        return n
 
 
 def prepared_nbytes(cfg: ModelConfig) -> int:

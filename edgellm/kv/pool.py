@@ -461,6 +461,12 @@ class PoolSequence:
         self.tokens.extend(ids)
         self._n = n_tokens
 
+    max_chunk = None  # no limit on the tokens one reserve may take (a ring has one)
+
+    def can_truncate(self, n_tokens: int) -> bool:
+        """A pool can always go back to any committed length."""
+        return 0 <= n_tokens <= self._n
+
     def truncate(self, n_tokens: int) -> None:
         """Forget positions >= n_tokens (a cancelled chunk, a reused prefix) and release the
         blocks wholly past the end, reserved ones included."""
