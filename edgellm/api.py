@@ -13,6 +13,8 @@ import numpy as np
 import psutil
 
 from .backends import reference
+from .dispatch import Dispatcher
+from .ops import weight_formats
 from .engine import CancelToken, ModelRunner
 from .generation import Generation, GenerationStats  # noqa: F401 (GenerationStats: part of the API)
 from .errors import ConfigError
@@ -46,10 +48,6 @@ class GenerationConfig:
                               min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed)
 
 
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 class Engine:
     """One loaded model. Not thread-safe: one generation at a time; several requests from an
     app's threads go through edgellm.scheduler.Scheduler, which owns the engine while it runs."""
@@ -69,6 +67,9 @@ class Engine:
         self.load_ms = load_ms
         self.last_stats = GenerationStats()
         self._cancel = CancelToken()
+        self.plan = None        # the dispatcher's Plan (set by load): units, placement, chunk, reasons
+        self.profile = None     # the DeviceProfile it planned with
+        self.pinning = None     # device.topology.PinResult of the compute threads
 
     # -- text <-> ids --------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -228,22 +229,33 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None) -> i
     return reference.prepared_nbytes(c) + kv_bytes
 
 
-def load(model: str | os.PathLike | None = None, device: str | None = None, *, n_ctx: int = DEFAULT_CTX,
-         threads: int | None = None, prefill_chunk: int = 512, kv: str = "pool", kv_precision: str = "f16",
-         window: int = 1024, sinks: int = 4, progress: Callable[[str, int, int], None] | None = None) -> Engine:
+def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_CTX,
+         threads: int | None = None, prefill_chunk: int | None = None, kv: str = "pool", kv_precision: str = "f16",
+         window: int = 1024, sinks: int = 4, units: Sequence[str] | None = None,
+         progress: Callable[[str, int, int], None] | None = None) -> Engine:
     """Load a model (a GGUF path, a registry name, or None for the default, pulled when missing).
 
-    device: None or "cpu" for now; device profiles arrive with the dispatcher.
+    device: the device profile the dispatcher plans with: None or "host" (this machine's profile
+    written by `edgellm profile`, else an estimate), a shipped profile name or a YAML path.
+    units: restrict placement to these units, in preference order (e.g. ["opencl", "neon"]);
+    an op none of them runs goes to the reference backend with a warning.
+    prefill_chunk: tokens per prefill step; None lets the roofline model choose.
     kv: "pool" (block pool of n_ctx tokens with a prefix cache) or "ring" (a sliding window of
     `window` tokens keeping the first `sinks`, for chats of any length in constant memory).
     kv_precision: "f16" (default), "f32", or "int8" (pool only).
+    threads: compute threads; default one per big core. Threads are pinned to the big cores.
     progress(stage, done, total) is called while pulling and while preparing weights.
     """
+    from .device.topology import detect_clusters, pin_threads, select_big
+
     kv_cfg = KVConfig(kind=kv, precision=kv_precision, window=window, sinks=sinks)
-    if device not in (None, "cpu"):
-        raise ConfigError(f"device {device!r} is not known; this build runs on 'cpu' (the numpy reference backend)")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
+    if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+        raise ConfigError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+    if isinstance(units, str):
+        units = [u.strip() for u in units.split(",") if u.strip()]
+    profile = device_profile(device)
     t0 = time.perf_counter()
     path = resolve_model(None if model is None else os.fspath(model),
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)
@@ -254,12 +266,39 @@ def load(model: str | os.PathLike | None = None, device: str | None = None, *, n
     if need > avail:
         raise ConfigError(f"not enough memory: the model needs {need / 2**20:.0f} MiB at n_ctx={n_ctx} "
                           f"but {avail / 2**20:.0f} MiB are available; lower n_ctx or use a smaller model")
-    threads = threads or default_threads()
+    big = select_big(detect_clusters())
+    threads = threads or len(big)
+    pinning = pin_threads(big)
+    if not pinning.ok:
+        log.warning("threads not pinned to the big cores: %s", pinning.reason)
     _limit_blas_threads(threads)
     store = make_store(mf.config, kv_cfg, n_ctx)
-    runner = ModelRunner(mf, store.max_positions, prefill_chunk,
+    dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
+                            kv_bytes=_KV_BYTES[kv_precision], threads=threads)
+    # the chunk's activations may take a quarter of the memory the model leaves free
+    plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, memory_budget=(avail - need) / 4,
+                           chunk=prefill_chunk)
+    for u in plan.units:
+        log.debug("unit %s: %s (%s)", u.name, "available" if u.available else "unavailable", u.reason)
+    placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
+    runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement,
                          progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
-    return Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
+    eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
+    eng.plan, eng.profile, eng.pinning = plan, profile, pinning
+    return eng
+
+
+_KV_BYTES = {"f16": 2.0, "f32": 4.0, "int8": 1.0}
+
+
+def device_profile(device: str | os.PathLike | None):
+    """The DeviceProfile for load(device=...): None / "host" -> this machine's."""
+    from .device.host import host_profile
+    from .device.profile import load_profile
+
+    if device is None or device == "host":
+        return host_profile()
+    return load_profile(device)
 
 
 _BLAS_LIMIT = None

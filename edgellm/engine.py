@@ -1,7 +1,7 @@
 """The forward pass over layers: chunked prefill with batched GEMMs, and single-token decode.
 
-Model code does not ask which unit it runs on: every op goes through `self.be`, the backend the
-placement chose (today only the reference backend exists; the dispatcher issue adds the plan).
+Model code does not ask which unit it runs on: each op runs on the backend the dispatcher's plan
+names for the step's phase (prefill chunk or single-token decode step), with that unit's weights.
 """
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 
+from . import backends
 from .backends import reference
 from .errors import Cancelled, ConfigError
 from .model.loader import ModelFile
@@ -37,7 +38,10 @@ class ModelRunner:
     k, v), read(layer, n), commit(n, ids), truncate(n), can_truncate(n), max_chunk (None: no
     limit) and rotate_on_read."""
 
-    def __init__(self, model: ModelFile, max_positions: int, prefill_chunk: int = 512, progress=None):
+    def __init__(self, model: ModelFile, max_positions: int, prefill_chunk: int = 512, progress=None,
+                 placement: dict[str, dict[str, str]] | None = None):
+        """placement: phase ("prefill" | "decode") -> op name -> unit name, from the dispatcher's
+        plan; None runs every op on the reference backend."""
         cfg = model.config
         if max_positions < 1:
             raise ConfigError(f"the context must hold >= 1 token, got {max_positions}")
@@ -45,9 +49,21 @@ class ModelRunner:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.cfg = cfg
         self.prefill_chunk = prefill_chunk
-        self.be = reference
-        self.w = reference.prepare(model, progress=progress)
-        self.cos, self.sin = reference.rope_tables(cfg, max_positions, self.w.rope_freqs)  # (positions, rope_dim/2)
+        self.placement = placement or {ph: {op: "reference" for op in _OP_NAMES} for ph in ("prefill", "decode")}
+        units = dict.fromkeys(u for ph in self.placement.values() for u in ph.values())
+        mods = {}
+        for u in units:
+            mod, why = backends.get(u)
+            if mod is None:
+                raise ConfigError(f"the plan names unit {u!r}, which cannot be loaded: {why}")
+            mods[u] = mod
+        # each unit's resident weights, prepared once (progress is reported for the first only)
+        weights = {u: m.prepare(model, progress=progress if i == 0 else None) for i, (u, m) in enumerate(mods.items())}
+        # phase -> op name -> (backend module, its prepared weights)
+        self._ops = {ph: {op: (mods[u], weights[u]) for op, u in ops.items()} for ph, ops in self.placement.items()}
+        self.w = weights.get("reference") or next(iter(weights.values()))
+        rope_freqs = reference.prepare_rope_freqs(model)
+        self.cos, self.sin = reference.rope_tables(cfg, max_positions, rope_freqs)  # (positions, rope_dim/2)
         # K/V read buffers reused by every layer and step: (KVH, positions, hd) each. Fresh arrays
         # of this size per read would be returned to the OS and faulted in again each time.
         self._kv_bufs = tuple(np.empty((cfg.n_kv_heads, max_positions, cfg.head_dim), np.float32) for _ in range(2))
@@ -91,33 +107,46 @@ class ModelRunner:
     def _layers(self, seq, ids: np.ndarray, cancel: CancelToken | None) -> np.ndarray:
         """One chunk through every layer. The chunk's positions are seq.n_tokens.. (absolute for
         a pool; cache positions for a ring, whose keys are stored unrotated and rotated here)."""
-        cfg, be, w = self.cfg, self.be, self.w
+        cfg = self.cfg
         T = len(ids)
+        P = self._ops["decode" if T == 1 else "prefill"]
         start = seq.chunk_start(T) if seq.rotate_on_read else seq.n_tokens
         n = start + T                                                         # keys visible to the chunk
         cos, sin = self.cos[start:n], self.sin[start:n]
+        be, w = P["embedding"]
         x = be.embedding(w.embedding, ids)                                   # (T, d)
         q_end, k_end = cfg.q_dim, cfg.q_dim + cfg.kv_dim
-        for li, lw in enumerate(w.layers):
+        (norm1, wn1), (mqkv, wqkv), (mrope, _), (matt, _), (mo, wo), (madd1, _), (norm2, wn2), \
+            (mgu, wgu), (mswi, _), (mdown, wdown), (madd2, _) = (P[op] for op in _LAYER_OPS)
+        for li in range(cfg.n_layers):
             if cancel is not None and cancel.cancelled:
                 raise Cancelled("cancelled during prefill")
-            h = be.rmsnorm(x, lw.attn_norm, cfg.norm_eps)
-            qkv = be.matmul(h, lw.wqkv, lw.bqkv)                             # (T, q_dim + 2 kv_dim)
-            q = be.rope(qkv[:, :q_end].reshape(T, cfg.n_heads, cfg.head_dim), cos, sin, cfg.rope_style)
+            h = norm1.rmsnorm(x, wn1.layers[li].attn_norm, cfg.norm_eps)
+            lq = wqkv.layers[li]
+            qkv = mqkv.matmul(h, lq.wqkv, lq.bqkv)                            # (T, q_dim + 2 kv_dim)
+            q = mrope.rope(qkv[:, :q_end].reshape(T, cfg.n_heads, cfg.head_dim), cos, sin, cfg.rope_style)
             k = qkv[:, q_end:k_end].reshape(T, cfg.n_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].reshape(T, cfg.n_kv_heads, cfg.head_dim)
             if seq.rotate_on_read:
                 seq.write(li, start, k, v)
                 kc, vc = seq.read(li, n)                                      # (KVH, n, hd), unrotated
-                kc = be.rope(kc.transpose(1, 0, 2), self.cos[:n], self.sin[:n], cfg.rope_style).transpose(1, 0, 2)
+                kc = mrope.rope(kc.transpose(1, 0, 2), self.cos[:n], self.sin[:n], cfg.rope_style).transpose(1, 0, 2)
             else:
-                seq.write(li, start, be.rope(k, cos, sin, cfg.rope_style), v)
+                seq.write(li, start, mrope.rope(k, cos, sin, cfg.rope_style), v)
                 kc, vc = seq.read(li, n, out=self._kv_bufs)                   # (KVH, n, hd) views
-            att = be.attention(q, kc, vc, start)                              # (T, q_dim)
-            x = be.add(x, be.matmul(att, lw.wo))
-            h = be.rmsnorm(x, lw.ffn_norm, cfg.norm_eps)
-            x = be.add(x, be.matmul(be.swiglu(be.matmul(h, lw.w_gate_up)), lw.w_down))
+            att = matt.attention(q, kc, vc, start)                            # (T, q_dim)
+            x = madd1.add(x, mo.matmul(att, wo.layers[li].wo))
+            h = norm2.rmsnorm(x, wn2.layers[li].ffn_norm, cfg.norm_eps)
+            x = madd2.add(x, mdown.matmul(mswi.swiglu(mgu.matmul(h, wgu.layers[li].w_gate_up)), wdown.layers[li].w_down))
         return x
 
     def _head(self, x: np.ndarray) -> np.ndarray:
-        return self.be.lm_head(self.be.rmsnorm(x, self.w.output_norm, self.cfg.norm_eps), self.w.lm_head)
+        P = self._ops["decode" if len(x) == 1 else "prefill"]
+        (mn, wn), (mh, wh) = P["output_norm"], P["lm_head"]
+        return mh.lm_head(mn.rmsnorm(x, wn.output_norm, self.cfg.norm_eps), wh.lm_head)
+
+
+# the engine's op sequence; the names are ops.layer_ops / ops.model_ops names
+_LAYER_OPS = ("attn_norm", "qkv", "rope", "attention", "attn_out", "attn_add", "ffn_norm", "ffn_gate_up",
+              "swiglu", "ffn_down", "ffn_add")
+_OP_NAMES = ("embedding", *_LAYER_OPS, "output_norm", "lm_head")

@@ -14,6 +14,7 @@ from .. import quant
 from ..model.config import ModelConfig
 
 NAME = "reference"
+KIND = "cpu"
 
 
 def available() -> tuple[bool, str]:
@@ -175,6 +176,14 @@ def prepared_nbytes(cfg: ModelConfig) -> int:
     return 4 * (cfg.n_layers * per_layer + cfg.vocab_size * cfg.d_model + cfg.d_model)
 
 
+def prepare_rope_freqs(model) -> np.ndarray | None:
+    """Llama 3.x per-frequency divisors (rope_dim/2,), or None: shared by every unit's RoPE."""
+    cfg = model.config
+    if not cfg.has_rope_freqs:
+        return None
+    return quant.dequantize(model.raw("rope_freqs.weight"), model.tensor_type("rope_freqs.weight"), (cfg.rope_dim // 2,))
+
+
 def prepare(model, precision: str = "fp32", progress=None) -> PreparedWeights:
     """Dequantize every matrix to fp32 once, at load, and fuse QKV and gate/up.
     fp32 because numpy's only fast GEMM is sgemm; the cost is stated by prepared_nbytes()."""
@@ -217,7 +226,7 @@ def prepare(model, precision: str = "fp32", progress=None) -> PreparedWeights:
     return PreparedWeights(
         embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
         layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm,
-        rope_freqs=f32("rope_freqs.weight", (cfg.rope_dim // 2,)) if cfg.has_rope_freqs else None,
+        rope_freqs=prepare_rope_freqs(model),
     )
 
 

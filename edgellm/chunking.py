@@ -1,0 +1,108 @@
+"""Roofline chunk sizing: how many prompt tokens one prefill step processes.
+
+The chunk is the smallest aligned size at which the prefill unit's GEMMs reach its compute roof
+(weights are read once per chunk, so a larger chunk raises their arithmetic intensity, until the
+unit is compute-bound and more tokens only cost memory and responsiveness). It is then bounded
+by the memory budget (activations + KV of the chunk), by the last-level cache (the widest GEMM's
+activations should stay cached while the weight tiles stream past), by the context, and, on a
+static-shape unit, rounded to one of its buckets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from .costmodel import Unit
+from .model.config import ModelConfig
+from .ops import ACT_BYTES, MATMUL_KINDS, layer_ops, op_cost
+
+ALIGN = 32            # quantized activation blocks are 32 wide; Mali warps (16) divide it too
+ROOF_FRACTION = 0.9   # "at the roof": attainable compute within 10% of the unit's best
+LAUNCH_SHARE = 0.1    # and the per-call overhead at most 10% of the GEMM's compute time
+MAX_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class ChunkChoice:
+    tokens: int                  # the prefill chunk the engine uses
+    unit: str                    # the unit whose GEMMs sized it
+    roof_tokens: int             # smallest aligned size at the roof, before the bounds
+    derivation: tuple[str, ...]  # one line per step, for `edgellm plan`
+
+
+def per_token_bytes(cfg: ModelConfig, kv_bytes: float) -> float:
+    """Memory one more chunk token needs: the live activations of a layer (residual, normed
+    input, qkv, attention output, gate|up, swiglu output) plus its KV in every layer."""
+    act = ACT_BYTES * (3 * cfg.d_model + 2 * cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.d_ff)
+    return act + cfg.n_layers * 2 * cfg.kv_dim * kv_bytes
+
+
+def _why_not_roof(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], T: int, kv_bytes: float) -> str:
+    """'' when every GEMM of the layer is at the roof at T tokens, else the first reason not."""
+    for op in layer_ops(cfg):
+        if op.kind not in MATMUL_KINDS:
+            continue
+        prec, fmt = unit.precision_for(op, formats.get(op.name, "f32"))
+        best = max([f for _, f in unit.gemm_curve] if (unit.gemm_curve and prec == "fp32") else [unit.peak.get(prec, 0.0)])
+        att = unit.attainable(prec, T)
+        if best <= 0:
+            return f"{unit.name} has no {prec} peak"
+        if att < ROOF_FRACTION * best:
+            return f"{op.name} reaches {att / 1e9:.0f} of {best / 1e9:.0f} GFLOPS on its GEMM-by-rows curve"
+        c = op_cost(op, cfg, T, 0, fmt, kv_bytes)
+        ridge = att / unit.bandwidth
+        if c.intensity < ridge:
+            return f"{op.name} is memory-bound (AI {c.intensity:.1f} < ridge {ridge:.1f} FLOP/B)"
+        if unit.launch_s > LAUNCH_SHARE * c.flops / att:
+            return f"{op.name}'s launch overhead is over {LAUNCH_SHARE:.0%} of its compute"
+    return ""
+
+
+def choose_chunk(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], *, n_ctx: int,
+                 memory_budget: float, kv_bytes: float = 2.0, max_tokens: int = MAX_TOKENS) -> ChunkChoice:
+    lines = []
+    roof, last_why = None, ""
+    for T in range(ALIGN, max_tokens + 1, ALIGN):
+        why = _why_not_roof(unit, cfg, formats, unit.padded(T), kv_bytes)
+        if not why:
+            roof = T
+            break
+        last_why = why
+    if roof is None:
+        roof = max_tokens
+        lines.append(f"roof: {unit.name}'s GEMMs do not reach the roof by {max_tokens} tokens ({last_why})")
+    elif roof == ALIGN:
+        lines.append(f"roof: {unit.name}'s GEMMs are compute-bound from the smallest aligned chunk, {ALIGN}")
+    else:
+        lines.append(f"roof: {unit.name}'s GEMMs reach the roof at {roof} tokens "
+                     f"(at {roof - ALIGN}: {last_why})")
+    T = roof
+
+    per_tok = per_token_bytes(cfg, kv_bytes)
+    t_mem = max(ALIGN, int(memory_budget // per_tok) // ALIGN * ALIGN)
+    if t_mem < T:
+        lines.append(f"memory: {memory_budget / 2**20:.0f} MiB budget / {per_tok / 1024:.1f} KiB per token "
+                     f"caps it at {t_mem}")
+        T = t_mem
+    if unit.kind == "cpu" and unit.cache_bytes > 0:
+        widest = max((op.k + op.n for op in layer_ops(cfg) if op.kind in MATMUL_KINDS))
+        t_cache = max(ALIGN, int(unit.cache_bytes // (ACT_BYTES * widest)) // ALIGN * ALIGN)
+        if t_cache < T:
+            lines.append(f"cache: the widest GEMM's activations ({widest} floats per token) fit "
+                         f"{unit.cache_bytes / 2**20:.1f} MiB of cache up to {t_cache} tokens")
+            T = t_cache
+    if n_ctx < T:
+        lines.append(f"context: at most n_ctx = {n_ctx}")
+        T = n_ctx
+    if unit.buckets and T not in unit.buckets:
+        # up to the next bucket (padding wastes work); down instead when a bound cut the chunk
+        above = [b for b in unit.buckets if b >= T]
+        below = [b for b in unit.buckets if b <= T]
+        if T < roof:
+            b = max(below) if below else unit.buckets[0]
+        else:
+            b = min(above) if above else unit.buckets[-1]
+        lines.append(f"buckets: {unit.name} runs static shapes {list(unit.buckets)}: {T} -> {b}")
+        T = b
+    lines.append(f"chunk = {T} tokens")
+    return ChunkChoice(T, unit.name, roof, tuple(lines))

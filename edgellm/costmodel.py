@@ -1,0 +1,195 @@
+"""The roofline cost model: each compute unit as the dispatcher sees it, and an op's predicted time.
+
+predicted(op on unit) = max(FLOPs / attainable compute, bytes / bandwidth) + launch overhead,
+where attainable compute is the unit's peak at the op's precision, or, for a unit whose GEMM
+throughput was measured by `edgellm profile`, the measured figure at that token count (BLAS on a
+few rows is far from its peak; the measurement says by how much). Handing an activation to a unit
+of another kind adds a fixed transfer overhead plus a copy unless the memory is shared zero-copy.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .device.profile import CpuCluster, DeviceProfile
+from .ops import MATMUL_KINDS, OpCost, OpSpec, op_cost
+from .model.config import ModelConfig
+
+# Per-call cost of one numpy op from Python (dispatch, temporaries): 4-6 us measured on the
+# development machine; used where a profile carries no measurement of its own.
+REFERENCE_CALL_S = 5e-6
+# A ctypes call into a native kernel, barrier of a pinned pool included.
+NATIVE_CALL_S = 2e-6
+# BLAS sgemm on few rows is far below its peak. Without a measured curve for the reference unit,
+# this shape is used: fraction of the best throughput at (rows), measured with numpy + OpenBLAS
+# at K=576, N=1536 on the 2-core x86 development machine (median of 30 runs each).
+BLAS_ROWS_EFFICIENCY = ((1, 0.16), (8, 0.35), (16, 0.53), (32, 0.54), (64, 0.84), (128, 0.83),
+                        (256, 0.92), (512, 0.95), (1024, 1.0))
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str                                  # backend name: reference, neon, opencl, npu
+    kind: str                                  # cpu | gpu | npu: units of one kind share data freely
+    peak: Mapping[str, float]                  # precision -> FLOP/s (op/s for int8)
+    bandwidth: float                           # bytes/s the unit streams from DRAM
+    launch_s: float                            # fixed cost per op call
+    transfer_s: float = 0.0                    # fixed cost of a handoff to/from another kind
+    zero_copy: bool = True                     # a handoff needs no copy (unified memory, mapped)
+    buckets: tuple[int, ...] = ()              # static token counts it runs (NPU); () = any
+    op_kinds: frozenset[str] | None = None     # op kinds it runs; None = all
+    gemm_curve: tuple[tuple[int, float], ...] = ()   # measured (tokens, FLOP/s) of fp32 GEMM
+    cache_bytes: int = 0                       # last-level cache the GEMM working set should fit in
+    quant_precision: str = "fp32"              # compute precision for GGUF-quantized weights
+    stores_quantized: bool = False             # keeps GGUF block formats resident (else dequantizes)
+    available: bool = True
+    reason: str = ""                           # why it is (un)available
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def padded(self, tokens: int) -> int:
+        """Tokens actually computed: a static-shape unit pads up to its next bucket, and runs
+        a longer step as several full buckets."""
+        if not self.buckets:
+            return tokens
+        for b in self.buckets:
+            if tokens <= b:
+                return b
+        top = self.buckets[-1]
+        return top * math.ceil(tokens / top)
+
+    def attainable(self, precision: str, tokens: int) -> float:
+        """FLOP/s this unit reaches at `precision` on a GEMM of `tokens` rows."""
+        if self.gemm_curve and precision == "fp32":
+            return _interpolate(self.gemm_curve, tokens)
+        return self.peak.get(precision, 0.0)
+
+    def precision_for(self, op: OpSpec, weight_format: str) -> tuple[str, str]:
+        """(compute precision, resident weight format) of `op` on this unit."""
+        if op.kind not in MATMUL_KINDS:
+            return "fp32", "f32" if op.kind != "embedding" else weight_format
+        if weight_format in ("f32", "f16") or not self.stores_quantized:
+            fmt = weight_format if self.stores_quantized else "f32"
+            return ("fp16" if fmt == "f16" and "fp16" in self.peak else "fp32"), fmt
+        return self.quant_precision, ("int8" if self.kind == "npu" else weight_format)
+
+
+def _interpolate(curve: tuple[tuple[int, float], ...], tokens: int) -> float:
+    """Piecewise linear in log(tokens), clamped at both ends."""
+    if tokens <= curve[0][0]:
+        return curve[0][1]
+    for (t0, f0), (t1, f1) in zip(curve, curve[1:]):
+        if tokens <= t1:
+            a = (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
+            return f0 + a * (f1 - f0)
+    return curve[-1][1]
+
+
+@dataclass(frozen=True)
+class Estimate:
+    ms: float                  # predicted time of the op on the unit, transfers excluded
+    precision: str
+    weight_format: str
+    cost: OpCost               # at the padded token count
+    bound: str                 # "compute", "memory" or "launch": what the time is made of
+    ridge: float               # the unit's ridge point (FLOP/byte) at that precision
+
+
+def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int, weight_format: str,
+             kv_bytes: float, prefill: bool) -> Estimate | None:
+    """Predicted time of `op` on `unit`; None when the unit has no figure for its precision."""
+    prec, fmt = unit.precision_for(op, weight_format)
+    t = unit.padded(tokens)
+    cost = op_cost(op, cfg, t, context, fmt, kv_bytes, prefill)
+    peak = unit.attainable(prec, 1 if (op.last_row_only and prefill) else t)
+    if peak <= 0:
+        return None
+    compute_s, memory_s = cost.flops / peak, cost.bytes / unit.bandwidth
+    body = max(compute_s, memory_s)
+    bound = "launch" if unit.launch_s > body else ("compute" if compute_s >= memory_s else "memory")
+    return Estimate((body + unit.launch_s) * 1e3, prec, fmt, cost, bound, peak / unit.bandwidth)
+
+
+def handoff_ms(src: Unit, dst: Unit, nbytes: float) -> float:
+    """Moving an activation of `nbytes` from src to dst. CPU units share caches: free. Otherwise
+    each accelerator side pays its fixed overhead (map/unmap, cache maintenance, fence), and a
+    side that is not zero-copy pays a copy through DRAM (write + read)."""
+    if src.name == dst.name or (src.kind == "cpu" and dst.kind == "cpu"):
+        return 0.0
+    s = 0.0
+    for u in (src, dst):
+        if u.kind != "cpu":
+            s += u.transfer_s
+            if not u.zero_copy:
+                s += 2 * nbytes / u.bandwidth
+    return s * 1e3
+
+
+# ---- units from a profile ----------------------------------------------------------------------
+
+def big_cpu(profile: DeviceProfile) -> tuple[CpuCluster, ...]:
+    """The clusters compute threads run on (the same rule as device.topology.select_big)."""
+    from .device.topology import DetectedCluster, select_big
+
+    det = [DetectedCluster(c.cores, c.max_freq_hz, c.capacity) for c in profile.clusters]
+    big = set(select_big(tuple(det)))
+    return tuple(c for c in profile.clusters if set(c.cores) <= big) or profile.clusters
+
+
+def cpu_peak(clusters: tuple[CpuCluster, ...], precision: str) -> float:
+    """Peak of the big cores when work is split evenly: the slowest core sets the pace, so
+    cores x the smallest per-core figure, not the sum."""
+    per_core = [c.peak_per_core.get(precision, 0.0) for c in clusters]
+    return min(per_core) * sum(len(c.cores) for c in clusters) if per_core else 0.0
+
+
+def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -> Unit:
+    """reference (numpy) or neon on the big cores. The host's measured figures win over peaks."""
+    clusters = big_cpu(profile)
+    n_big = sum(len(c.cores) for c in clusters)
+    scale = min(threads, n_big) / n_big if threads else 1.0
+    peak = {p: cpu_peak(clusters, p) * scale for p in ("fp32", "fp16", "int8")}
+    bw = profile.memory_bandwidth
+    curve: tuple = ()
+    launch = REFERENCE_CALL_S if name == "reference" else NATIVE_CALL_S
+    m = profile.measured
+    notes = []
+    if m is not None:
+        bw = m.memory_read_bandwidth
+        um = m.units.get(name)
+        if um is not None:
+            peak = dict(um.precision_flops)
+            curve = tuple(sorted((g.m, g.flops) for g in um.gemm))
+            launch = um.call_overhead_s
+            notes.append(f"measured by {m.tool} on {m.date}")
+    if name == "reference":
+        # numpy has a fast GEMM only in fp32 (BLAS sgemm): weights are dequantized at load
+        peak = {"fp32": peak.get("fp32", 0.0)}
+        if not curve:
+            curve = tuple((m, f * peak["fp32"]) for m, f in BLAS_ROWS_EFFICIENCY)
+            notes.append("GEMM efficiency by rows: nominal BLAS curve (not measured here)")
+    llc = max((c.l3_bytes or c.l2_bytes * len(c.cores)) for c in clusters)
+    has_dot = all("dotprod" in c.features for c in clusters)
+    return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, cache_bytes=llc,
+                quant_precision="int8" if (name == "neon" and has_dot) else "fp32",
+                stores_quantized=(name != "reference"), notes=tuple(notes))
+
+
+def gpu_unit(profile: DeviceProfile) -> Unit | None:
+    g = profile.gpu
+    if g is None or g.api != "opencl":
+        return None
+    peak = dict(g.peak)
+    return Unit("opencl", "gpu", peak, profile.memory_bandwidth, g.launch_overhead_s, g.transfer_overhead_s,
+                zero_copy=g.unified_memory, quant_precision="int8" if (g.int8_dot and "int8" in peak) else "fp32",
+                stores_quantized=True)
+
+
+def npu_unit(profile: DeviceProfile) -> Unit | None:
+    n = profile.npu
+    if n is None:
+        return None
+    return Unit("npu", "npu", dict(n.peak), profile.memory_bandwidth, n.launch_overhead_s, n.transfer_overhead_s,
+                zero_copy=False, buckets=n.chunk_buckets if n.static_shapes else (),
+                op_kinds=frozenset(n.supported_ops), quant_precision="int8" if "int8" in n.peak else "fp16",
+                stores_quantized=True)

@@ -1,0 +1,361 @@
+"""Placement: which unit runs each op, per phase (prefill chunk / decode step), and why.
+
+The only place that decides placement. For one layer, the dispatcher minimises the predicted time
+of the whole layer, handoffs between units included (a dynamic programme over the op chain: a
+unit that is locally fastest can lose once moving its input there is paid for). Layers are
+identical, so the layer's residual stream must end on the unit it started on. Every decision
+keeps its reason and the other units' predicted times or why they could not take the op.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from . import backends
+from .chunking import ChunkChoice, choose_chunk
+from .costmodel import Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
+from .device.profile import DeviceProfile
+from .errors import ConfigError
+from .model.config import ModelConfig
+from .ops import ACT_BYTES, MATMUL_KINDS, OpSpec, layer_ops, model_ops
+
+log = logging.getLogger("edgellm")
+PHASES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Placement:
+    scope: str              # "layer" (same in every layer) or "model"
+    op: str
+    kind: str
+    phase: str
+    unit: str
+    precision: str          # compute precision on the unit
+    weight_format: str      # resident weight format on the unit
+    flops: float
+    bytes: float
+    intensity: float
+    bound: str              # compute | memory | launch
+    predicted_ms: float     # on the unit, the handoff into it included
+    transfer_ms: float      # the handoff part
+    reason: str
+    alternatives: tuple[tuple[str, str], ...]   # (unit, "0.123 ms" or why it could not)
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    phase: str
+    tokens: int
+    context: int
+    placements: tuple[Placement, ...]
+    layer_ms: float         # one layer, handoffs included
+    model_ms: float         # embedding + final norm + head
+    n_layers: int
+
+    @property
+    def step_ms(self) -> float:
+        return self.layer_ms * self.n_layers + self.model_ms
+
+    def unit(self, op: str) -> str:
+        for p in self.placements:
+            if p.op == op:
+                return p.unit
+        raise KeyError(op)
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: str
+    units: tuple[Unit, ...]
+    prefill: PhasePlan
+    decode: PhasePlan
+    chunk: ChunkChoice
+    prompt_tokens: int
+    predicted_ttft_ms: float
+    predicted_decode_tps: float
+    warnings: tuple[str, ...]
+
+    def phase(self, name: str) -> PhasePlan:
+        return self.prefill if name == "prefill" else self.decode
+
+    def units_used(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.unit for ph in (self.prefill, self.decode) for p in ph.placements))
+
+    def to_json(self) -> dict:
+        return {
+            "device": self.device, "prompt_tokens": self.prompt_tokens,
+            "predicted_ttft_ms": round(self.predicted_ttft_ms, 3),
+            "predicted_decode_tps": round(self.predicted_decode_tps, 3),
+            "chunk_tokens": self.chunk.tokens, "chunk_derivation": list(self.chunk.derivation),
+            "units": [{"name": u.name, "kind": u.kind, "available": u.available, "reason": u.reason}
+                      for u in self.units],
+            "warnings": list(self.warnings),
+            "ops": [{"layer": p.scope, "op": p.op, "phase": p.phase, "unit": p.unit, "precision": p.precision,
+                     "weight_format": p.weight_format, "flops": p.flops, "bytes": p.bytes,
+                     "intensity": round(p.intensity, 3), "bound": p.bound,
+                     "predicted_ms": round(p.predicted_ms, 6), "reason": p.reason,
+                     "alternatives": dict(p.alternatives)}
+                    for ph in (self.prefill, self.decode) for p in ph.placements],
+        }
+
+
+# ---- units -------------------------------------------------------------------------------------
+
+def build_units(profile: DeviceProfile, *, probe: bool, threads: int | None = None) -> tuple[Unit, ...]:
+    """The units of `profile`. probe=True: this is the machine we run on, and each unit is
+    available only if its backend module loads and its own probe passes. probe=False: planning
+    for another device; what its profile describes is assumed present (and said so)."""
+    from dataclasses import replace
+
+    models: list[Unit] = []
+    for name in backends.names():
+        mod, _ = backends.get(name) if name not in backends.KNOWN else (None, "")
+        if name == "neon" or name == "reference":
+            models.append(cpu_unit(name, profile, threads=threads))
+        elif name == "opencl":
+            u = gpu_unit(profile)
+            models.append(u or Unit("opencl", "gpu", {}, 1.0, 0.0, available=False,
+                                    reason=f"{profile.name} has no OpenCL GPU"))
+        elif name == "npu":
+            u = npu_unit(profile)
+            models.append(u or Unit("npu", "npu", {}, 1.0, 0.0, available=False, reason=f"{profile.name} has no NPU"))
+        elif mod is not None and hasattr(mod, "cost_unit"):
+            models.append(mod.cost_unit(profile))
+    out = []
+    for u in models:
+        if not u.available:
+            out.append(u)
+            continue
+        if not probe:
+            ok, why = _assumed(u, profile)
+        else:
+            ok, why = _probe(u.name)
+        out.append(replace(u, available=ok, reason=why))
+    return tuple(out)
+
+
+def _assumed(u: Unit, profile: DeviceProfile) -> tuple[bool, str]:
+    if u.name == "neon" and not all("neon" in c.features for c in profile.clusters):
+        return False, f"{profile.name}'s CPU has no NEON"
+    return True, f"assumed from the {profile.name} profile (not probed on this machine)"
+
+
+def _probe(name: str) -> tuple[bool, str]:
+    mod, why = backends.get(name)
+    if mod is None:
+        return False, why
+    try:
+        ok, why = mod.available()
+    except Exception as e:  # a probe must never take the engine down
+        return False, f"probe failed: {type(e).__name__}: {e}"
+    return bool(ok), why
+
+
+def _supports(u: Unit, op: OpSpec, precision: str, probe: bool) -> tuple[bool, str]:
+    if u.op_kinds is not None:
+        kinds = u.op_kinds | ({"lm_head"} if "matmul" in u.op_kinds else set())
+        if op.kind not in kinds:
+            return False, f"{u.name} runs only {', '.join(sorted(u.op_kinds))}"
+    if probe:
+        mod, why = backends.get(u.name)
+        if mod is None:
+            return False, why
+        ok, why = mod.supports(op.kind, precision)
+        return bool(ok), why
+    return True, ""
+
+
+# ---- placement ---------------------------------------------------------------------------------
+
+class Dispatcher:
+    """Plans for one model on one device. formats: op name -> the model's weight format
+    ("q4_1", "f32", ...). override: unit names in preference order (load(units=...))."""
+
+    def __init__(self, profile: DeviceProfile, cfg: ModelConfig, formats: Mapping[str, str], *,
+                 probe: bool, units: Sequence[Unit] | None = None, override: Sequence[str] | None = None,
+                 kv_bytes: float = 2.0, threads: int | None = None):
+        self.profile, self.cfg, self.formats = profile, cfg, dict(formats)
+        self.probe, self.kv_bytes = probe, kv_bytes
+        self.units = tuple(units) if units is not None else build_units(profile, probe=probe, threads=threads)
+        names = [u.name for u in self.units]
+        self.override = tuple(override) if override else None
+        if self.override:
+            bad = [n for n in self.override if n not in names]
+            if bad:
+                raise ConfigError(f"units: unknown unit(s) {', '.join(bad)} (known: {', '.join(names)})")
+            if len(set(self.override)) != len(self.override):
+                raise ConfigError(f"units: {', '.join(self.override)} lists a unit twice")
+        self.warnings: list[str] = []
+        self._warned: set[str] = set()
+
+    def unit(self, name: str) -> Unit:
+        return next(u for u in self.units if u.name == name)
+
+    # -- options per op ----------------------------------------------------------------------
+    def _options(self, op: OpSpec, phase: str, tokens: int, context: int):
+        """{unit: Estimate} of the units that can run op, and {unit: why not} of the others."""
+        ok, no = {}, {}
+        for u in self.units:
+            if not u.available:
+                no[u.name] = f"unavailable: {u.reason}"
+                continue
+            prec, _ = u.precision_for(op, self.formats.get(op.name, "f32"))
+            sup, why = _supports(u, op, prec, self.probe)
+            if not sup:
+                no[u.name] = f"does not run {op.kind} in {prec}: {why}" if why else f"does not run {op.kind}"
+                continue
+            est = estimate(u, op, self.cfg, tokens, context, self.formats.get(op.name, "f32"),
+                           self.kv_bytes, phase == "prefill")
+            if est is None:
+                no[u.name] = f"no {prec} throughput figure in the profile"
+                continue
+            ok[u.name] = est
+        return ok, no
+
+    def _forced(self, op: OpSpec, ok: Mapping[str, Estimate]) -> str:
+        """--units: the first listed unit that can run op; else reference, with one warning."""
+        for n in self.override:
+            if n in ok:
+                return n
+        if "reference" not in ok:
+            raise ConfigError(f"op {op.name}: no unit can run it ({', '.join(self.override)} listed)")
+        if op.name not in self._warned:
+            self._warned.add(op.name)
+            msg = f"op {op.name} ({op.kind}): none of --units {','.join(self.override)} runs it; using reference"
+            self.warnings.append(msg)
+            log.warning(msg)
+        return "reference"
+
+    def _chain(self, ops, phase, tokens, context, start: str, end: str | None):
+        """Best units for an op chain whose input lives on `start` (and, if `end`, whose output
+        must end there). Returns (total ms, [unit], [(ok, no)])."""
+        opts = [self._options(op, phase, tokens, context) for op in ops]
+        for op, (ok, no) in zip(ops, opts):
+            if not ok:
+                raise ConfigError(f"op {op.name}: no available unit can run it: {no}")
+        if self.override:
+            choice = [self._forced(op, ok) for op, (ok, _) in zip(ops, opts)]
+            return self._total(ops, choice, opts, start, end, tokens, phase), choice, opts
+        # Viterbi over the chain: best[u] = (ms, path) with the current activation on u
+        best = {start: (0.0, [])}
+        for op, (ok, _) in zip(ops, opts):
+            nxt = {}
+            for u, est in ok.items():
+                cands = [(ms + handoff_ms(self.unit(p), self.unit(u), self._in_bytes(op, tokens, phase)) + est.ms,
+                          path + [u]) for p, (ms, path) in best.items()]
+                nxt[u] = min(cands, key=lambda c: c[0])
+            best = nxt
+        if end is not None:
+            h = ACT_BYTES * tokens * self.cfg.d_model
+            best = {u: (ms + handoff_ms(self.unit(u), self.unit(end), h), path) for u, (ms, path) in best.items()}
+        ms, path = min(best.values(), key=lambda c: c[0])
+        return ms, path, opts
+
+    def _in_bytes(self, op: OpSpec, tokens: int, phase: str) -> float:
+        rows = 1 if (op.last_row_only and phase == "prefill") else tokens
+        return ACT_BYTES * rows * (op.k or op.n)
+
+    def _total(self, ops, choice, opts, start, end, tokens, phase) -> float:
+        ms, prev = 0.0, start
+        for op, u, (ok, _) in zip(ops, choice, opts):
+            ms += handoff_ms(self.unit(prev), self.unit(u), self._in_bytes(op, tokens, phase)) + ok[u].ms
+            prev = u
+        if end is not None:
+            ms += handoff_ms(self.unit(prev), self.unit(end), ACT_BYTES * tokens * self.cfg.d_model)
+        return ms
+
+    def place(self, phase: str, tokens: int, context: int) -> PhasePlan:
+        if phase not in PHASES:
+            raise ConfigError(f"phase must be one of {PHASES}, got {phase!r}")
+        lops, (emb, onorm, head) = layer_ops(self.cfg), model_ops(self.cfg)
+        # the layer: try each unit as the home of the residual stream
+        homes = [u.name for u in self.units if u.available]
+        best = None
+        for home in homes:
+            ms, path, opts = self._chain(lops, phase, tokens, context, home, home)
+            if best is None or ms < best[0] - 1e-12:
+                best = (ms, path, opts, home)
+        layer_ms, lpath, lopts, home = best
+        e_ms, e_path, e_opts = self._chain([emb], phase, tokens, context, e_home := self._cpu_home(), home)
+        h_ms, h_path, h_opts = self._chain([onorm, head], phase, tokens, context, home, None)
+        placements = []
+        for ops, path, opts, start in (([emb], e_path, e_opts, e_home), (lops, lpath, lopts, home),
+                                       ([onorm, head], h_path, h_opts, home)):
+            prev = start
+            for op, u, (ok, no) in zip(ops, path, opts):
+                placements.append(self._placement(op, phase, tokens, u, prev, ok, no))
+                prev = u
+        return PhasePlan(phase, tokens, context, tuple(placements), layer_ms, e_ms + h_ms, self.cfg.n_layers)
+
+    def _cpu_home(self) -> str:
+        return next(u.name for u in self.units if u.available and u.kind == "cpu")
+
+    def _placement(self, op, phase, tokens, u, prev, ok, no) -> Placement:
+        est = ok[u]
+        moved = handoff_ms(self.unit(prev), self.unit(u), self._in_bytes(op, tokens, phase))
+        alts = tuple((n, f"{e.ms:.4f} ms") for n, e in ok.items()) + tuple(no.items())
+        fastest = min(ok, key=lambda n: ok[n].ms)
+        why = f"{est.bound}-bound, AI {est.cost.intensity:.1f} vs ridge {est.ridge:.1f} FLOP/B"
+        if self.override:
+            reason = (f"--units order: {u} is the first listed unit that runs it" if u in self.override
+                      else f"none of --units {','.join(self.override)} runs it: fallback to reference")
+        elif len(ok) == 1:
+            reason = f"only unit that can run it ({why}); " + "; ".join(f"{n}: {w}" for n, w in no.items())
+        elif u == fastest:
+            others = ", ".join(f"{n} {e.ms:.3f} ms" for n, e in ok.items() if n != u)
+            reason = f"fastest: {est.ms:.3f} ms, {why}; {others}"
+        else:
+            reason = (f"{fastest} alone would take {ok[fastest].ms:.3f} ms, but handing data across units "
+                      f"costs more than the {est.ms - ok[fastest].ms:.3f} ms it saves; {u} {est.ms:.3f} ms")
+        return Placement("model" if op.scope == "model" else "layer", op.name, op.kind, phase, u, est.precision,
+                         est.weight_format, est.cost.flops, est.cost.bytes, est.cost.intensity, est.bound,
+                         est.ms + moved, moved, reason.rstrip("; "), alts)
+
+    # -- the whole plan --------------------------------------------------------------------------
+    def plan(self, *, prompt_tokens: int, n_ctx: int, memory_budget: float, chunk: int | None = None) -> Plan:
+        """Place both phases, size the chunk, and predict TTFT for `prompt_tokens` and decode
+        tok/s at that context. chunk: a fixed chunk instead of the roofline's."""
+        if prompt_tokens < 1 or prompt_tokens > n_ctx:
+            raise ConfigError(f"prompt_tokens must be in 1..n_ctx ({n_ctx}), got {prompt_tokens}")
+        if chunk is None:
+            probe_t = min(512, n_ctx)
+            nominal = self.place("prefill", probe_t, 0)
+            gemm_unit = max(nominal.placements, key=lambda p: p.flops if p.kind in MATMUL_KINDS else -1).unit
+            choice = choose_chunk(self.unit(gemm_unit), self.cfg, self.formats, n_ctx=n_ctx,
+                                  memory_budget=memory_budget, kv_bytes=self.kv_bytes)
+        else:
+            if chunk < 1:
+                raise ConfigError(f"prefill chunk must be >= 1, got {chunk}")
+            choice = ChunkChoice(chunk, "", chunk, (f"chunk = {chunk} tokens (set by the caller)",))
+        prefill = self.place("prefill", choice.tokens, 0)
+        decode = self.place("decode", 1, prompt_tokens)
+        ttft = 0.0
+        for c0 in range(0, prompt_tokens, choice.tokens):
+            t = min(choice.tokens, prompt_tokens - c0)
+            ttft += self.step_ms(prefill, t, c0, head=(c0 + t >= prompt_tokens))
+        tps = 1e3 / decode.step_ms if decode.step_ms > 0 else math.inf
+        return Plan(self.profile.name, self.units, prefill, decode, choice, prompt_tokens, ttft, tps,
+                    tuple(self.warnings))
+
+    def step_ms(self, plan: PhasePlan, tokens: int, context: int, head: bool = True) -> float:
+        """Predicted time of one step of `tokens` at `context` with plan's placement."""
+        lops, (emb, onorm, head_op) = layer_ops(self.cfg), model_ops(self.cfg)
+        by_op = {p.op: p.unit for p in plan.placements}
+        prefill = plan.phase == "prefill"
+
+        def chain(ops, start, end=None):
+            ms, prev = 0.0, start
+            for op in ops:
+                u = self.unit(by_op[op.name])
+                e = estimate(u, op, self.cfg, tokens, context, self.formats.get(op.name, "f32"), self.kv_bytes, prefill)
+                ms += e.ms + handoff_ms(self.unit(prev), u, self._in_bytes(op, tokens, plan.phase))
+                prev = u.name
+            if end is not None:
+                ms += handoff_ms(self.unit(prev), self.unit(end), ACT_BYTES * tokens * self.cfg.d_model)
+            return ms
+
+        home = by_op[lops[-1].name]
+        ms = chain([emb], by_op["embedding"], home) + self.cfg.n_layers * chain(lops, home, home)
+        return ms + (chain([onorm, head_op], home) if head else 0.0)

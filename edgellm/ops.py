@@ -1,0 +1,138 @@
+"""The op IR: the ops of one transformer layer (and the model's head), and what each costs.
+
+For a phase step of T tokens with `context` tokens already in the KV cache, every op has FLOPs
+and bytes moved: weights at the format they are stored in on the unit, fp32 activations in and
+out, and the KV cache it reads or writes. Arithmetic intensity = FLOPs / bytes. The dispatcher's
+roofline model turns these into predicted times per unit; nothing here knows about units.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model.config import ModelConfig
+
+# Bytes per weight element of each storage format. GGUF block formats count their scales:
+# Q8_0 = 32 int8 + one fp16 scale per 32; Q4_0 = 16 bytes + fp16 scale; Q4_1 = 16 + fp16 scale
+# and min. int8 / int4 (per-channel / per-group-of-32 fp16 scales) are the repacked formats.
+WEIGHT_BYTES = {
+    "f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+    "int8": 1.0, "int4": 18 / 32,
+}
+ACT_BYTES = 4        # activations travel between ops as fp32
+
+# Op kinds are what a backend implements; op names are places in the layer.
+MATMUL_KINDS = ("matmul", "lm_head")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str          # "qkv", "attn_out", "ffn_gate_up", ...: unique within its scope
+    kind: str          # backend function: matmul, rmsnorm, rope, attention, swiglu, add, embedding, lm_head
+    scope: str         # "layer" (repeated n_layers times) or "model" (once per step)
+    k: int = 0         # matmul input width
+    n: int = 0         # matmul output width; for elementwise ops, the row width
+    last_row_only: bool = False   # in prefill only the last position needs it (final norm, head)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    flops: float
+    weight_bytes: float
+    act_bytes: float   # activations read + written (fp32)
+    kv_bytes: float    # KV cache read + written
+    in_bytes: float    # activation bytes the op reads from its producer (what a transfer moves)
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.act_bytes + self.kv_bytes
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes if self.bytes else float("inf")
+
+
+def layer_ops(cfg: ModelConfig) -> tuple[OpSpec, ...]:
+    """One decoder layer, in execution order (the engine runs exactly these)."""
+    d, q, kv, ff = cfg.d_model, cfg.q_dim, cfg.kv_dim, cfg.d_ff
+    return (
+        OpSpec("attn_norm", "rmsnorm", "layer", n=d),
+        OpSpec("qkv", "matmul", "layer", k=d, n=q + 2 * kv),
+        OpSpec("rope", "rope", "layer", n=q + kv),
+        OpSpec("attention", "attention", "layer", n=q),
+        OpSpec("attn_out", "matmul", "layer", k=q, n=d),
+        OpSpec("attn_add", "add", "layer", n=d),
+        OpSpec("ffn_norm", "rmsnorm", "layer", n=d),
+        OpSpec("ffn_gate_up", "matmul", "layer", k=d, n=2 * ff),
+        OpSpec("swiglu", "swiglu", "layer", n=ff),
+        OpSpec("ffn_down", "matmul", "layer", k=ff, n=d),
+        OpSpec("ffn_add", "add", "layer", n=d),
+    )
+
+
+def model_ops(cfg: ModelConfig) -> tuple[OpSpec, ...]:
+    """The ops outside the layers: embedding before, final norm and head after."""
+    d = cfg.d_model
+    return (
+        OpSpec("embedding", "embedding", "model", n=d),
+        OpSpec("output_norm", "rmsnorm", "model", n=d, last_row_only=True),
+        OpSpec("lm_head", "lm_head", "model", k=d, n=cfg.vocab_size, last_row_only=True),
+    )
+
+
+# op name -> the GGUF tensor (of layer 0) whose type is the op's weight format
+_WEIGHT_TENSORS = {"qkv": "blk.0.attn_q.weight", "attn_out": "blk.0.attn_output.weight",
+                   "ffn_gate_up": "blk.0.ffn_gate.weight", "ffn_down": "blk.0.ffn_down.weight"}
+
+
+def weight_formats(model) -> dict[str, str]:
+    """op name -> the model file's storage format of its weights ("q4_1", "f32", ...); ops
+    without a weight matrix read fp32 norms or nothing: "f32"."""
+    cfg = model.config
+    fmt = {op.name: "f32" for op in (*layer_ops(cfg), *model_ops(cfg))}
+    for op, tensor in _WEIGHT_TENSORS.items():
+        fmt[op] = model.tensor_type(tensor).name.lower()
+    fmt["embedding"] = model.tensor_type("token_embd.weight").name.lower()
+    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    fmt["lm_head"] = model.tensor_type(head).name.lower()
+    return fmt
+
+
+def op_cost(op: OpSpec, cfg: ModelConfig, tokens: int, context: int, weight_format: str = "f32",
+            kv_bytes_per_elem: float = 2.0, prefill: bool = True) -> OpCost:
+    """Cost of `op` for a step of `tokens` new tokens after `context` cached ones.
+
+    weight_format: how the unit stores this op's weights (a WEIGHT_BYTES key).
+    kv_bytes_per_elem: 2 for the default f16 KV pool, 4 for f32, 1 for int8.
+    prefill: in a prefill step, last_row_only ops run on one row."""
+    if tokens < 1 or context < 0:
+        raise ValueError(f"tokens must be >= 1 and context >= 0, got {tokens}, {context}")
+    T = 1 if (op.last_row_only and prefill) else tokens
+    a = ACT_BYTES
+    if op.kind in MATMUL_KINDS:
+        wb = op.k * op.n * WEIGHT_BYTES[weight_format]
+        return OpCost(2.0 * T * op.k * op.n, wb, a * T * (op.k + op.n), 0.0, a * T * op.k)
+    if op.kind == "rmsnorm":      # square, sum, scale, weight: ~4 FLOPs per element
+        return OpCost(4.0 * T * op.n, a * op.n, 2 * a * T * op.n, 0.0, a * T * op.n)
+    if op.kind == "rope":         # a rotation per pair: 4 mul + 2 add per 2 elements; reads cos/sin
+        return OpCost(3.0 * T * op.n, 0.0, 2 * a * T * op.n + a * T * cfg.rope_dim, 0.0, a * T * op.n)
+    if op.kind == "add":
+        return OpCost(1.0 * T * op.n, 0.0, 3 * a * T * op.n, 0.0, 2 * a * T * op.n)
+    if op.kind == "swiglu":       # silu(g) * u: exp, add, divide, multiply per element
+        return OpCost(5.0 * T * op.n, 0.0, 3 * a * T * op.n, 0.0, 2 * a * T * op.n)
+    if op.kind == "embedding":    # a row gather: the rows are read at the table's format
+        return OpCost(0.0, T * op.n * WEIGHT_BYTES[weight_format], a * T * op.n, 0.0, 0.0)
+    if op.kind == "attention":
+        return _attention_cost(cfg, T, context, kv_bytes_per_elem)
+    raise ValueError(f"no cost formula for op kind {op.kind!r}")
+
+
+def _attention_cost(cfg: ModelConfig, T: int, context: int, kvb: float) -> OpCost:
+    """Causal attention of T queries at positions context.. over their visible keys: query t sees
+    context + t + 1 keys. Per visible key and head: q.k (2 hd FLOPs), softmax (~5), p.v (2 hd)."""
+    visible = T * context + T * (T + 1) // 2
+    H, hd = cfg.n_heads, cfg.head_dim
+    flops = visible * H * (4.0 * hd + 5.0)
+    n = context + T
+    kv = kvb * cfg.kv_dim * (2 * n + 2 * T)     # read K and V of n keys once; write the chunk's K, V
+    act = ACT_BYTES * T * (cfg.q_dim + 2 * cfg.kv_dim) + ACT_BYTES * T * cfg.q_dim   # q, new k/v in; out
+    return OpCost(flops, 0.0, act, kv, ACT_BYTES * T * (cfg.q_dim + 2 * cfg.kv_dim))

@@ -1,0 +1,290 @@
+"""The op IR, the roofline cost model, placement and chunk sizing, on profiles built in code."""
+from __future__ import annotations
+
+import pytest
+
+from edgellm import backends
+from edgellm.chunking import ALIGN, choose_chunk
+from edgellm.costmodel import Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
+from edgellm.dispatch import Dispatcher, build_units
+from edgellm.engine import _LAYER_OPS, _OP_NAMES
+from edgellm.errors import ConfigError
+from edgellm.model.config import ModelConfig
+from edgellm.ops import WEIGHT_BYTES, layer_ops, model_ops, op_cost
+from tests import fake_backend
+from tests.profiles import cpu_only, soc
+
+# SmolLM2-135M's shapes
+CFG = ModelConfig(arch="llama", name="smollm2-shapes", n_layers=30, d_model=576, n_heads=9, n_kv_heads=3,
+                  head_dim=64, d_ff=1536, vocab_size=49152, context_length=8192, rope_theta=1e5, rope_dim=64,
+                  rope_style="norm", norm_eps=1e-5, tied_embeddings=True, qkv_bias=False, has_rope_freqs=False)
+Q41 = {**{op.name: "f32" for op in (*layer_ops(CFG), *model_ops(CFG))},
+       "qkv": "q4_1", "attn_out": "q4_1", "ffn_gate_up": "q4_1", "ffn_down": "q4_1",
+       "embedding": "q8_0", "lm_head": "q8_0"}
+OPS = {op.name: op for op in (*layer_ops(CFG), *model_ops(CFG))}
+
+
+# ---- op IR ---------------------------------------------------------------------------------
+
+def test_engine_runs_exactly_the_ir_ops():
+    assert tuple(op.name for op in layer_ops(CFG)) == _LAYER_OPS
+    assert {op.name for op in (*layer_ops(CFG), *model_ops(CFG))} == set(_OP_NAMES)
+
+
+def test_matmul_cost_counts_flops_and_weights_at_their_format():
+    qkv = OPS["qkv"]
+    assert (qkv.k, qkv.n) == (576, 576 + 2 * 192)
+    c = op_cost(qkv, CFG, 512, 0, "q4_1")
+    assert c.flops == 2 * 512 * 576 * 960
+    assert c.weight_bytes == pytest.approx(576 * 960 * 20 / 32)
+    assert c.act_bytes == 4 * 512 * (576 + 960)
+    assert op_cost(qkv, CFG, 512, 0, "f32").weight_bytes == 576 * 960 * 4
+    assert WEIGHT_BYTES["q8_0"] == 34 / 32
+
+
+def test_intensity_grows_with_tokens_for_a_matmul_not_for_elementwise():
+    mm = [op_cost(OPS["ffn_gate_up"], CFG, t, 0, "q4_1").intensity for t in (1, 8, 64, 512)]
+    assert mm == sorted(mm) and mm[-1] > 50 * mm[0]
+    ew = {round(op_cost(OPS["swiglu"], CFG, t, 0).intensity, 6) for t in (1, 8, 64, 512)}
+    assert len(ew) == 1
+
+
+def test_attention_flops_count_exactly_the_visible_keys():
+    T, ctx = 7, 5
+    visible = sum(ctx + t + 1 for t in range(T))          # brute force over the causal triangle
+    c = op_cost(OPS["attention"], CFG, T, ctx, kv_bytes_per_elem=2)
+    assert c.flops == visible * CFG.n_heads * (4 * CFG.head_dim + 5)
+    assert c.kv_bytes == 2 * CFG.kv_dim * (2 * (ctx + T) + 2 * T)
+
+
+def test_head_runs_on_one_row_in_prefill():
+    full = op_cost(OPS["lm_head"], CFG, 512, 0, "q8_0", prefill=False)
+    last = op_cost(OPS["lm_head"], CFG, 512, 0, "q8_0", prefill=True)
+    assert last.flops * 512 == full.flops
+
+
+def test_bad_step_is_rejected():
+    with pytest.raises(ValueError):
+        op_cost(OPS["qkv"], CFG, 0, 0)
+
+
+# ---- cost model ----------------------------------------------------------------------------
+
+def test_decode_matmul_is_memory_bound_and_prefill_compute_bound():
+    neon = cpu_unit("neon", soc())
+    dec = estimate(neon, OPS["ffn_gate_up"], CFG, 1, 100, "q4_1", 2, prefill=False)
+    pre = estimate(neon, OPS["ffn_gate_up"], CFG, 512, 0, "q4_1", 2, prefill=True)
+    assert dec.bound == "memory" and pre.bound == "compute"
+    assert dec.precision == "int8"          # dotprod on every big core
+    # predicted = max(compute, memory) + launch, in ms
+    c = pre.cost
+    assert pre.ms == pytest.approx((max(c.flops / neon.peak["int8"], c.bytes / neon.bandwidth) + neon.launch_s) * 1e3)
+
+
+def test_cpu_peak_uses_the_big_cores_only():
+    p = soc(cpu_fp32=38.4e9)
+    assert cpu_unit("neon", p).peak["fp32"] == pytest.approx(4 * 38.4e9)   # not + 4 LITTLE cores
+
+
+def test_more_bandwidth_makes_memory_bound_ops_faster_only():
+    slow, fast = cpu_unit("neon", soc(bandwidth=10e9)), cpu_unit("neon", soc(bandwidth=40e9))
+    d = [estimate(u, OPS["qkv"], CFG, 1, 0, "q4_1", 2, False).ms for u in (slow, fast)]
+    assert d[1] < d[0] / 3
+    p = [estimate(u, OPS["qkv"], CFG, 512, 0, "q4_1", 2, True).ms for u in (slow, fast)]
+    assert p[1] == pytest.approx(p[0])
+
+
+def test_static_shape_unit_pays_for_padding():
+    npu = npu_unit(soc())
+    e1 = estimate(npu, OPS["qkv"], CFG, 1, 0, "q4_1", 2, False)
+    e32 = estimate(npu, OPS["qkv"], CFG, 32, 0, "q4_1", 2, True)
+    assert e1.cost.flops == e32.cost.flops          # one token is computed as a 32-token bucket
+    assert npu.padded(300) == 512                   # past the largest bucket: whole buckets
+
+
+def test_handoffs():
+    p = soc()
+    neon, ref, gpu, npu = cpu_unit("neon", p), cpu_unit("reference", p), gpu_unit(p), npu_unit(p)
+    assert handoff_ms(neon, ref, 1e6) == 0                               # same caches
+    assert handoff_ms(neon, gpu, 1e6) == pytest.approx(gpu.transfer_s * 1e3)   # zero-copy: fixed cost only
+    assert handoff_ms(neon, npu, 1e6) == pytest.approx((npu.transfer_s + 2e6 / npu.bandwidth) * 1e3)
+
+
+# ---- placement -----------------------------------------------------------------------------
+
+def _plan(profile, **kw):
+    return Dispatcher(profile, CFG, Q41, probe=False, **kw).plan(prompt_tokens=512, n_ctx=2048,
+                                                                  memory_budget=512 * 2**20)
+
+
+def test_every_op_gets_a_unit_and_a_reason_with_alternatives():
+    plan = _plan(soc())
+    for ph in (plan.prefill, plan.decode):
+        assert {p.op for p in ph.placements} == set(_OP_NAMES)
+        for p in ph.placements:
+            assert p.reason and p.predicted_ms > 0
+            assert {n for n, _ in p.alternatives} == {"neon", "opencl", "npu", "reference"}
+    qkv = plan.decode.placements[[p.op for p in plan.decode.placements].index("qkv")]
+    assert dict(qkv.alternatives)["npu"].endswith("ms")        # npu could, at a cost
+    emb = plan.prefill.placements[0]
+    assert "npu runs only matmul" in dict(emb.alternatives)["npu"]
+
+
+def test_a_fast_gpu_takes_the_prefill_gemms_and_decode_stays_on_the_cpu():
+    plan = _plan(soc(gpu_fp32=2000e9, gpu_transfer=20e-6, npu=False))
+    assert plan.prefill.unit("ffn_gate_up") == "opencl"
+    assert plan.decode.unit("ffn_gate_up") == "neon"      # 1 token: launch + handoff beat the GPU's speed
+
+
+def test_transfer_cost_can_make_the_locally_fastest_unit_lose():
+    from dataclasses import replace
+
+    def plan(transfer_s):
+        p = soc(gpu_fp32=2000e9, npu=False)
+        # a GPU that runs only matmuls: every GEMM it takes costs a handoff there and back
+        gpu = replace(gpu_unit(p), transfer_s=transfer_s, op_kinds=frozenset({"matmul"}))
+        units = [cpu_unit("neon", p), gpu]
+        return Dispatcher(p, CFG, Q41, probe=False, units=units).plan(prompt_tokens=512, n_ctx=2048,
+                                                                      memory_budget=2**30, chunk=128)
+    cheap, dear = plan(1e-6), plan(2e-3)
+    assert cheap.prefill.unit("ffn_down") == "opencl"
+    assert dear.prefill.unit("ffn_down") == "neon"
+    p = dear.prefill.placements[[q.op for q in dear.prefill.placements].index("ffn_down")]
+    local = {n: float(v.split()[0]) for n, v in p.alternatives if v.endswith(" ms")}
+    assert local["opencl"] < local["neon"]                  # the GPU is faster on its own...
+    assert "handing data" in p.reason                       # ...and the reason says why it lost
+
+
+def test_unavailable_units_are_never_chosen_and_say_why():
+    plan = _plan(soc(gpu=False, npu=False))
+    assert set(plan.units_used()) <= {"neon", "reference"}
+    alts = dict(plan.prefill.placements[1].alternatives)
+    assert alts["opencl"].startswith("unavailable") and "no OpenCL GPU" in alts["opencl"]
+
+
+def test_probe_mode_marks_missing_backends_unavailable():
+    units = {u.name: u for u in build_units(soc(), probe=True)}
+    assert units["reference"].available
+    assert not units["neon"].available and "not part of this build" in units["neon"].reason
+
+
+def test_override_forces_the_listed_order_and_falls_back_with_a_warning(caplog):
+    plan = _plan(soc(), override=["npu", "neon"])
+    assert plan.prefill.unit("qkv") == "npu"              # first listed that runs it
+    assert plan.prefill.unit("rmsnorm" if False else "attn_norm") == "neon"
+    plan = _plan(soc(), override=["npu"])
+    assert plan.prefill.unit("attn_norm") == "reference"
+    assert any("attn_norm" in w and "reference" in w for w in plan.warnings)
+    assert any("none of --units npu" in r.message for r in caplog.records)
+
+
+def test_override_errors_name_the_unit():
+    with pytest.raises(ConfigError, match="unknown unit.*tpu"):
+        Dispatcher(soc(), CFG, Q41, probe=False, override=["tpu"])
+    with pytest.raises(ConfigError, match="twice"):
+        Dispatcher(soc(), CFG, Q41, probe=False, override=["neon", "neon"])
+
+
+def test_predictions_add_up():
+    plan = _plan(soc())
+    per_layer = sum(p.predicted_ms for p in plan.decode.placements if p.scope == "layer")
+    assert plan.decode.layer_ms == pytest.approx(per_layer, rel=1e-6)
+    assert plan.predicted_decode_tps == pytest.approx(1e3 / plan.decode.step_ms)
+    assert plan.predicted_ttft_ms > plan.prefill.step_ms        # 512 tokens take several chunks' worth
+
+
+def test_json_has_the_documented_fields():
+    j = _plan(soc()).to_json()
+    assert {"predicted_ttft_ms", "predicted_decode_tps", "chunk_tokens", "ops"} <= set(j)
+    assert {"layer", "op", "phase", "unit", "precision", "flops", "bytes", "predicted_ms", "reason"} <= set(j["ops"][0])
+
+
+# ---- chunk sizing --------------------------------------------------------------------------
+
+def _chunk(profile, unit="neon", budget=2**30, n_ctx=4096):
+    u = {u.name: u for u in build_units(profile, probe=False)}[unit]
+    return choose_chunk(u, CFG, Q41, n_ctx=n_ctx, memory_budget=budget)
+
+
+def test_chunk_is_aligned_and_explained():
+    c = _chunk(soc(l3=64 * 2**20))
+    assert c.tokens % ALIGN == 0 and c.tokens == c.roof_tokens
+    assert c.derivation[0].startswith("roof:") and c.derivation[-1] == f"chunk = {c.tokens} tokens"
+
+
+def test_chunk_shrinks_with_more_bandwidth_and_grows_with_more_compute():
+    base = _chunk(soc(l3=64 * 2**20, bandwidth=8e9)).tokens
+    assert _chunk(soc(l3=64 * 2**20, bandwidth=34e9)).tokens < base
+    assert _chunk(soc(l3=64 * 2**20, bandwidth=8e9, cpu_fp32=4 * 38.4e9)).tokens > base
+
+
+def test_chunk_is_capped_by_memory_cache_and_context():
+    free = _chunk(soc(l3=64 * 2**20, cpu_fp32=8 * 38.4e9))
+    tight = _chunk(soc(l3=64 * 2**20, cpu_fp32=8 * 38.4e9), budget=4 * 2**20)
+    assert tight.tokens < free.tokens and any(d.startswith("memory:") for d in tight.derivation)
+    small_cache = _chunk(soc(l3=512 * 1024, cpu_fp32=8 * 38.4e9))
+    assert small_cache.tokens < free.tokens and any(d.startswith("cache:") for d in small_cache.derivation)
+    assert _chunk(soc(l3=64 * 2**20, bandwidth=8e9), n_ctx=40).tokens == 40
+
+
+def test_npu_chunk_is_one_of_its_buckets():
+    c = _chunk(soc(), unit="npu")
+    assert c.tokens in (32, 64, 128, 256)
+    c = _chunk(soc(buckets=(48, 96)), unit="npu", budget=1.5 * 2**20)   # a bound cuts below 96: round down
+    assert c.tokens == 48
+
+
+def test_measured_gemm_curve_sets_the_roof():
+    from dataclasses import replace
+    u = cpu_unit("reference", cpu_only())
+    curve = ((32, 20e9), (128, 60e9), (256, 90e9), (512, 100e9))
+    u = replace(u, peak={"fp32": 100e9}, gemm_curve=curve, cache_bytes=64 * 2**20)
+    c = choose_chunk(u, CFG, {k: "f32" for k in Q41}, n_ctx=4096, memory_budget=2**30)
+    assert u.attainable("fp32", c.tokens) >= 0.9 * 100e9 > u.attainable("fp32", c.tokens - ALIGN)
+
+
+# ---- the engine follows the plan -----------------------------------------------------------
+
+@pytest.fixture
+def fake_unit():
+    backends.register(fake_backend)
+    fake_backend.calls.clear()
+    fake_backend.state.update(available=(True, "fake unit for tests"), peak=1e15, transfer_s=1e-7)
+    yield fake_backend
+    backends.unregister("fake")
+
+
+def test_placement_shifts_to_a_second_backend_and_outputs_stay_equal(tmp_path, fake_unit):
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
+    import edgellm
+    from tests.synthetic import write_tiny_model
+
+    tm = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.F32, n_layers=2, seed=5)
+    ids = list(range(3, 40))
+    ref = edgellm.load(tm.path, n_ctx=128, units=["reference"])
+    assert "fake" not in ref.plan.units_used()
+    want = ref.logits(ids)
+    eng = edgellm.load(tm.path, n_ctx=128)
+    assert eng.plan.prefill.unit("ffn_gate_up") == "fake"
+    assert eng.plan.prefill.unit("attention") == "reference"     # fake does not run it
+    got = eng.logits(ids)
+    assert fake_unit.calls["matmul"] > 0 and fake_unit.calls["lm_head"] > 0
+    np.testing.assert_array_equal(got, want)
+
+
+def test_an_unavailable_second_backend_is_skipped_with_its_reason(tmp_path, fake_unit):
+    from gguf import GGMLQuantizationType as QT
+
+    import edgellm
+    from tests.synthetic import write_tiny_model
+
+    fake_unit.state["available"] = (False, "no fake device here")
+    tm = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.F32, n_layers=2, seed=5)
+    eng = edgellm.load(tm.path, n_ctx=128)
+    assert "fake" not in eng.plan.units_used()
+    fake = next(u for u in eng.plan.units if u.name == "fake")
+    assert not fake.available and fake.reason == "no fake device here"
+    assert eng.generate("hi", max_tokens=3, temperature=0)  is not None
+    assert fake_unit.calls["matmul"] == 0
