@@ -57,11 +57,24 @@ class Progress:
         sys.stderr.flush()
 
 
-def _load(model, ctx, threads, kv="pool", kv_precision="f16", window=1024, sinks=4):
+def _load(model, ctx, threads, kv="pool", kv_precision="f16", window=1024, sinks=4, device=None, units=None):
     from .api import load
 
-    return load(model, n_ctx=ctx, threads=threads, kv=kv, kv_precision=kv_precision, window=window, sinks=sinks,
-                progress=Progress())
+    eng = load(model, device, n_ctx=ctx, threads=threads, kv=kv, kv_precision=kv_precision, window=window,
+               sinks=sinks, units=_units(units), progress=Progress())
+    for w in eng.plan.warnings:
+        typer.echo(f"edgellm: warning: {w}", err=True)
+    return eng
+
+
+def _units(text: str | None) -> list[str] | None:
+    return [u.strip() for u in text.split(",") if u.strip()] if text else None
+
+
+DEVICE_HELP = ("Device profile the dispatcher plans with: host (default: measured by `edgellm profile`, else "
+               "estimated), a shipped name (exynos2100, tensor-g1, rk3588, raspberry-pi-5) or a YAML path")
+UNITS_HELP = ("Restrict placement to these units, in preference order, e.g. opencl,neon (units: neon, opencl, "
+              "npu, reference); an op none of them runs goes to reference with a warning")
 
 
 def _session_path(eng, name: str) -> Path:
@@ -106,13 +119,15 @@ def run(
     kv_precision: str = typer.Option("f16", "--kv-precision", help="KV storage: f16, f32, or int8 (pool)"),
     window: int = typer.Option(1024, help="--kv ring: window in tokens, sinks included"),
     sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
 ):
     """Generate text from a prompt, streamed to stdout."""
     from .api import generation_config
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
-    eng = _load(model, ctx, threads, kv, kv_precision, window, sinks)  # after validating the options
+    eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units)  # after validating the options
     # a session file carries the conversation so far (chat messages or plain text) beside its KV
     if session is not None:
         session = _session_path(eng, session)
@@ -160,13 +175,15 @@ def chat(
     kv: str = typer.Option("pool", "--kv", help=KV_HELP),
     window: int = typer.Option(1024, help="--kv ring: window in tokens, sinks included"),
     sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
 ):
     """Interactive chat. Ctrl-C stops the current answer; Ctrl-D or /exit quits; /reset forgets.
     Earlier turns stay in the KV cache, so each answer starts after computing only the new turn."""
     from .api import generation_config
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    eng = _load(model, ctx, threads, kv, "f16", window, sinks)
+    eng = _load(model, ctx, threads, kv, "f16", window, sinks, device, units)
     messages = [{"role": "system", "content": system}] if system else []
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D quits, /reset clears", err=True)
     while True:
@@ -261,6 +278,8 @@ def bench(
                                       "prefix: cold TTFT vs TTFT with the prefix cached (--prompt-tokens are then "
                                       "the lengths of the user message after it)"),
     delay_ms: float = typer.Option(50.0, help="--concurrent: the short request arrives this long after the long one"),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
 ):
     """Measure TTFT (median, p95), prefill and decode tok/s, peak RSS."""
     from . import bench as b
@@ -275,8 +294,9 @@ def bench(
     if shared_prefix < 0:
         raise ConfigError("--shared-prefix must be >= 0")
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
-    eng = _load(model, max(2048, need), threads)
-    typer.echo(f"model {eng.config.name}, threads {eng.threads}, load {eng.load_ms:.0f} ms", err=True)
+    eng = _load(model, max(2048, need), threads, device=device, units=units)
+    typer.echo(f"model {eng.config.name}, threads {eng.threads}, load {eng.load_ms:.0f} ms, profile "
+               f"{eng.profile.name}, units {','.join(eng.plan.units_used())}, chunk {eng.plan.chunk.tokens}", err=True)
     if shared_prefix:
         recs = b.run_shared_prefix(
             eng, shared_prefix, lengths, gen_tokens, runs,
@@ -306,6 +326,54 @@ def bench(
         recs.append(c)
     if json_path:
         json_path.write_text(json.dumps(recs, indent=2) + "\n")
+
+
+@app.command()
+@friendly
+def plan(
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length the TTFT prediction is for"),
+    ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens"),
+    units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
+    kv_precision: str = typer.Option("f16", "--kv-precision", help="KV storage: f16, f32, or int8"),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object"),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw each unit's roofline with the ops as "
+                                             "points into this PNG (needs matplotlib: edgellm[plot])"),
+):
+    """Show where each op runs per phase, why, and the predicted TTFT and decode speed.
+
+    For the host (the default) units are probed; for another device the units its profile
+    describes are assumed present, so the plan is a prediction for that device."""
+    from . import plan_report
+    from .api import device_profile, memory_needed
+    from .dispatch import Dispatcher
+    from .errors import ConfigError
+    from .kv.store import KVConfig
+    from .model.loader import open_model
+    from .model.registry import resolve_model
+    from .ops import layer_ops, model_ops, weight_formats
+
+    if kv_precision not in ("f16", "f32", "int8"):
+        raise ConfigError(f"--kv-precision must be f16, f32 or int8, got {kv_precision!r}")
+    profile = device_profile(device)
+    mf = open_model(resolve_model(model, progress=lambda d, t: Progress()("pull", d, t)))
+    n_ctx = max(ctx, prompt_tokens)
+    if prompt_tokens < 1:
+        raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    disp = Dispatcher(profile, mf.config, weight_formats(mf), probe=device in (None, "host"),
+                      override=_units(units), kv_bytes={"f16": 2.0, "f32": 4.0, "int8": 1.0}[kv_precision])
+    # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves
+    spare = profile.memory_total_bytes / 2 - memory_needed(mf, n_ctx, KVConfig(precision=kv_precision))
+    p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=max(spare / 4, 16 * 2**20))
+    if as_json:
+        typer.echo(json.dumps({"model": mf.config.name, "soc": profile.soc, **p.to_json()}, indent=1))
+    else:
+        ops = {o.name: o for o in (*layer_ops(mf.config), *model_ops(mf.config))}
+        typer.echo(plan_report.render(p, model_name=mf.config.name, soc=profile.soc, ops_by_name=ops))
+    if plot_path is not None:
+        plan_report.plot(p, str(plot_path), title=f"{mf.config.name} on {profile.name} ({profile.soc})")
+        typer.echo(f"roofline plot written to {plot_path}", err=True)
 
 
 cache_app = typer.Typer(help="The on-disk session / prefix cache (EDGELLM_HOME/cache).", no_args_is_help=True)

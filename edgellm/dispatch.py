@@ -295,7 +295,7 @@ class Dispatcher:
     def _placement(self, op, phase, tokens, u, prev, ok, no) -> Placement:
         est = ok[u]
         moved = handoff_ms(self.unit(prev), self.unit(u), self._in_bytes(op, tokens, phase))
-        alts = tuple((n, f"{e.ms:.4f} ms") for n, e in ok.items()) + tuple(no.items())
+        alts = tuple((n, f"{e.ms:.4f} ms ({e.bound}-bound)") for n, e in ok.items()) + tuple(no.items())
         fastest = min(ok, key=lambda n: ok[n].ms)
         why = f"{est.bound}-bound, AI {est.cost.intensity:.1f} vs ridge {est.ridge:.1f} FLOP/B"
         if self.override:

@@ -3,7 +3,6 @@ by corrupting a valid synthetic file in code; valid synthetic files of each tens
 real model checked against the gguf package's own reader."""
 from __future__ import annotations
 
-import os
 import struct
 import sys
 import time

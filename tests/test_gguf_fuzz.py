@@ -27,7 +27,7 @@ from synthetic import gguf_layout, write_tiny_model  # noqa: E402
 from edgellm.errors import ModelFormatError  # noqa: E402
 from edgellm.backends import reference
 from edgellm.model.loader import open_model
-from edgellm.model.gguf_file import read_gguf, tensor_view  # noqa: E402
+from edgellm.model.gguf_file import tensor_view  # noqa: E402
 
 settings.register_profile(
     "edgellm-fuzz",

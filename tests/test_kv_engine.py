@@ -3,7 +3,6 @@ cancellation at many points, sessions (round trip, mutations are misses), the ri
 import os
 import random
 
-import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
