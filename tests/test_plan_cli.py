@@ -1,0 +1,109 @@
+"""`edgellm plan` and the --device / --units options, on a tiny synthetic model and the shipped
+profiles; big-core selection on fake sysfs trees built from each shipped profile."""
+import json
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+from typer.testing import CliRunner
+
+from edgellm.cli import app
+from edgellm.device.profile import list_profiles, load_profile
+from edgellm.device.topology import detect_clusters, select_big
+from tests.synthetic import write_tiny_model
+
+runner = CliRunner()
+SHIPPED = ("exynos2100", "tensor-g1", "rk3588", "raspberry-pi-5")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("plan") / "tiny.gguf", tensor_type=QT.Q8_0, seed=5).path
+
+
+@pytest.mark.parametrize("device", SHIPPED)
+def test_plan_json_for_every_shipped_profile(tiny, device):
+    r = runner.invoke(app, ["plan", "--device", device, "--model", tiny, "--prompt-tokens", "200", "--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    assert j["predicted_ttft_ms"] > 0 and j["predicted_decode_tps"] > 0 and j["chunk_tokens"] >= 1
+    ops = j["ops"]
+    assert {o["phase"] for o in ops} == {"prefill", "decode"}
+    for o in ops:
+        assert o["unit"] in ("neon", "opencl", "npu", "reference") and o["reason"]
+        assert o["flops"] >= 0 and o["bytes"] > 0 and o["predicted_ms"] > 0
+    units = {u["name"]: u for u in j["units"]}
+    prof = load_profile(device)
+    assert units["opencl"]["available"] == (prof.gpu is not None)
+    assert units["npu"]["available"] == (prof.npu is not None)
+
+
+def test_plan_text_shows_units_chunk_and_predictions(tiny):
+    r = runner.invoke(app, ["plan", "--device", "rk3588", "--model", tiny, "--prompt-tokens", "100"])
+    assert r.exit_code == 0, r.output
+    for needle in ("units:", "prefill chunk:", "roof:", "prefill:", "decode:", "predicted: TTFT", "reason"):
+        assert needle in r.stdout
+    assert "assumed from the rk3588 profile" in r.stdout
+
+
+def test_plan_on_the_host_probes_units(tiny):
+    r = runner.invoke(app, ["plan", "--model", tiny, "--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    assert {o["unit"] for o in j["ops"]} == {"reference"}
+    neon = next(u for u in j["units"] if u["name"] == "neon")
+    assert not neon["available"] and neon["reason"]
+
+
+def test_plan_units_override_warns_for_unsupported_ops(tiny):
+    r = runner.invoke(app, ["plan", "--device", "rk3588", "--model", tiny, "--units", "npu", "--json"])
+    assert r.exit_code == 0, r.output
+    j = json.loads(r.stdout)
+    by = {(o["op"], o["phase"]): o["unit"] for o in j["ops"]}
+    assert by[("qkv", "prefill")] == "npu" and by[("rope", "prefill")] == "reference"
+    assert any("rope" in w for w in j["warnings"])
+
+
+def test_plan_plot_writes_a_png(tiny, tmp_path):
+    out = tmp_path / "roof.png"
+    r = runner.invoke(app, ["plan", "--device", "exynos2100", "--model", tiny, "--plot", str(out)])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["plan", "--device", "no-such-soc"], "no-such-soc"),
+    (["plan", "--units", "tpu"], "unknown unit"),
+    (["plan", "--prompt-tokens", "0"], "prompt-tokens"),
+    (["run", "hi", "--units", "gpu9"], "unknown unit"),
+])
+def test_plan_and_run_errors_are_one_line(tiny, args, needle):
+    r = runner.invoke(app, [*args, "--model", tiny])
+    assert r.exit_code == 1
+    assert needle in r.stderr and "Traceback" not in r.output
+
+
+def test_run_with_units_and_device(tiny):
+    r = runner.invoke(app, ["run", "hi", "--model", tiny, "-n", "3", "--temperature", "0", "--device", "rk3588",
+                            "--units", "reference", "--no-stats"])
+    assert r.exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("device,big", [("exynos2100", {4, 5, 6, 7}), ("tensor-g1", {6, 7}),
+                                         ("rk3588", {4, 5, 6, 7}), ("raspberry-pi-5", {0, 1, 2, 3})])
+def test_fake_sysfs_of_each_shipped_soc_picks_its_big_cores(tmp_path, device, big):
+    """The sysfs tree a kernel on that SoC shows (max frequency, and cpu_capacity where the
+    profile knows it), written from the shipped profile; detection must find the big cores."""
+    prof = load_profile(device)
+    assert device in list_profiles()
+    for c in prof.clusters:
+        for cpu in c.cores:
+            d = tmp_path / f"cpu{cpu}"
+            (d / "cpufreq").mkdir(parents=True)
+            (d / "cpufreq" / "cpuinfo_max_freq").write_text(f"{round(c.max_freq_hz / 1e3)}\n")
+            if c.capacity is not None:
+                (d / "cpu_capacity").write_text(f"{c.capacity}\n")
+    all_cores = {cpu for c in prof.clusters for cpu in c.cores}
+    clusters = detect_clusters(str(tmp_path), online=all_cores)
+    assert len(clusters) == len(prof.clusters)
+    assert set(select_big(clusters)) == big
+    assert set(select_big(prof.clusters)) == big          # the cost model's view agrees
