@@ -376,6 +376,39 @@ def plan(
         typer.echo(f"roofline plot written to {plot_path}", err=True)
 
 
+@app.command()
+@friendly
+def profile(
+    out: Optional[Path] = typer.Option(None, "--out", help="Write the profile here (default: "
+                                       "EDGELLM_HOME/profiles/host.yaml, which `--device host` reads)"),
+    quick: bool = typer.Option(False, "--quick", help="Fewer shapes and runs: seconds instead of a minute"),
+):
+    """Measure this machine: pinned GEMM throughput per CPU cluster and precision, memory read
+    bandwidth, and each available unit's GEMM throughput by rows and per-call overhead."""
+    from .device.probes import measure_host
+
+    tty = sys.stderr.isatty()
+
+    def prog(stage: str, done: int, total: int) -> None:
+        # one line rewritten in place on a terminal; one line per step in a log
+        line = f"profiling: {int(100 * done / total) if total else 100:3d}% {stage}"
+        sys.stderr.write(f"\r{line[:78]:<78}" + ("\n" if done >= total else "") if tty else line + "\n")
+        sys.stderr.flush()
+
+    result = measure_host(out, quick=quick, progress=prog)
+    m = result.profile.measured
+    typer.echo(f"memory read bandwidth {m.memory_read_bandwidth / 1e9:.1f} GB/s")
+    for name, figs in m.clusters.items():
+        typer.echo(f"cluster {name}: " + ", ".join(f"{p} {f / 1e9:.1f} GFLOPS" for p, f in figs.items()))
+    for name, u in m.units.items():
+        curve = ", ".join(f"{g.m}:{g.flops / 1e9:.0f}" for g in u.gemm)
+        typer.echo(f"unit {name}: {u.threads} threads, call overhead {u.call_overhead_s * 1e6:.1f} us, "
+                   f"GEMM GFLOPS by rows {curve}")
+    for note in result.notes:
+        typer.echo(f"note: {note}", err=True)
+    typer.echo(f"profile written to {result.path} in {result.seconds:.1f} s (use --device host)", err=True)
+
+
 cache_app = typer.Typer(help="The on-disk session / prefix cache (EDGELLM_HOME/cache).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
