@@ -255,8 +255,10 @@ def test_sizes_follow_the_caches(monkeypatch):
 
 
 def test_default_shapes_are_smollm2s():
-    assert probes.QUICK.gemm_rows == (1, 16, 64, 256, 512)
-    assert probes.FULL.gemm_rows == (1, 8, 16, 32, 64, 128, 256, 512, 1024)
+    # decode (1 row) and the prefill chunks the planner chooses between must be measured points
+    for sizes in (probes.QUICK, probes.FULL):
+        assert {1, 32, 64, 128, 256, 512} <= set(sizes.gemm_rows)
+        assert list(sizes.gemm_rows) == sorted(set(sizes.gemm_rows))
     assert (probes.FULL.gemm_k, probes.FULL.gemm_n) == (576, 1536)
 
 
