@@ -279,7 +279,9 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, memory_budget=(avail - need) / 4,
                            chunk=prefill_chunk)
     for u in plan.units:
-        log.debug("unit %s: %s (%s)", u.name, "available" if u.available else "unavailable", u.reason)
+        log.info("unit %s: %s (%s)", u.name, "available" if u.available else "unavailable", u.reason)
+    log.info("plan on %s: units %s, prefill chunk %d (%s); `edgellm plan` shows every op and why",
+             profile.name, ",".join(plan.units_used()), plan.chunk.tokens, "; ".join(plan.chunk.derivation))
     placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
     runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement,
                          progress=(lambda d, t: progress("prepare", d, t)) if progress else None)

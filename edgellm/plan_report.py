@@ -60,6 +60,7 @@ def plot(plan: Plan, path: str, *, title: str) -> None:
         # units that share DRAM share the slanted part: dashes keep each one visible
         ax.plot(ai, np.minimum(peak, ai * u.bandwidth) / 1e9, color=colours[u.name], lw=2, ls=dash, alpha=0.8,
                 label=f"{u.name} roof ({prec} {peak / 1e9:.0f} GFLOP/s, {u.bandwidth / 1e9:.1f} GB/s)")
+    offsets = iter([(12, 8), (12, -14), (-70, 16), (12, 26), (-60, -24), (12, -30)] * 4)   # stagger close labels
     for ph, fill in ((plan.prefill, True), (plan.decode, False)):
         for p in ph.placements:
             if p.flops <= 0 or p.unit not in colours:
@@ -69,12 +70,14 @@ def plot(plan: Plan, path: str, *, title: str) -> None:
             ax.scatter(p.intensity, attained, s=40, edgecolors=c, facecolors=c if fill else "none", zorder=3)
             if ph.phase == "prefill" and (p.kind in MATMUL_KINDS or p.op == "attention"):
                 ax.annotate(f"{p.op} ({ph.phase[0]})", (p.intensity, attained), fontsize=7,
-                            xytext=(4, 2), textcoords="offset points")
+                            xytext=next(offsets), textcoords="offset points",
+                            arrowprops={"arrowstyle": "-", "lw": 0.4, "alpha": 0.6})
     dec = [p for p in plan.decode.placements if p.kind in MATMUL_KINDS and p.op != "lm_head"]
     if dec:   # decode matmuls sit together on the bandwidth slope: one label for the group
         p = max(dec, key=lambda p: p.flops)
         ax.annotate("decode matmuls", (p.intensity, p.flops / ((p.predicted_ms - p.transfer_ms) * 1e-3) / 1e9),
-                    fontsize=7, xytext=(6, -12), textcoords="offset points")
+                    fontsize=7, xytext=(8, -26), textcoords="offset points",
+                    arrowprops={"arrowstyle": "-", "lw": 0.5})
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP/byte)")
