@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import psutil
 
+from . import backends
 from .backends import reference
 from .dispatch import Dispatcher
 from .ops import weight_formats
@@ -217,8 +218,10 @@ def generation_config(config: GenerationConfig | None = None, **kwargs) -> Gener
     return cfg
 
 
-def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None) -> int:
-    """Bytes load() allocates: fp32 resident weights + the KV cache (the GGUF itself stays mapped)."""
+def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None,
+                  placement: dict[str, dict[str, str]] | None = None) -> int:
+    """Bytes load() allocates: each unit's resident weights (for the ops the placement gives it;
+    None: everything on the fp32 reference unit) + the KV cache. The GGUF itself stays mapped."""
     c, kv = model.config, kv or KVConfig()
     if kv.kind == "ring":
         kv_bytes = RingKV.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, kv.window,
@@ -226,7 +229,18 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None) -> i
     else:
         kv_bytes = KVPool.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, math.ceil(n_ctx / kv.block_tokens),
                                      kv.block_tokens, kv.precision)
-    return reference.prepared_nbytes(c) + kv_bytes
+    if placement is None:
+        return reference.prepared_nbytes(c) + kv_bytes
+    runs: dict[str, set[str]] = {}
+    for ops in placement.values():
+        for op, unit in ops.items():
+            runs.setdefault(unit, set()).add(op)
+    weights = 0
+    for unit, ops in runs.items():
+        mod, _ = backends.get(unit)
+        size = getattr(mod, "prepared_nbytes", reference.prepared_nbytes)
+        weights += size(c, ops)
+    return weights + kv_bytes
 
 
 def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_CTX,
@@ -261,28 +275,33 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)
     mf = open_model(path)
     n_ctx = min(int(n_ctx), mf.config.context_length)
-    need = memory_needed(mf, n_ctx, kv_cfg)
     avail = psutil.virtual_memory().available
-    if need > avail:
-        raise ConfigError(f"not enough memory: the model needs {need / 2**20:.0f} MiB at n_ctx={n_ctx} "
-                          f"but {avail / 2**20:.0f} MiB are available; lower n_ctx or use a smaller model")
     big = select_big(detect_clusters())
     threads = threads or len(big)
+    dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
+                            kv_bytes=_KV_BYTES[kv_precision], threads=threads)
+    # the chunk's activations may take a quarter of the memory the KV cache leaves free
+    plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
+                           memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
+    placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
+    need = memory_needed(mf, n_ctx, kv_cfg, placement)
+    if need > avail:
+        raise ConfigError(f"not enough memory: the model needs {need / 2**20:.0f} MiB at n_ctx={n_ctx} "
+                          f"(units {','.join(plan.units_used())}) but {avail / 2**20:.0f} MiB are available; "
+                          f"lower n_ctx or use a smaller model")
     pinning = pin_threads(big)
     if not pinning.ok:
         log.warning("threads not pinned to the big cores: %s", pinning.reason)
     _limit_blas_threads(threads)
     store = make_store(mf.config, kv_cfg, n_ctx)
-    dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
-                            kv_bytes=_KV_BYTES[kv_precision], threads=threads)
-    # the chunk's activations may take a quarter of the memory the model leaves free
-    plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, memory_budget=(avail - need) / 4,
-                           chunk=prefill_chunk)
     for u in plan.units:
         log.info("unit %s: %s (%s)", u.name, "available" if u.available else "unavailable", u.reason)
     log.info("plan on %s: units %s, prefill chunk %d (%s); `edgellm plan` shows every op and why",
              profile.name, ",".join(plan.units_used()), plan.chunk.tokens, "; ".join(plan.chunk.derivation))
-    placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
+    for name in plan.units_used():
+        mod, _ = backends.get(name)
+        if hasattr(mod, "configure"):      # native units run their own pools on the big cores
+            mod.configure(threads=threads, cores=big)
     runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement,
                          progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)

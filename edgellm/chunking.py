@@ -43,7 +43,8 @@ def _why_not_roof(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], T: i
         if op.kind not in MATMUL_KINDS:
             continue
         prec, fmt = unit.precision_for(op, formats.get(op.name, "f32"))
-        best = max([f for _, f in unit.gemm_curve] if (unit.gemm_curve and prec == "fp32") else [unit.peak.get(prec, 0.0)])
+        best = max([f for _, f in unit.gemm_curve] if (unit.gemm_curve and prec == unit.curve_precision)
+                   else [unit.peak.get(prec, 0.0)])
         att = unit.attainable(prec, T)
         if best <= 0:
             return f"{unit.name} has no {prec} peak"

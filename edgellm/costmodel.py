@@ -39,7 +39,8 @@ class Unit:
     zero_copy: bool = True                     # a handoff needs no copy (unified memory, mapped)
     buckets: tuple[int, ...] = ()              # static token counts it runs (NPU); () = any
     op_kinds: frozenset[str] | None = None     # op kinds it runs; None = all
-    gemm_curve: tuple[tuple[int, float], ...] = ()   # measured (tokens, FLOP/s) of fp32 GEMM
+    gemm_curve: tuple[tuple[int, float], ...] = ()   # measured (tokens, FLOP/s) of GEMM...
+    curve_precision: str = "fp32"              # ...at this precision
     cache_bytes: int = 0                       # last-level cache the GEMM working set should fit in
     quant_precision: str = "fp32"              # compute precision for GGUF-quantized weights
     stores_quantized: bool = False             # keeps GGUF block formats resident (else dequantizes)
@@ -60,7 +61,7 @@ class Unit:
 
     def attainable(self, precision: str, tokens: int) -> float:
         """FLOP/s this unit reaches at `precision` on a GEMM of `tokens` rows."""
-        if self.gemm_curve and precision == "fp32":
+        if self.gemm_curve and precision == self.curve_precision:
             return _interpolate(self.gemm_curve, tokens)
         return self.peak.get(precision, 0.0)
 
@@ -169,10 +170,10 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
             curve = tuple((m, f * peak["fp32"]) for m, f in BLAS_ROWS_EFFICIENCY)
             notes.append("GEMM efficiency by rows: nominal BLAS curve (not measured here)")
     llc = max((c.l3_bytes or c.l2_bytes * len(c.cores)) for c in clusters)
-    has_dot = all("dotprod" in c.features for c in clusters)
-    return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, cache_bytes=llc,
-                quant_precision="int8" if (name == "neon" and has_dot) else "fp32",
-                stores_quantized=(name != "reference"), notes=tuple(notes))
+    # neon quantizes activations to int8 blocks with or without dotprod (SDOT or widening MLA)
+    qprec = "int8" if name == "neon" else "fp32"
+    return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, curve_precision=qprec, cache_bytes=llc,
+                quant_precision=qprec, stores_quantized=(name != "reference"), notes=tuple(notes))
 
 
 def gpu_unit(profile: DeviceProfile) -> Unit | None:

@@ -58,10 +58,11 @@ class ModelRunner:
                 raise ConfigError(f"the plan names unit {u!r}, which cannot be loaded: {why}")
             mods[u] = mod
         # each unit's resident weights, prepared once (progress is reported for the first only)
-        weights = {u: m.prepare(model, progress=progress if i == 0 else None) for i, (u, m) in enumerate(mods.items())}
+        runs = {u: {op for ops in self.placement.values() for op, v in ops.items() if v == u} for u in mods}
+        weights = {u: m.prepare(model, progress=progress if i == 0 else None, ops=runs[u])
+                   for i, (u, m) in enumerate(mods.items())}
         # phase -> op name -> (backend module, its prepared weights)
         self._ops = {ph: {op: (mods[u], weights[u]) for op, u in ops.items()} for ph, ops in self.placement.items()}
-        self.w = weights.get("reference") or next(iter(weights.values()))
         rope_freqs = reference.prepare_rope_freqs(model)
         self.cos, self.sin = reference.rope_tables(cfg, max_positions, rope_freqs)  # (positions, rope_dim/2)
         # K/V read buffers reused by every layer and step: (KVH, positions, hd) each. Fresh arrays
@@ -118,6 +119,9 @@ class ModelRunner:
         q_end, k_end = cfg.q_dim, cfg.q_dim + cfg.kv_dim
         (norm1, wn1), (mqkv, wqkv), (mrope, _), (matt, _), (mo, wo), (madd1, _), (norm2, wn2), \
             (mgu, wgu), (mswi, _), (mdown, wdown), (madd2, _) = (P[op] for op in _LAYER_OPS)
+        # a unit that reads the KV pool's blocks itself skips the gather into fp32 buffers
+        from_pool = (not seq.rotate_on_read and hasattr(matt, "attention_pool") and matt.can_read_pool(seq.pool))
+        table = np.asarray(seq.block_table, dtype=np.int32) if from_pool else None
         for li in range(cfg.n_layers):
             if cancel is not None and cancel.cancelled:
                 raise Cancelled("cancelled during prefill")
@@ -133,8 +137,12 @@ class ModelRunner:
                 kc = mrope.rope(kc.transpose(1, 0, 2), self.cos[:n], self.sin[:n], cfg.rope_style).transpose(1, 0, 2)
             else:
                 seq.write(li, start, mrope.rope(k, cos, sin, cfg.rope_style), v)
-                kc, vc = seq.read(li, n, out=self._kv_bufs)                   # (KVH, n, hd) views
-            att = matt.attention(q, kc, vc, start)                            # (T, q_dim)
+            if from_pool:
+                att = matt.attention_pool(q, seq.pool, table, li, start)      # (T, q_dim)
+            else:
+                if not seq.rotate_on_read:
+                    kc, vc = seq.read(li, n, out=self._kv_bufs)               # (KVH, n, hd) views
+                att = matt.attention(q, kc, vc, start)                        # (T, q_dim)
             x = madd1.add(x, mo.matmul(att, wo.layers[li].wo))
             h = norm2.rmsnorm(x, wn2.layers[li].ffn_norm, cfg.norm_eps)
             x = madd2.add(x, mdown.matmul(mswi.swiglu(mgu.matmul(h, wgu.layers[li].w_gate_up)), wdown.layers[li].w_down))

@@ -96,5 +96,5 @@ def plot(plan: Plan, path: str, *, title: str) -> None:
 
 def _main_peak(u: Unit) -> tuple[str, float]:
     prec = u.quant_precision if u.peak.get(u.quant_precision) else "fp32"
-    peak = max(f for _, f in u.gemm_curve) if (u.gemm_curve and prec == "fp32") else u.peak.get(prec, 0.0)
+    peak = max(f for _, f in u.gemm_curve) if (u.gemm_curve and prec == u.curve_precision) else u.peak.get(prec, 0.0)
     return prec, peak

@@ -24,8 +24,8 @@ def supports(op_kind: str, precision: str = "fp32"):
     return False, f"fake runs only matmuls, not {op_kind}"
 
 
-def prepare(model, precision: str = "fp32", progress=None):
-    return reference.prepare(model, precision, progress)
+def prepare(model, precision: str = "fp32", progress=None, ops=None):
+    return reference.prepare(model, precision, progress, ops)
 
 
 def cost_unit(profile) -> Unit:

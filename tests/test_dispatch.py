@@ -165,7 +165,7 @@ def test_unavailable_units_are_never_chosen_and_say_why():
 def test_probe_mode_marks_missing_backends_unavailable():
     units = {u.name: u for u in build_units(soc(), probe=True)}
     assert units["reference"].available
-    assert not units["neon"].available and "not part of this build" in units["neon"].reason
+    assert not units["opencl"].available and "not part of this build" in units["opencl"].reason
 
 
 def test_override_forces_the_listed_order_and_falls_back_with_a_warning(caplog):

@@ -170,10 +170,16 @@ class PreparedWeights:
     rope_freqs: np.ndarray | None
 
 
-def prepared_nbytes(cfg: ModelConfig) -> int:
-    """Resident bytes prepare() will allocate (fp32 weights; the embedding stays mapped)."""
-    per_layer = cfg.d_model * (cfg.q_dim + 2 * cfg.kv_dim + cfg.q_dim + 3 * cfg.d_ff) + 2 * cfg.d_model
-    return 4 * (cfg.n_layers * per_layer + cfg.vocab_size * cfg.d_model + cfg.d_model)
+def prepared_nbytes(cfg: ModelConfig, ops: set[str] | None = None) -> int:
+    """Resident bytes prepare() allocates for `ops` (None: all): fp32 matrices and norms; the
+    embedding stays mapped."""
+    d = cfg.d_model
+    per_op = {"qkv": d * (cfg.q_dim + 2 * cfg.kv_dim), "attn_out": d * cfg.q_dim, "ffn_gate_up": 2 * d * cfg.d_ff,
+              "ffn_down": d * cfg.d_ff}
+    n = cfg.n_layers * (2 * d + sum(v for k, v in per_op.items() if ops is None or k in ops)) + d
+    if ops is None or "lm_head" in ops:
+        n += cfg.vocab_size * d
+    return 4 * n
 
 
 def prepare_rope_freqs(model) -> np.ndarray | None:
@@ -184,10 +190,13 @@ def prepare_rope_freqs(model) -> np.ndarray | None:
     return quant.dequantize(model.raw("rope_freqs.weight"), model.tensor_type("rope_freqs.weight"), (cfg.rope_dim // 2,))
 
 
-def prepare(model, precision: str = "fp32", progress=None) -> PreparedWeights:
+def prepare(model, precision: str = "fp32", progress=None, ops: set[str] | None = None) -> PreparedWeights:
     """Dequantize every matrix to fp32 once, at load, and fuse QKV and gate/up.
-    fp32 because numpy's only fast GEMM is sgemm; the cost is stated by prepared_nbytes()."""
+    fp32 because numpy's only fast GEMM is sgemm; the cost is stated by prepared_nbytes().
+    ops: the op names this unit runs (None: all); matrices of ops it does not run are left out
+    (None), so a unit that only takes the norms costs no fp32 copy of the model."""
     cfg: ModelConfig = model.config
+    need = (lambda op: True) if ops is None else (lambda op: op in ops)
 
     def f32(name: str, shape: tuple[int, ...]) -> np.ndarray:
         return quant.dequantize(model.raw(name), model.tensor_type(name), shape)
@@ -206,21 +215,23 @@ def prepare(model, precision: str = "fp32", progress=None) -> PreparedWeights:
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         wqkv = fused((p + "attn_q.weight", cfg.q_dim), (p + "attn_k.weight", cfg.kv_dim),
-                     (p + "attn_v.weight", cfg.kv_dim), cols=d)
+                     (p + "attn_v.weight", cfg.kv_dim), cols=d) if need("qkv") else None
         bqkv = None
         if cfg.qkv_bias:
             bqkv = np.concatenate([f32(p + "attn_q.bias", (cfg.q_dim,)), f32(p + "attn_k.bias", (cfg.kv_dim,)),
                                    f32(p + "attn_v.bias", (cfg.kv_dim,))])
         layers.append(LayerWeights(
             attn_norm=f32(p + "attn_norm.weight", (d,)), wqkv=wqkv, bqkv=bqkv,
-            wo=f32(p + "attn_output.weight", (d, cfg.q_dim)), ffn_norm=f32(p + "ffn_norm.weight", (d,)),
-            w_gate_up=fused((p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), cols=d),
-            w_down=f32(p + "ffn_down.weight", (d, cfg.d_ff)),
+            wo=f32(p + "attn_output.weight", (d, cfg.q_dim)) if need("attn_out") else None,
+            ffn_norm=f32(p + "ffn_norm.weight", (d,)),
+            w_gate_up=fused((p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), cols=d)
+            if need("ffn_gate_up") else None,
+            w_down=f32(p + "ffn_down.weight", (d, cfg.d_ff)) if need("ffn_down") else None,
         ))
         if progress:
             progress(i + 1, cfg.n_layers + 1)
     head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-    lm = f32(head_name, (cfg.vocab_size, d))
+    lm = f32(head_name, (cfg.vocab_size, d)) if need("lm_head") else None
     if progress:
         progress(cfg.n_layers + 1, cfg.n_layers + 1)
     return PreparedWeights(

@@ -1,0 +1,316 @@
+"""The neon unit: the C kernels of neon/ on the big CPU cores, through ctypes.
+
+Weights stay in their GGUF block formats, read in place from the memory-mapped file (no fp32
+copy: resident memory stays near the file size). Fused projections (QKV, gate|up) are passed to
+the kernel as row segments of separate tensors. Activations are fp32 numpy arrays; every op is
+one native call on a persistent thread pool pinned to the big cores.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import quant
+from ..model.config import ModelConfig
+from . import neon_lib
+from .neon_lib import fptr
+
+NAME = "neon"
+KIND = "cpu"
+
+_GGML_TO_EL = {"F32": neon_lib.EL_F32, "F16": neon_lib.EL_F16, "Q4_0": neon_lib.EL_Q4_0,
+               "Q4_1": neon_lib.EL_Q4_1, "Q8_0": neon_lib.EL_Q8_0}
+_OPS = {"embedding", "rmsnorm", "matmul", "rope", "attention", "swiglu", "add", "lm_head"}
+_MATMUL_PRECISIONS = {"int8", "fp32", "fp16"}
+
+_state = {"lib": None, "pool": None, "threads": None, "cores": None, "probe": None}
+_lock = threading.Lock()
+
+
+def _lib():
+    if _state["lib"] is None:
+        _state["lib"] = neon_lib.load()
+    return _state["lib"]
+
+
+def configure(threads: int | None = None, cores=None) -> None:
+    """Thread count and the cores its workers are pinned to (the big cores); the pool is
+    (re)created on the next op."""
+    with _lock:
+        if (threads, tuple(cores or ())) != (_state["threads"], _state["cores"]):
+            if _state["pool"]:
+                _lib().el_pool_destroy(_state["pool"])
+            _state.update(pool=None, threads=threads, cores=tuple(cores or ()))
+
+
+def _pool():
+    p = _state["pool"]
+    if p is None:
+        lib = _lib()
+        n = _state["threads"] or 1
+        cores = _state["cores"] or ()
+        arr = (ctypes.c_int * max(1, len(cores)))(*cores)
+        p = lib.el_pool_create(n, arr if cores else None, len(cores))
+        if not p:
+            raise RuntimeError("el_pool_create failed")
+        _state["pool"] = p
+    return p
+
+
+def pool_affinity() -> list[list[int]]:
+    """Cores each pool thread may run on, read back from the kernel (thread 0 = the caller)."""
+    lib, p = _lib(), _pool()
+    out = []
+    for t in range(lib.el_pool_threads(p)):
+        buf = (ctypes.c_int * 1024)()
+        n = lib.el_pool_affinity(p, t, buf, 1024)
+        out.append(sorted(buf[:n]) if n >= 0 else [])
+    return out
+
+
+def available() -> tuple[bool, str]:
+    """The library loads and a numeric self-check passes (a wrong build or a broken CPU feature
+    must not produce garbage: the unit is then unavailable and its ops go elsewhere)."""
+    if _state["probe"] is None:
+        try:
+            lib = _lib()
+            err = _self_check()
+            info = lib.el_build_info().decode()
+            _state["probe"] = (False, f"numeric self-check failed: {err}") if err else \
+                (True, f"{lib.variant} library ({lib.variant_reason}); {info}")
+        except neon_lib.NeonLibError as e:
+            _state["probe"] = (False, str(e))
+        except Exception as e:  # a probe must never take the engine down
+            _state["probe"] = (False, f"probe failed: {type(e).__name__}: {e}")
+    return _state["probe"]
+
+
+def _self_check() -> str:
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((40, 64)).astype(np.float32)
+    raw = quant.quantize(w, quant.T.Q8_0)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    ref = x @ quant.dequantize(raw, quant.T.Q8_0, w.shape).T
+    got = matmul(x, QMatrix.from_arrays("Q8_0", [raw], [40], 64))
+    nmse = float(np.mean((got - ref) ** 2) / np.mean(ref ** 2))
+    if not nmse < 5e-4:
+        return f"Q8_0 matmul NMSE {nmse:.2e}"
+    h = rmsnorm(x, np.ones(64, np.float32), 1e-5)
+    ref = x / np.sqrt(np.mean(x * x, axis=1, keepdims=True) + 1e-5)
+    nmse = float(np.mean((h - ref) ** 2) / np.mean(ref ** 2))
+    return "" if nmse < 1e-7 else f"rmsnorm NMSE {nmse:.2e}"
+
+
+def supports(op: str, precision: str = "fp32") -> tuple[bool, str]:
+    if op not in _OPS:
+        return False, f"the neon library has no {op} kernel"
+    if op in ("matmul", "lm_head"):
+        if precision in _MATMUL_PRECISIONS:
+            return True, f"{precision} GEMV/GEMM kernels"
+        return False, f"no {precision} matmul kernel (int8, fp32, fp16 only)"
+    if precision != "fp32":
+        return False, f"{op} runs in fp32 only"
+    return True, "fp32 kernel"
+
+
+# ---- resident weights --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class QMatrix:
+    """A weight matrix in a GGUF format, as row segments that concatenate along the output."""
+    wtype: int                 # EL_* type id
+    arrays: tuple              # the segments' bytes (memory-mapped file views), kept alive here
+    rows: tuple[int, ...]      # output rows per segment
+    k: int                     # input width
+    ptrs: object               # (c_void_p * n) of the segments
+    rows_c: object             # (c_int * n)
+
+    @property
+    def n(self) -> int:
+        return sum(self.rows)
+
+    @classmethod
+    def from_arrays(cls, type_name: str, arrays, rows, k: int) -> "QMatrix":
+        arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+        ptrs = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
+        return cls(_GGML_TO_EL[type_name], arrays, tuple(rows), k, ptrs, (ctypes.c_int * len(rows))(*rows))
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: np.ndarray
+    wqkv: QMatrix
+    bqkv: np.ndarray | None
+    wo: QMatrix
+    ffn_norm: np.ndarray
+    w_gate_up: QMatrix
+    w_down: QMatrix
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    embedding: object          # reference.EmbeddingTable (rows dequantized on lookup)
+    layers: tuple[LayerWeights, ...]
+    output_norm: np.ndarray
+    lm_head: QMatrix
+
+
+def _type_name(model, name: str) -> str:
+    t = model.tensor_type(name).name
+    if t not in _GGML_TO_EL:
+        raise ValueError(f"{name}: the neon kernels do not read {t} weights")
+    return t
+
+
+def prepare(model, precision: str = "int8", progress=None, ops=None) -> PreparedWeights:
+    """Views of the mapped file's blocks (zero copy; `ops` does not change the cost) and fp32 norms."""
+    from .reference import EmbeddingTable
+
+    cfg: ModelConfig = model.config
+    d = cfg.d_model
+
+    def f32(name, shape):
+        return quant.dequantize(model.raw(name), model.tensor_type(name), shape)
+
+    def mat(*parts: tuple[str, int], k: int) -> QMatrix:
+        types = {_type_name(model, n) for n, _ in parts}
+        if len(types) != 1:
+            # a fused projection whose parts differ in format: kept as one format per call
+            raise ValueError(f"{[n for n, _ in parts]} mix weight types {sorted(types)}")
+        return QMatrix.from_arrays(types.pop(), [model.raw(n) for n, _ in parts], [r for _, r in parts], k)
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        bqkv = None
+        if cfg.qkv_bias:
+            bqkv = np.concatenate([f32(p + "attn_q.bias", (cfg.q_dim,)), f32(p + "attn_k.bias", (cfg.kv_dim,)),
+                                   f32(p + "attn_v.bias", (cfg.kv_dim,))])
+        layers.append(LayerWeights(
+            attn_norm=f32(p + "attn_norm.weight", (d,)),
+            wqkv=mat((p + "attn_q.weight", cfg.q_dim), (p + "attn_k.weight", cfg.kv_dim),
+                     (p + "attn_v.weight", cfg.kv_dim), k=d),
+            bqkv=bqkv, wo=mat((p + "attn_output.weight", d), k=cfg.q_dim),
+            ffn_norm=f32(p + "ffn_norm.weight", (d,)),
+            w_gate_up=mat((p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), k=d),
+            w_down=mat((p + "ffn_down.weight", d), k=cfg.d_ff)))
+        if progress:
+            progress(i + 1, cfg.n_layers + 1)
+    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    if progress:
+        progress(cfg.n_layers + 1, cfg.n_layers + 1)
+    return PreparedWeights(
+        embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
+        layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)),
+        lm_head=mat((head, cfg.vocab_size), k=d))
+
+
+def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
+    """Only the fp32 norm vectors are copies; the matrices are pages of the mapped file."""
+    return 4 * (2 * cfg.n_layers + 1) * cfg.d_model
+
+
+# ---- ops ---------------------------------------------------------------------------------------
+
+_scratch = {"buf": np.empty(0, np.uint8)}
+
+
+def _check(rc: int, op: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"neon {op} failed with code {rc}")
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return a if (a.dtype == np.float32 and a.flags.c_contiguous) else np.ascontiguousarray(a, dtype=np.float32)
+
+
+def embedding(table, ids: np.ndarray) -> np.ndarray:
+    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids)
+
+
+def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None) -> np.ndarray:
+    """x (T, K) @ w^T (+ b) -> (T, N)."""
+    lib = _lib()
+    x = _f32(x)
+    T, K = x.shape
+    y = np.empty((T, w.n), dtype=np.float32)
+    need = lib.el_matmul_scratch(T, K)
+    if _scratch["buf"].nbytes < need:
+        _scratch["buf"] = np.empty(need, np.uint8)
+    rc = lib.el_matmul(_pool(), w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K,
+                       fptr(b) if b is not None else None, _scratch["buf"].ctypes.data)
+    _check(rc, "matmul")
+    return y
+
+
+def lm_head(x: np.ndarray, w: QMatrix) -> np.ndarray:
+    return matmul(x, w)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = _f32(x)
+    y = np.empty_like(x)
+    _check(_lib().el_rmsnorm(_pool(), fptr(x), fptr(_f32(w)), fptr(y), x.shape[0], x.shape[1], eps), "rmsnorm")
+    return y
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    """x (T, heads, hd) -> rotated copy; cos/sin (T, rope_dim/2)."""
+    x = _f32(x)
+    T, heads, hd = x.shape
+    y = np.empty_like(x)
+    cos, sin = _f32(cos), _f32(sin)
+    _check(_lib().el_rope(fptr(x), fptr(y), T, heads, hd, 2 * cos.shape[1], fptr(cos), fptr(sin),
+                          1 if style == "neox" else 0), "rope")
+    return y
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    gate_up = _f32(gate_up)
+    T, ff2 = gate_up.shape
+    y = np.empty((T, ff2 // 2), dtype=np.float32)
+    _check(_lib().el_swiglu(_pool(), fptr(gate_up), fptr(y), T, ff2 // 2), "swiglu")
+    return y
+
+
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = _f32(a), _f32(b)
+    y = np.empty_like(a)
+    _check(_lib().el_add(fptr(a), fptr(b), fptr(y), a.size), "add")
+    return y
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """q (T, H, hd); k, v (KVH, n, hd) gathered fp32 -> (T, H * hd)."""
+    q = _f32(q)
+    T, H, hd = q.shape
+    k, v = _f32(k), _f32(v)
+    out = np.empty((T, H * hd), dtype=np.float32)
+    _check(_lib().el_attention_dense(_pool(), fptr(q), fptr(out), T, H, k.shape[0], hd, start,
+                                     fptr(k), fptr(v)), "attention")
+    return out
+
+
+_KV_TYPES = {np.dtype(np.float32): neon_lib.EL_F32, np.dtype(np.float16): neon_lib.EL_F16}
+
+
+def can_read_pool(pool) -> bool:
+    """attention_pool reads f32 and f16 arenas (int8 KV goes through the gathered path)."""
+    return pool.k.dtype in _KV_TYPES
+
+
+def attention_pool(q: np.ndarray, pool, table: np.ndarray, layer: int, start: int) -> np.ndarray:
+    """Attention straight from the KV pool's blocks: no gather, no fp32 copy of the cache.
+    table: the sequence's block table as int32."""
+    q = _f32(q)
+    T, H, hd = q.shape
+    out = np.empty((T, H * hd), dtype=np.float32)
+    rc = _lib().el_attention_pool(_pool(), fptr(q), fptr(out), T, H, pool.n_kv_heads, hd, start,
+                                  pool.k.ctypes.data, pool.v.ctypes.data, _KV_TYPES[pool.k.dtype],
+                                  table.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pool.block_tokens,
+                                  pool.k.shape[1], layer)
+    _check(rc, "attention_pool")
+    return out

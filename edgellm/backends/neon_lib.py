@@ -1,0 +1,116 @@
+"""Loading the NEON kernel library (neon/, built by setup.py) with ctypes.
+
+Two variants are built: "base" (Armv8.0 NEON) and "dotprod" (SDOT + fp16 arithmetic). On aarch64
+the CPU's HWCAP flags choose; on other hosts the library runs through SIMDe and "dotprod" is
+used (both are tested). EDGELLM_NEON_VARIANT=base|dotprod forces one; EDGELLM_NEON_LIB=PATH
+loads a given file (a library from `edgellm build`, say).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from ctypes import POINTER, c_float, c_int, c_size_t, c_uint, c_void_p
+from pathlib import Path
+
+EL_F32, EL_F16, EL_Q4_0, EL_Q4_1, EL_Q8_0 = 0, 1, 2, 3, 8
+FEAT_NEON, FEAT_DOTPROD, FEAT_FP16, FEAT_SIMDE = 1, 2, 4, 8
+_HWCAP_ASIMDHP, _HWCAP_ASIMDDP = 1 << 10, 1 << 20     # arch/arm64/include/uapi/asm/hwcap.h
+_AT_HWCAP = 16
+
+_c_float_p = POINTER(c_float)
+_c_int_p = POINTER(c_int)
+
+# name -> (restype, argtypes): the whole API of neon/edgellm_neon.h
+_SIGNATURES = {
+    "el_features": (c_uint, []),
+    "el_build_info": (ctypes.c_char_p, []),
+    "el_use_generic": (None, [c_int]),
+    "el_pool_create": (c_void_p, [c_int, _c_int_p, c_int]),
+    "el_pool_destroy": (None, [c_void_p]),
+    "el_pool_threads": (c_int, [c_void_p]),
+    "el_pool_affinity": (c_int, [c_void_p, c_int, _c_int_p, c_int]),
+    "el_matmul_scratch": (c_size_t, [c_int, c_int]),
+    "el_matmul": (c_int, [c_void_p, c_int, POINTER(c_void_p), _c_int_p, c_int, _c_float_p, _c_float_p,
+                          c_int, c_int, _c_float_p, c_void_p]),
+    "el_rmsnorm": (c_int, [c_void_p, _c_float_p, _c_float_p, _c_float_p, c_int, c_int, c_float]),
+    "el_rope": (c_int, [_c_float_p, _c_float_p, c_int, c_int, c_int, c_int, _c_float_p, _c_float_p, c_int]),
+    "el_swiglu": (c_int, [c_void_p, _c_float_p, _c_float_p, c_int, c_int]),
+    "el_softmax": (c_int, [_c_float_p, c_int, c_int]),
+    "el_add": (c_int, [_c_float_p, _c_float_p, _c_float_p, c_size_t]),
+    "el_attention_pool": (c_int, [c_void_p, _c_float_p, _c_float_p, c_int, c_int, c_int, c_int, c_int,
+                                  c_void_p, c_void_p, c_int, POINTER(ctypes.c_int32), c_int, c_int, c_int]),
+    "el_attention_dense": (c_int, [c_void_p, _c_float_p, _c_float_p, c_int, c_int, c_int, c_int, c_int,
+                                   _c_float_p, _c_float_p]),
+}
+
+
+class NeonLibError(RuntimeError):
+    """The library is missing, or lacks a symbol: the neon unit is unavailable."""
+
+
+def package_dir() -> Path:
+    return Path(__file__).resolve().parent.parent
+
+
+def _hwcap() -> int:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.getauxval.restype = ctypes.c_ulong
+        return int(libc.getauxval(_AT_HWCAP))
+    except (OSError, AttributeError):
+        return 0
+
+
+def choose_variant() -> tuple[str, str]:
+    """(variant, why)."""
+    forced = os.environ.get("EDGELLM_NEON_VARIANT")
+    if forced:
+        if forced not in ("base", "dotprod"):
+            raise NeonLibError(f"EDGELLM_NEON_VARIANT must be base or dotprod, got {forced!r}")
+        return forced, "EDGELLM_NEON_VARIANT"
+    if platform.machine().lower() in ("aarch64", "arm64"):
+        cap = _hwcap()
+        if cap & _HWCAP_ASIMDDP and cap & _HWCAP_ASIMDHP:
+            return "dotprod", "HWCAP has asimddp and asimdhp"
+        return "base", "HWCAP lacks asimddp or asimdhp"
+    return "dotprod", "not an Arm CPU: SIMDe emulation, dotprod paths"
+
+
+def library_path(variant: str) -> Path:
+    explicit = os.environ.get("EDGELLM_NEON_LIB")
+    if explicit:
+        return Path(explicit)
+    found = sorted(package_dir().glob(f"_neon_{variant}*.so"))
+    if not found:
+        raise NeonLibError(f"the {variant} NEON library is not built (no edgellm/_neon_{variant}*.so; "
+                           f"reinstall with a C compiler: pip install -e .)")
+    return found[0]
+
+
+def load(variant: str | None = None, path: str | os.PathLike | None = None, partial: bool = False) -> ctypes.CDLL:
+    """The library with every function's signature declared. partial: allow missing symbols
+    (kernel development builds of a few sources)."""
+    why = ""
+    if variant is None:
+        variant, why = choose_variant()
+    path = Path(path) if path is not None else library_path(variant)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise NeonLibError(f"cannot load {path}: {e}") from None
+    for name, (res, args) in _SIGNATURES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            if partial:
+                continue
+            raise NeonLibError(f"{path} lacks {name}: rebuild it (pip install -e .)") from None
+        fn.restype, fn.argtypes = res, args
+    lib.variant, lib.variant_reason, lib.path = variant, why, path
+    return lib
+
+
+def fptr(a) -> "ctypes._Pointer":
+    """float* of a C-contiguous float32 numpy array (no copy; the caller keeps `a` alive)."""
+    return a.ctypes.data_as(_c_float_p)

@@ -1,0 +1,99 @@
+/* edgellm NEON kernel library: the public C API (loaded from Python through ctypes).
+ *
+ * One source tree, three ways to build it:
+ *   - natively on aarch64 (real NEON; the "dotprod" variant adds -march=armv8.2-a+dotprod+fp16),
+ *   - on x86 dev machines through SIMDe, which maps the same intrinsics onto SSE/AVX,
+ *   - cross-compiled for a device (tools/cross_build.py, `edgellm build`).
+ * Each build produces two variants of the library: "base" (Armv8.0 NEON) and "dotprod"
+ * (SDOT/UDOT int8 dot products and fp16 vector arithmetic). The loader picks one at run time
+ * from the CPU's HWCAP flags (asimddp, asimdhp).
+ *
+ * Conventions: row-major; "x (M, K)" means M rows of K floats, contiguous. Weight matrices keep
+ * GGUF's (out, in) layout: row n holds the K inputs of output n. Every kernel has a plain C
+ * `_generic` twin; el_use_generic(1) routes every call to the twins (tests, self-test).
+ * Functions return 0 on success, a negative EL_E* code on bad arguments (never abort).
+ */
+#ifndef EDGELLM_NEON_H
+#define EDGELLM_NEON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EL_API __attribute__((visibility("default")))
+
+enum { EL_OK = 0, EL_EINVAL = -1, EL_ENOMEM = -2, EL_EUNSUPPORTED = -3 };
+
+/* GGML type ids of the weight formats the quantized matmul reads (GGUF block layouts):
+ * Q4_0: 32 weights = fp16 d + 16 bytes of 4-bit q (w = d * (q - 8)); 18 bytes.
+ *       byte j holds weight j in its low nibble and weight j + 16 in its high nibble.
+ * Q4_1: fp16 d + fp16 m + 16 bytes (w = d * q + m); 20 bytes, same nibble order.
+ * Q8_0: fp16 d + 32 int8 (w = d * q); 34 bytes.
+ * F32 / F16: plain rows. */
+enum { EL_F32 = 0, EL_F16 = 1, EL_Q4_0 = 2, EL_Q4_1 = 3, EL_Q8_0 = 8 };
+
+/* ---- build and features ------------------------------------------------------------------ */
+enum { EL_FEAT_NEON = 1, EL_FEAT_DOTPROD = 2, EL_FEAT_FP16 = 4, EL_FEAT_SIMDE = 8 };
+EL_API unsigned el_features(void);          /* compiled-in paths of this variant */
+EL_API const char *el_build_info(void);     /* "variant=dotprod simde=1 compiler=gcc 12.2.0 ..." */
+EL_API void el_use_generic(int on);         /* 1: every kernel runs its _generic twin */
+
+/* ---- thread pool ------------------------------------------------------------------------- */
+/* A persistent pool: n_threads - 1 workers plus the calling thread. Workers are pinned to
+ * cores[] (round robin) when cores != NULL; they spin briefly, then sleep, between jobs. */
+typedef struct el_pool el_pool;
+typedef void (*el_task_fn)(void *ctx, int task, int n_tasks);
+EL_API el_pool *el_pool_create(int n_threads, const int *cores, int n_cores);
+EL_API void el_pool_destroy(el_pool *pool);
+EL_API int el_pool_threads(const el_pool *pool);
+/* Writes the CPUs worker `thread` (0 = the caller) may run on into cores_out; returns the count,
+ * or a negative code. Lets Python read the pinning back. */
+EL_API int el_pool_affinity(el_pool *pool, int thread, int *cores_out, int max_cores);
+/* Runs fn(ctx, t, n_tasks) for t in 0..n_tasks-1 across the pool; returns when all are done.
+ * pool may be NULL (runs on the caller). */
+EL_API void el_parallel_for(el_pool *pool, int n_tasks, el_task_fn fn, void *ctx);
+
+/* ---- matmul ------------------------------------------------------------------------------ */
+/* y (M, N) = x (M, K) @ W^T (+ bias (N,)), W of type wtype given as n_seg row segments (fused
+ * projections stay separate GGUF tensors): segment s has seg_rows[s] rows starting at
+ * seg_ptr[s]; N = sum of seg_rows. K must be a multiple of 32 for the block types.
+ * Quantized types quantize x to int8 blocks of 32 (one fp32 scale per block) and accumulate
+ * int32 dot products, scaled in fp32. M == 1 runs a GEMV; M > 1 a tiled GEMM that reuses each
+ * weight block across a tile of rows. scratch: NULL, or at least el_matmul_scratch(M, K) bytes. */
+EL_API size_t el_matmul_scratch(int M, int K);
+EL_API int el_matmul(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
+                     const float *x, float *y, int M, int K, const float *bias, void *scratch);
+
+/* ---- elementwise (fp32 in and out; accumulation in fp32 everywhere) ---------------------- */
+EL_API int el_rmsnorm(el_pool *pool, const float *x, const float *w, float *y, int T, int d, float eps);
+/* x, y (T, heads, hd); cos, sin (T, rope_dim/2); neox = 0: rotate pairs (2i, 2i+1); 1: (i, i+half).
+ * Dims past rope_dim are copied. y may equal x. */
+EL_API int el_rope(const float *x, float *y, int T, int heads, int hd, int rope_dim,
+                   const float *cos, const float *sin, int neox);
+/* gate_up (T, 2*ff) = [gate | up] -> y (T, ff) = silu(gate) * up */
+EL_API int el_swiglu(el_pool *pool, const float *gate_up, float *y, int T, int ff);
+EL_API int el_softmax(float *x, int rows, int n);              /* in place, per row */
+EL_API int el_add(const float *a, const float *b, float *y, size_t n);
+
+/* ---- attention --------------------------------------------------------------------------- */
+/* Causal GQA attention with online softmax (no n-by-n matrix): q (T, H, hd) at positions
+ * start..start+T-1 sees keys 0..start+t; query head h reads kv head h / (H / KVH).
+ * out (T, H * hd). Scale 1/sqrt(hd).
+ *
+ * el_attention_pool reads K/V straight from the KV pool's arena:
+ *   k, v: (n_blocks, n_layers, block_tokens, KVH, hd), kv_type EL_F32 or EL_F16,
+ *   position p of the sequence is block block_table[p / block_tokens], row p % block_tokens.
+ * el_attention_dense reads gathered fp32 k, v of shape (KVH, n, hd), n = start + T. */
+EL_API int el_attention_pool(el_pool *pool, const float *q, float *out, int T, int H, int KVH, int hd, int start,
+                             const void *k, const void *v, int kv_type, const int32_t *block_table,
+                             int block_tokens, int n_layers, int layer);
+EL_API int el_attention_dense(el_pool *pool, const float *q, float *out, int T, int H, int KVH, int hd, int start,
+                              const float *k, const float *v);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

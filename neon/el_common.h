@@ -1,0 +1,56 @@
+/* Internal: intrinsics, feature macros and helpers shared by the kernel files. */
+#ifndef EL_COMMON_H
+#define EL_COMMON_H
+
+#include "edgellm_neon.h"
+
+#if defined(__aarch64__) || defined(__ARM_NEON)
+#include <arm_neon.h>
+#define EL_SIMDE 0
+#else
+/* x86 development builds: SIMDe implements the NEON intrinsics on SSE/AVX */
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/arm/neon.h>
+#define EL_SIMDE 1
+#endif
+
+/* The dotprod variant: real SDOT on Armv8.2+ (the compiler defines __ARM_FEATURE_DOTPROD for
+ * -march=armv8.2-a+dotprod); on x86 the build defines EL_SIMDE_DOTPROD so the same code paths
+ * are compiled and tested through SIMDe's emulation of vdotq_s32. */
+#if defined(__ARM_FEATURE_DOTPROD) || defined(EL_SIMDE_DOTPROD)
+#define EL_DOTPROD 1
+#else
+#define EL_DOTPROD 0
+#endif
+#if defined(__ARM_FEATURE_FP16_VECTOR_ARITHMETIC) || defined(EL_SIMDE_FP16)
+#define EL_FP16 1
+#else
+#define EL_FP16 0
+#endif
+
+extern int el_generic_flag;   /* set by el_use_generic */
+
+/* fp16 <-> fp32 without relying on the compiler's _Float16 support (generic twins) */
+static inline float el_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) { bits = sign; }
+        else {                                   /* subnormal: normalise */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+#define EL_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define EL_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+#endif
