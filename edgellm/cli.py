@@ -409,6 +409,26 @@ def profile(
     typer.echo(f"profile written to {result.path} in {result.seconds:.1f} s (use --device host)", err=True)
 
 
+@app.command()
+@friendly
+def build(
+    target: str = typer.Option("aarch64-linux-gnu", "--target", help="aarch64-linux-gnu (gcc-aarch64-linux-gnu, "
+                               "else zig cc from the ziglang package) or aarch64-linux-android (ANDROID_NDK_HOME)"),
+    cpu: Optional[str] = typer.Option(None, "--cpu", help="Tune for this core, e.g. cortex-a78 (the dotprod "
+                                      "variant is built for it; the base variant stays plain Armv8.0)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Bundle folder (default ./edgellm-bundle-TARGET)"),
+    api: Optional[int] = typer.Option(None, "--api", help="Android API level for the NDK compiler (default 28)"),
+):
+    """Cross-compile the NEON kernel library and its self-test for a device: a bundle with
+    libedgellm_neon_{base,dotprod}.so, selftest_{base,dotprod}, selftest_cases.bin and bundle.json
+    (target, CPU features, compiler and version, source hash). On the device, run
+    `./selftest_dotprod selftest_cases.bin`, then point EDGELLM_NEON_LIB at the library."""
+    from .toolchain import build_bundle
+
+    path = build_bundle(target, cpu, out, api=api, progress=lambda msg: typer.echo(msg, err=True))
+    typer.echo(str(path))
+
+
 cache_app = typer.Typer(help="The on-disk session / prefix cache (EDGELLM_HOME/cache).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 

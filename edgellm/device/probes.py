@@ -354,6 +354,15 @@ def probe_reference(quick: bool, threads: int, progress: Progress | None = None,
 register_probe("reference", probe_reference)
 
 
+def _probe_neon(quick: bool, threads: int, progress: Progress | None = None) -> UnitMeasurement | None:
+    from ..backends import neon_probe
+
+    return neon_probe.probe(quick, threads, progress, cache_bytes=_cache_bytes(estimate_host_profile().clusters))
+
+
+register_probe("neon", _probe_neon)
+
+
 # ---- the whole run -------------------------------------------------------------------------------
 
 def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,

@@ -1,0 +1,332 @@
+"""el_matmul (neon/quant_matmul.c, neon/matmul_float.c) against reference.matmul.
+
+Both library variants (base: SMULL/SADALP; dotprod: SDOT), each with its NEON kernels and with
+their plain C twins (el_use_generic). The installed library is used when it is there and
+current; otherwise the whole neon/ tree is built into a temporary directory with
+tools/build_neon.py (on x86 through SIMDe), so the tests also run from a bare checkout.
+
+Error measure: NMSE = mean((y - ref)^2) / mean(ref^2), ref = x @ dequantized(W).T in fp32.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from edgellm import quant
+from edgellm.backends import neon_lib, reference
+from edgellm.backends.neon_lib import fptr
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("base", "dotprod")
+EL_TYPE = {T.F32: neon_lib.EL_F32, T.F16: neon_lib.EL_F16, T.Q4_0: neon_lib.EL_Q4_0,
+           T.Q4_1: neon_lib.EL_Q4_1, T.Q8_0: neon_lib.EL_Q8_0}
+BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q8_0)
+
+# Quantized weights are compared with their own dequantization, so the only approximation left
+# is x's int8 rounding: error uniform in +-d/2 with d = max|x_block| / 127. For Gaussian x a
+# block's max is ~2.1 sigma, so the error's variance is (2.1/127)^2 / 12 ~ 2.3e-5 of x's, and it
+# passes through the dot product unchanged in relative terms (errors independent of W): NMSE
+# ~2e-5, 20x under the bound (the product bound for matmul in DESIGN.md).
+NMSE_QUANT = 5e-4
+# F32, and F16 weights widened exactly to fp32: only the summation order differs from BLAS,
+# ~K * eps^2 ~ 1e-11 at K = 1536. 1e-9 keeps a wide margin yet fails on one wrong output in
+# 64 x 960 (~1.6e-5).
+NMSE_FLOAT = 1e-9
+# NEON kernels vs their generic twins on the same int8 activations (both twins quantize x bit
+# for bit alike): only fp32 rounding of the per-block scaling differs.
+NMSE_TWINS = 1e-10
+# Largest single error allowed, as a fraction of the outputs' rms: ~10 standard deviations of
+# the int8 rounding error (see above); fp32 summation order ~1e-6.
+GROSS_QUANT = 0.05
+GROSS_FLOAT = 1e-4
+
+MS = (1, 2, 3, 5, 17, 64)
+KS = (32, 64, 576, 1536)
+NS = (1, 7, 33, 960)
+
+_observed: dict[str, float] = {}      # worst NMSE per weight type, printed at the end (-s)
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("build_neon", ROOT / "tools" / "build_neon.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def lib(request, tmp_path_factory):
+    variant = request.param
+    try:
+        lib = neon_lib.load(variant)
+    except neon_lib.NeonLibError:
+        # not installed (or stale): build this checkout's neon/ privately
+        out = tmp_path_factory.mktemp("neon") / f"_neon_{variant}.so"
+        _build_module().build(out, variant)
+        lib = neon_lib.load(variant, path=out)
+    yield lib
+    lib.el_use_generic(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    if _observed:
+        print("\nmax NMSE per weight type: " + ", ".join(f"{k} {v:.2e}" for k, v in sorted(_observed.items())))
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+_WEIGHTS: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def weights(qtype: T, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(raw GGUF bytes (n, bytes_per_row), fp32 dequantized (n, k)), cached per shape."""
+    key = (qtype, n, k, seed)
+    if key not in _WEIGHTS:
+        rng = np.random.default_rng([seed, n, k, int(qtype)])
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        raw = np.ascontiguousarray(quant.quantize(w, qtype))
+        _WEIGHTS[key] = (raw, quant.dequantize(raw.reshape(-1), qtype, (n, k)))
+    return _WEIGHTS[key]
+
+
+def el_matmul(lib, qtype, segs: list[np.ndarray], x: np.ndarray, bias=None, scratch="auto", wtype=None, pool=None):
+    """Calls el_matmul on raw segments (pool None: on this thread); returns (rc, y)."""
+    M, K = x.shape
+    rows = [s.shape[0] for s in segs]
+    N = max(1, sum(rows))
+    y = np.full((M, N), np.nan, np.float32)
+    ptrs = (ctypes.c_void_p * len(segs))(*[s.ctypes.data for s in segs])
+    rows_c = (ctypes.c_int * len(segs))(*rows)
+    if scratch == "auto":
+        buf = np.empty(lib.el_matmul_scratch(M, K) + 1, np.uint8)
+        sp = buf.ctypes.data + 1                 # deliberately misaligned: the library aligns it
+    else:
+        sp = None
+    rc = lib.el_matmul(pool, EL_TYPE[qtype] if wtype is None else wtype, ptrs, rows_c, len(segs), fptr(x),
+                       fptr(y), M, K, fptr(bias) if bias is not None else None, sp)
+    return rc, y
+
+
+def nmse(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.mean((y.astype(np.float64) - ref) ** 2) / max(np.mean(ref.astype(np.float64) ** 2), 1e-30))
+
+
+class Errors:
+    """Error statistics of several calls pooled into one NMSE: a handful of outputs (N = 1 with
+    M = 1, K = 32) gives a ratio of a few squared errors to a few squared results, which a
+    single small result (a near-cancelling dot) can blow up; pooled over every M of a shape the
+    ratio is stable, and one wrong output still stands out (1 / 92 outputs = 1e-2)."""
+
+    def __init__(self, qtype):
+        self.qtype, self.err2, self.ref2, self.n, self.max_abs, self.cases = qtype, 0.0, 0.0, 0, 0.0, []
+
+    def add(self, y, ref, what: str):
+        assert np.all(np.isfinite(y)), what
+        d = y.astype(np.float64) - ref
+        self.err2 += float(np.sum(d * d))
+        self.ref2 += float(np.sum(ref.astype(np.float64) ** 2))
+        self.n += d.size
+        self.max_abs = max(self.max_abs, float(np.max(np.abs(d))))
+        self.cases.append(what)
+
+    def check(self) -> float:
+        e = self.err2 / max(self.ref2, 1e-30)
+        quantized = self.qtype in BLOCK_TYPES
+        assert e < (NMSE_QUANT if quantized else NMSE_FLOAT), f"{self.qtype.name} {self.cases}: NMSE {e:.2e}"
+        # and no single output far off: the int8 error's std is ~0.5% of the outputs' rms
+        rms = (self.ref2 / max(self.n, 1)) ** 0.5
+        assert self.max_abs <= (GROSS_QUANT if quantized else GROSS_FLOAT) * rms, \
+            f"{self.qtype.name} {self.cases}: max |error| {self.max_abs:.3g} vs rms {rms:.3g}"
+        _observed[self.qtype.name] = max(_observed.get(self.qtype.name, 0.0), e)
+        return e
+
+
+def run_case(lib, qtype, segs_raw, segs_ref, x, bias, generic: int, errs: Errors):
+    lib.el_use_generic(generic)
+    try:
+        rc, y = el_matmul(lib, qtype, segs_raw, x, bias)
+    finally:
+        lib.el_use_generic(0)
+    what = f"M={x.shape[0]} K={x.shape[1]} N={y.shape[1]} bias={bias is not None} generic={generic}"
+    assert rc == 0, what
+    ref = reference.matmul(x, np.concatenate(segs_ref), bias)
+    errs.add(y, ref, what)
+
+
+def check(lib, qtype, segs_raw, segs_ref, x, bias, generic: int) -> float:
+    errs = Errors(qtype)
+    run_case(lib, qtype, segs_raw, segs_ref, x, bias, generic, errs)
+    return errs.check()
+
+
+# ---- conformance -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.F32, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("K", KS)
+def test_matmul_matches_reference(lib, qtype, K):
+    rng = np.random.default_rng(K)
+    for N in NS:
+        raw, deq = weights(qtype, N, K)
+        bias = rng.standard_normal(N).astype(np.float32) if N in (7, 960) else None
+        for generic in (0, 1):
+            errs = Errors(qtype)
+            for M in MS:
+                x = rng.standard_normal((M, K)).astype(np.float32)
+                run_case(lib, qtype, [raw], [deq], x, bias, generic, errs)
+            errs.check()
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.F32, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("M", (1, 5, 64))
+def test_segments_like_fused_qkv(lib, qtype, M):
+    """Three separate tensors of different heights (Q, K, V) produce one (M, N) result; row counts
+    that are not multiples of the 4-row tile and a chunk boundary inside a segment."""
+    K = 576
+    rows = (130, 33, 67)
+    segs = [weights(qtype, n, K, seed=i + 1) for i, n in enumerate(rows)]
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    bias = rng.standard_normal(sum(rows)).astype(np.float32)
+    for b in (None, bias):
+        for generic in (0, 1):
+            check(lib, qtype, [s[0] for s in segs], [s[1] for s in segs], x, b, generic)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.F32, T.F16], ids=lambda t: t.name)
+def test_neon_matches_generic_twin(lib, qtype):
+    """The NEON tile kernels against the scalar twins on identical int8 activations."""
+    K, N = 1536, 37
+    raw, _ = weights(qtype, N, K)
+    x = np.random.default_rng(3).standard_normal((6, K)).astype(np.float32)
+    out = []
+    for generic in (0, 1):
+        lib.el_use_generic(generic)
+        rc, y = el_matmul(lib, qtype, [raw], x)
+        assert rc == 0
+        out.append(y)
+    lib.el_use_generic(0)
+    assert nmse(out[0], out[1]) < NMSE_TWINS
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.F32, T.F16], ids=lambda t: t.name)
+def test_thread_pool_matches_serial(lib, qtype):
+    """With a pool the task grid changes (more, smaller chunks) and tasks run concurrently; the
+    outputs must agree with the serial run (same kernels, summation order aside) and the
+    reference. GEMV, a small GEMM and a fused three-segment GEMM."""
+    pool = lib.el_pool_create(3, None, 0)
+    assert pool
+    try:
+        rng = np.random.default_rng(11)
+        for M, K, rows in ((1, 576, (960,)), (17, 576, (130, 33, 67)), (64, 1536, (37,))):
+            segs = [weights(qtype, n, K, seed=i + 5) for i, n in enumerate(rows)]
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            bias = rng.standard_normal(sum(rows)).astype(np.float32)
+            rc0, y0 = el_matmul(lib, qtype, [s[0] for s in segs], x, bias)
+            rc1, y1 = el_matmul(lib, qtype, [s[0] for s in segs], x, bias, pool=pool)
+            assert rc0 == rc1 == 0
+            assert nmse(y1, y0) < NMSE_TWINS, (M, K, rows)
+            errs = Errors(qtype)
+            errs.add(y1, reference.matmul(x, np.concatenate([s[1] for s in segs]), bias), f"M={M} pool")
+            errs.check()
+    finally:
+        lib.el_pool_destroy(pool)
+
+
+def test_float_k_not_multiple_of_4(lib):
+    """F32 / F16 accept any K: the 4-wide loop leaves a scalar tail."""
+    rng = np.random.default_rng(5)
+    for qtype in (T.F32, T.F16):
+        for K in (1, 3, 37):
+            raw, deq = weights(qtype, 9, K)
+            for M in (1, 6):
+                x = rng.standard_normal((M, K)).astype(np.float32)
+                for generic in (0, 1):
+                    check(lib, qtype, [raw], [deq], x, None, generic)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_int_headroom_extremes(lib, qtype):
+    """Largest products the formats allow: Q8_0 quants of -128 (ggml never writes them, a file
+    may) and 15-valued nibbles against x quantized to +-127. The base variant accumulates
+    products in int16 before widening; this is where it would overflow."""
+    K, N = 64, 5
+    raw, _ = weights(qtype, N, K)
+    raw = raw.copy()
+    blocks = raw.reshape(-1).view(quant._BLOCK_DTYPES[qtype])
+    blocks["qs"] = -128 if qtype == T.Q8_0 else 0xFF
+    deq = quant.dequantize(raw.reshape(-1), qtype, (N, K))
+    x = np.full((3, K), -1.0, np.float32)
+    x[1] = 1.0
+    for generic in (0, 1):
+        check(lib, qtype, [raw], [deq], x, None, generic)
+
+
+def test_scratch_null_allocates(lib):
+    """scratch = NULL: the library allocates (and frees) the int8 copy of x itself."""
+    raw, _ = weights(T.Q4_1, 33, 576)
+    x = np.random.default_rng(7).standard_normal((5, 576)).astype(np.float32)
+    rc1, y1 = el_matmul(lib, T.Q4_1, [raw], x)
+    rc2, y2 = el_matmul(lib, T.Q4_1, [raw], x, scratch=None)
+    assert rc1 == rc2 == 0
+    np.testing.assert_array_equal(y1, y2)
+
+
+def test_zero_x_and_zero_row_segment(lib):
+    """An all-zero x block (scale 0, no NaN) and an empty segment between two others."""
+    raw, deq = weights(T.Q4_0, 8, 64)
+    empty = np.zeros((0, raw.shape[1]), np.uint8)
+    x = np.zeros((2, 64), np.float32)
+    x[1] = np.random.default_rng(9).standard_normal(64)
+    for generic in (0, 1):
+        lib.el_use_generic(generic)
+        rc, y = el_matmul(lib, T.Q4_0, [raw, empty, raw], x)
+        lib.el_use_generic(0)
+        assert rc == 0
+        assert np.all(y[0] == 0.0)
+        assert nmse(y[1], reference.matmul(x[1:], np.concatenate([deq, deq]))[0]) < NMSE_QUANT
+
+
+def test_scratch_size(lib):
+    assert lib.el_matmul_scratch(0, 64) == 0 and lib.el_matmul_scratch(4, -1) == 0
+    # int8 per input plus two fp32 per block, at least
+    assert lib.el_matmul_scratch(512, 1536) >= 512 * 1536 + 2 * 4 * 512 * 48
+
+
+# ---- bad arguments -----------------------------------------------------------------------------
+
+def test_bad_arguments_return_negative_codes(lib):
+    raw, _ = weights(T.Q4_0, 4, 64)
+    x = np.ones((2, 64), np.float32)
+    ok_rc, _ = el_matmul(lib, T.Q4_0, [raw], x)
+    assert ok_rc == 0
+    # K = 33 with a block type (x has 33 columns; the weights are never read)
+    assert el_matmul(lib, T.Q4_0, [raw], np.ones((2, 33), np.float32))[0] < 0
+    assert el_matmul(lib, T.Q4_0, [raw], x, wtype=99)[0] < 0                 # unknown type
+    assert el_matmul(lib, T.Q4_0, [raw], x, wtype=-1)[0] < 0
+    assert el_matmul(lib, T.Q4_0, [raw], np.ones((0, 64), np.float32))[0] < 0  # M = 0
+    assert el_matmul(lib, T.Q4_0, [raw[:0]], x)[0] < 0                        # N = 0
+
+    def call(**kw):
+        a = dict(pool=None, wtype=neon_lib.EL_Q4_0, ptrs=(ctypes.c_void_p * 1)(raw.ctypes.data),
+                 rows=(ctypes.c_int * 1)(4), n_seg=1, x=fptr(x), y=fptr(np.empty((2, 4), np.float32)),
+                 M=2, K=64, bias=None, scratch=None)
+        a.update(kw)
+        return lib.el_matmul(*a.values())
+
+    assert call() == 0
+    assert call(ptrs=None) < 0
+    assert call(rows=None) < 0
+    assert call(n_seg=0) < 0
+    assert call(x=None) < 0
+    assert call(y=None) < 0
+    assert call(K=0) < 0
+    assert call(M=-3) < 0
+    assert call(rows=(ctypes.c_int * 1)(-4)) < 0
+    assert call(ptrs=(ctypes.c_void_p * 1)(None)) < 0

@@ -1,0 +1,36 @@
+"""Cross-compile the NEON kernel library and its self-test into a bundle for a device (the same
+as `edgellm build`; edgellm/toolchain.py does the work).
+
+    python tools/cross_build.py [--target aarch64-linux-gnu|aarch64-linux-android[API]] [--cpu cortex-a78] [--out DIR]
+
+Then copy DIR to the device and run `./selftest_dotprod selftest_cases.bin` (or selftest_base).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from edgellm import toolchain  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="aarch64-linux-gnu",
+                    help="aarch64-linux-gnu (default) or aarch64-linux-android[API] (API default 28)")
+    ap.add_argument("--cpu", help="build the dotprod variant for this core (-mcpu), tune base for it (-mtune)")
+    ap.add_argument("--out", type=Path, help="bundle folder (default ./edgellm-bundle-<target>)")
+    ap.add_argument("--variant", action="append", choices=toolchain.VARIANTS,
+                    help="build only this variant (repeatable; default both)")
+    a = ap.parse_args(argv)
+    try:
+        toolchain.build_bundle(a.target, a.cpu, a.out, a.variant or toolchain.VARIANTS)
+    except toolchain.ToolchainError as e:
+        print(f"cross_build: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
