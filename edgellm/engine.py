@@ -81,6 +81,9 @@ class ModelRunner:
             bad = int(ids[(ids < 0) | (ids >= self.cfg.vocab_size)][0])
             raise ConfigError(f"token id {bad} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         step = min(chunk or self.prefill_chunk, seq.max_chunk or len(ids))
+        # one phase per call: a prompt's chunks (a short last one included) run the prefill
+        # placement; a single-token call is a decode step
+        phase = "decode" if len(ids) == 1 else "prefill"
         start0 = seq.n_tokens
         outs = []
         try:
@@ -89,12 +92,12 @@ class ModelRunner:
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled("cancelled between prefill chunks")
                 seq.reserve(len(part))
-                h = self._layers(seq, part, cancel)
+                h = self._layers(seq, part, cancel, phase)
                 seq.commit(seq.n_tokens + len(part), part)
                 if all_logits:
-                    outs.append(self._head(h))
+                    outs.append(self._head(h, phase))
                 elif c + step >= len(ids):
-                    outs.append(self._head(h[-1:]))
+                    outs.append(self._head(h[-1:], phase))
         except Cancelled:
             seq.truncate(seq.n_tokens)  # drop the pending chunk: always exact
             # earlier chunks of this call: a pool drops them; a ring that already evicted for them
@@ -105,12 +108,12 @@ class ModelRunner:
         logits = np.concatenate(outs) if len(outs) > 1 else outs[0]
         return logits if all_logits else logits[0]
 
-    def _layers(self, seq, ids: np.ndarray, cancel: CancelToken | None) -> np.ndarray:
+    def _layers(self, seq, ids: np.ndarray, cancel: CancelToken | None, phase: str = "prefill") -> np.ndarray:
         """One chunk through every layer. The chunk's positions are seq.n_tokens.. (absolute for
         a pool; cache positions for a ring, whose keys are stored unrotated and rotated here)."""
         cfg = self.cfg
         T = len(ids)
-        P = self._ops["decode" if T == 1 else "prefill"]
+        P = self._ops[phase]
         start = seq.chunk_start(T) if seq.rotate_on_read else seq.n_tokens
         n = start + T                                                         # keys visible to the chunk
         cos, sin = self.cos[start:n], self.sin[start:n]
@@ -148,8 +151,8 @@ class ModelRunner:
             x = madd2.add(x, mdown.matmul(mswi.swiglu(mgu.matmul(h, wgu.layers[li].w_gate_up)), wdown.layers[li].w_down))
         return x
 
-    def _head(self, x: np.ndarray) -> np.ndarray:
-        P = self._ops["decode" if len(x) == 1 else "prefill"]
+    def _head(self, x: np.ndarray, phase: str | None = None) -> np.ndarray:
+        P = self._ops[phase or ("decode" if len(x) == 1 else "prefill")]
         (mn, wn), (mh, wh) = P["output_norm"], P["lm_head"]
         return mh.lm_head(mn.rmsnorm(x, wn.output_norm, self.cfg.norm_eps), wh.lm_head)
 

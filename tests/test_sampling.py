@@ -379,9 +379,16 @@ def test_stop_checker_rejects_empty_stop():
        stops=st.lists(st.text(alphabet="ab<|>", min_size=1, max_size=4), max_size=3),
        cuts=st.lists(st.integers(0, 40), max_size=10))
 def test_property_stream_equals_whole_text_rule(text, stops, cuts):
-    # however the text is split, the output is the text up to the first stop (or all of it)
+    # Generation ends after the first piece that completes a stop string; the output is the text
+    # before the earliest-starting stop complete by then (or all of it). A longer stop that would
+    # have started earlier can no longer complete once generation has ended: with stops "<" and
+    # "><<", the pieces "><", "<" end at "<" and print ">" (found by this property).
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    want = (text[: min(hits)], True) if hits else (text, False)
+    want = (text, False)
+    for b in bounds[1:]:
+        hits = [i for i in (text[:b].find(s) for s in stops) if i >= 0]
+        if hits:
+            want = (text[: min(hits)], True)
+            break
     assert _stream(StopChecker(stops), pieces) == want
