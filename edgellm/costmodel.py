@@ -21,6 +21,9 @@ from .model.config import ModelConfig
 REFERENCE_CALL_S = 5e-6
 # A ctypes call into a native kernel, barrier of a pinned pool included.
 NATIVE_CALL_S = 2e-6
+# Inside a fused native decode step an op costs only its thread-pool dispatch (~0.2 us measured
+# for el_parallel_for with 2 threads), not a Python call.
+FUSED_OP_S = 0.3e-6
 # BLAS sgemm on few rows is far below its peak. Without a measured curve for the reference unit,
 # this shape is used: fraction of the best throughput at (rows), measured with numpy + OpenBLAS
 # at K=576, N=1536 on the 2-core x86 development machine (median of 30 runs each).
@@ -44,6 +47,8 @@ class Unit:
     cache_bytes: int = 0                       # last-level cache the GEMM working set should fit in
     quant_precision: str = "fp32"              # compute precision for GGUF-quantized weights
     stores_quantized: bool = False             # keeps GGUF block formats resident (else dequantizes)
+    fused_decode_s: float | None = None        # cost of one call running a whole decode step's
+                                               # layers natively (None: the unit has no such call)
     available: bool = True
     reason: str = ""                           # why it is (un)available
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -173,7 +178,8 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     # neon quantizes activations to int8 blocks with or without dotprod (SDOT or widening MLA)
     qprec = "int8" if name == "neon" else "fp32"
     return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, curve_precision=qprec, cache_bytes=llc,
-                quant_precision=qprec, stores_quantized=(name != "reference"), notes=tuple(notes))
+                quant_precision=qprec, stores_quantized=(name != "reference"),
+                fused_decode_s=launch if name == "neon" else None, notes=tuple(notes))
 
 
 def gpu_unit(profile: DeviceProfile) -> Unit | None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from . import backends
 from .chunking import ChunkChoice, choose_chunk
-from .costmodel import Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
+from .costmodel import FUSED_OP_S, Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
 from .device.profile import DeviceProfile
 from .errors import ConfigError
 from .model.config import ModelConfig
@@ -278,6 +278,12 @@ class Dispatcher:
             if best is None or ms < best[0] - 1e-12:
                 best = (ms, path, opts, home)
         layer_ms, lpath, lopts, home = best
+        fused = self._fused_decode(lops, phase, tokens, context) if not self.override else None
+        fused_note = ""
+        if fused is not None and fused[0] < layer_ms:
+            fused_note = (f"fused decode step on {fused[3]}: every layer in one native call per token, "
+                          f"{fused[0]:.4f} ms per layer vs {layer_ms:.4f} ms op by op")
+            layer_ms, lpath, lopts, home = fused
         e_ms, e_path, e_opts = self._chain([emb], phase, tokens, context, e_home := self._cpu_home(), home)
         h_ms, h_path, h_opts = self._chain([onorm, head], phase, tokens, context, home, None)
         placements = []
@@ -285,9 +291,42 @@ class Dispatcher:
                                        ([onorm, head], h_path, h_opts, home)):
             prev = start
             for op, u, (ok, no) in zip(ops, path, opts):
-                placements.append(self._placement(op, phase, tokens, u, prev, ok, no))
+                p = self._placement(op, phase, tokens, u, prev, ok, no)
+                if fused_note and ops is lops:
+                    p = replace(p, reason=f"{fused_note}; alone: {p.reason}")
+                placements.append(p)
                 prev = u
         return PhasePlan(phase, tokens, context, tuple(placements), layer_ms, e_ms + h_ms, self.cfg.n_layers)
+
+    def _fused_decode(self, lops, phase, tokens, context):
+        """A unit with a native decode step runs every layer of the step in one call: its ops
+        pay no per-op call overhead, the step one call. (ms per layer, path, opts, unit) of the
+        best such unit, or None."""
+        if phase != "decode":
+            return None
+        best = None
+        for u in self.units:
+            if not u.available or u.fused_decode_s is None:
+                continue
+            fast = replace(u, launch_s=FUSED_OP_S)
+            # the step's one call, shared by its layers, is booked on each layer's first op
+            share = u.fused_decode_s * 1e3 / self.cfg.n_layers
+            opts, ms = [], 0.0
+            for op in lops:
+                ok, no = self._options(op, phase, tokens, context)
+                if u.name not in ok:
+                    break
+                e = estimate(fast, op, self.cfg, tokens, context, self.formats.get(op.name, "f32"),
+                             self.kv_bytes, False)
+                if not opts:
+                    e = replace(e, ms=e.ms + share)
+                ok = {**ok, u.name: e}
+                opts.append((ok, no))
+                ms += e.ms
+            else:
+                if best is None or ms < best[0]:
+                    best = (ms, [u.name] * len(lops), opts, u.name)
+        return best
 
     def _cpu_home(self) -> str:
         return next(u.name for u in self.units if u.available and u.kind == "cpu")

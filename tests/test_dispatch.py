@@ -292,3 +292,21 @@ def test_an_unavailable_second_backend_is_skipped_with_its_reason(tmp_path, fake
     assert not fake.available and fake.reason == "no fake device here"
     assert eng.generate("hi", max_tokens=3, temperature=0)  is not None
     assert fake_unit.calls["matmul"] == 0
+
+
+def test_a_fused_decode_step_takes_the_whole_layer_when_it_is_cheaper():
+    from dataclasses import replace
+
+    p = cpu_only()
+    ref = cpu_unit("reference", p)
+    # a native unit whose per-op calls cost more than numpy's, but whose fused step costs one call
+    neon = replace(cpu_unit("neon", p), launch_s=50e-6, fused_decode_s=50e-6)
+    plan = Dispatcher(p, CFG, Q41, probe=False, units=[neon, ref]).plan(prompt_tokens=64, n_ctx=256,
+                                                                         memory_budget=2**30)
+    layer = [q for q in plan.decode.placements if q.scope == "layer"]
+    assert {q.unit for q in layer} == {"neon"}
+    assert all(q.reason.startswith("fused decode step on neon") for q in layer)
+    unfused = Dispatcher(p, CFG, Q41, probe=False, units=[replace(neon, fused_decode_s=None), ref]).plan(
+        prompt_tokens=64, n_ctx=256, memory_budget=2**30)
+    assert "reference" in {q.unit for q in unfused.decode.placements if q.scope == "layer"}
+    assert plan.decode.step_ms < unfused.decode.step_ms
