@@ -63,6 +63,14 @@ class ModelRunner:
                    for i, (u, m) in enumerate(mods.items())}
         # phase -> op name -> (backend module, its prepared weights)
         self._ops = {ph: {op: (mods[u], weights[u]) for op, u in ops.items()} for ph, ops in self.placement.items()}
+        # a unit that holds the whole decode layer and has a native decode step runs a token's
+        # layers in one call (the dispatcher chose that placement knowing it)
+        dec = {self.placement["decode"][op] for op in _LAYER_OPS}
+        unit = dec.pop() if len(dec) == 1 else None
+        self._fused = None
+        if unit is not None and hasattr(mods[unit], "fused_decode"):
+            self._fused = mods[unit].fused_decode(weights[unit], cfg)
+            self._fused_mod = mods[unit]
         rope_freqs = reference.prepare_rope_freqs(model)
         self.cos, self.sin = reference.rope_tables(cfg, max_positions, rope_freqs)  # (positions, rope_dim/2)
         # K/V read buffers reused by every layer and step: (KVH, positions, hd) each. Fresh arrays
@@ -92,7 +100,10 @@ class ModelRunner:
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled("cancelled between prefill chunks")
                 seq.reserve(len(part))
-                h = self._layers(seq, part, cancel, phase)
+                if phase == "decode" and self._fused is not None and self._fusable(seq):
+                    h = self._fused_step(seq, part)
+                else:
+                    h = self._layers(seq, part, cancel, phase)
                 seq.commit(seq.n_tokens + len(part), part)
                 if all_logits:
                     outs.append(self._head(h, phase))
@@ -150,6 +161,16 @@ class ModelRunner:
             h = norm2.rmsnorm(x, wn2.layers[li].ffn_norm, cfg.norm_eps)
             x = madd2.add(x, mdown.matmul(mswi.swiglu(mgu.matmul(h, wgu.layers[li].w_gate_up)), wdown.layers[li].w_down))
         return x
+
+    def _fusable(self, seq) -> bool:
+        return not seq.rotate_on_read and self._fused_mod.can_read_pool(seq.pool)
+
+    def _fused_step(self, seq, ids: np.ndarray) -> np.ndarray:
+        """One token through every layer in one native call (positions reserved by the caller)."""
+        pos = seq.n_tokens
+        be, w = self._ops["decode"]["embedding"]
+        x = be.embedding(w.embedding, ids)                                   # (1, d)
+        return self._fused.run(x, pos, self.cos[pos], self.sin[pos], seq.pool, seq.block_table).copy()
 
     def _head(self, x: np.ndarray, phase: str | None = None) -> np.ndarray:
         P = self._ops[phase or ("decode" if len(x) == 1 else "prefill")]

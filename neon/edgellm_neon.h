@@ -93,6 +93,60 @@ EL_API int el_attention_pool(el_pool *pool, const float *q, float *out, int T, i
 EL_API int el_attention_dense(el_pool *pool, const float *q, float *out, int T, int H, int KVH, int hd, int start,
                               const float *k, const float *v);
 
+/* ---- fused decode step ------------------------------------------------------------------- */
+/* One token through every layer in one call (decode_step.c): per layer the same kernels, in the
+ * same order, as the per-op path (rmsnorm, QKV matmul + bias, RoPE of q and k, K/V written to the
+ * pool, attention from the pool, output projection + residual, rmsnorm, gate|up matmul, SwiGLU,
+ * down matmul + residual), so its results equal the per-op path's bit for bit. A Python decode
+ * step costs one ctypes call instead of ~12 per layer. */
+
+/* A weight matrix as el_matmul takes it: n_seg row segments of type wtype (EL_*). */
+typedef struct {
+    int wtype;
+    int n_seg;
+    const void *const *seg_ptr;   /* (n_seg,) first byte of each segment */
+    const int *seg_rows;          /* (n_seg,) output rows of each segment */
+} el_matrix;
+
+typedef struct {
+    const float *attn_norm;       /* (d,) */
+    const float *ffn_norm;        /* (d,) */
+    const float *bqkv;            /* (H*hd + 2*KVH*hd,) or NULL */
+    el_matrix qkv;                /* (H*hd + 2*KVH*hd, d): Q, K, V rows */
+    el_matrix attn_out;           /* (d, H*hd) */
+    el_matrix gate_up;            /* (2*ff, d): gate rows, then up rows */
+    el_matrix down;               /* (d, ff) */
+} el_layer;
+
+typedef struct {
+    int d;                        /* residual width */
+    int H, KVH, hd;               /* query heads, kv heads, head width */
+    int ff;                       /* FFN hidden width */
+    int rope_dim;                 /* leading dims of each head rotated (even, <= hd) */
+    int neox;                     /* 0: rotate pairs (2i, 2i+1); 1: (i, i + rope_dim/2) */
+    float eps;                    /* RMSNorm epsilon */
+} el_model_dims;
+
+/* Bytes of scratch el_decode_step needs for these dims; 0 when the dims are invalid. */
+EL_API size_t el_decode_scratch(const el_model_dims *dims);
+/* Runs layers[0..n_layers) for the token at position pos. x (d,): the residual stream (the
+ * token's embedding in, the last layer's output out), updated in place. cos_row, sin_row
+ * (rope_dim/2,): the RoPE row of position pos. k_pool, v_pool: the pool arena
+ * (n_blocks, n_layers, block_tokens, KVH, hd) of kv_type EL_F32 or EL_F16 (fp16 stored rounded
+ * to nearest even); position p lives in block block_table[p / block_tokens] (block_table holds
+ * n_table entries, pos / block_tokens < n_table), row p % block_tokens. Writes this token's K
+ * (rotated) and V into every layer, then attends over positions 0..pos. scratch: at least
+ * el_decode_scratch(dims) bytes, any alignment, not overlapping x. Every argument, every block id
+ * in the table up to pos and every layer's matrix shapes are checked before anything is written:
+ * a negative code leaves x and the pool untouched. */
+EL_API int el_decode_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,
+                          int pos, const float *cos_row, const float *sin_row, void *k_pool, void *v_pool,
+                          int kv_type, const int32_t *block_table, int n_table, int block_tokens, int n_blocks,
+                          void *scratch, size_t scratch_bytes);
+/* y (n,) = x rounded to fp16 bits (nearest even; overflow to inf; NaN stays NaN): the pool's
+ * fp16 K/V conversion, exported so that tests can hold it against numpy's astype(float16). */
+EL_API int el_f32_to_f16(const float *x, uint16_t *y, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -297,6 +297,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
 _KV_TYPES = {np.dtype(np.float32): neon_lib.EL_F32, np.dtype(np.float16): neon_lib.EL_F16}
 
 
+def fused_decode(weights: PreparedWeights, cfg: ModelConfig):
+    """The fused decode step over these weights (backends/neon_fused.py): every layer of a
+    decode token in one native call."""
+    from .neon_fused import DecodeStep
+
+    return DecodeStep.build(weights, cfg)
+
+
 def can_read_pool(pool) -> bool:
     """attention_pool reads f32 and f16 arenas (int8 KV goes through the gathered path)."""
     return pool.k.dtype in _KV_TYPES

@@ -42,6 +42,11 @@ _SIGNATURES = {
                                   c_void_p, c_void_p, c_int, POINTER(ctypes.c_int32), c_int, c_int, c_int]),
     "el_attention_dense": (c_int, [c_void_p, _c_float_p, _c_float_p, c_int, c_int, c_int, c_int, c_int,
                                    _c_float_p, _c_float_p]),
+    # the struct pointers (el_layer *, el_model_dims *) are addresses: neon_fused.py passes ints
+    "el_decode_scratch": (c_size_t, [c_void_p]),
+    "el_decode_step": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p, c_void_p,
+                               c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int, c_void_p, c_size_t]),
+    "el_f32_to_f16": (c_int, [c_void_p, c_void_p, c_size_t]),
 }
 
 

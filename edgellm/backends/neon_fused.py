@@ -1,0 +1,152 @@
+"""The neon unit's fused decode step: one token through every layer in one native call.
+
+The per-op decode path makes ~12 ctypes calls per layer; at ~10 us of Python and ctypes work
+each, that is milliseconds per token outside any kernel. DecodeStep describes the model to
+el_decode_step (neon/decode_step.c) once, as C structs pointing at the prepared weights, and a
+step is then one call: the same kernels in the same order as the per-op path, so the logits and
+the K/V rows written are the same bit for bit.
+
+    step = DecodeStep.build(weights, cfg)     # weights: neon.PreparedWeights, once at load
+    seq.reserve(1)                            # room for position pos = seq.n_tokens (copy-on-write)
+    x = embedding(token)                      # (1, d) float32
+    x = step.run(x, pos, cos[pos], sin[pos], seq.pool, seq.block_table)
+    seq.commit(pos + 1, [token])
+    logits = lm_head(output_norm(x))
+
+run() returns its own (1, d) buffer: valid until the next run (copy it to keep it).
+"""
+from __future__ import annotations
+
+import ctypes
+from ctypes import c_float, c_int, c_void_p
+
+import numpy as np
+
+from ..model.config import ModelConfig
+from . import neon
+from .neon import PreparedWeights, QMatrix
+
+_ERRORS = {-1: "EL_EINVAL (an argument is out of range)", -2: "EL_ENOMEM", -3: "EL_EUNSUPPORTED"}
+_KV_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}   # EL_F32, EL_F16
+
+
+class DecodeStepError(RuntimeError):
+    """el_decode_step refused its arguments (nothing was written) or the model cannot be fused."""
+
+
+# ---- the C structs of neon/edgellm_neon.h -----------------------------------------------------
+
+class ElMatrix(ctypes.Structure):
+    _fields_ = [("wtype", c_int), ("n_seg", c_int),
+                ("seg_ptr", c_void_p),     # const void *const * (n_seg,)
+                ("seg_rows", c_void_p)]    # const int * (n_seg,)
+
+
+class ElLayer(ctypes.Structure):
+    _fields_ = [("attn_norm", c_void_p), ("ffn_norm", c_void_p), ("bqkv", c_void_p),
+                ("qkv", ElMatrix), ("attn_out", ElMatrix), ("gate_up", ElMatrix), ("down", ElMatrix)]
+
+
+class ElModelDims(ctypes.Structure):
+    _fields_ = [("d", c_int), ("H", c_int), ("KVH", c_int), ("hd", c_int), ("ff", c_int),
+                ("rope_dim", c_int), ("neox", c_int), ("eps", c_float)]
+
+
+def _matrix(w: QMatrix) -> ElMatrix:
+    return ElMatrix(w.wtype, len(w.rows), ctypes.addressof(w.ptrs), ctypes.addressof(w.rows_c))
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+class DecodeStep:
+    """A model's decode step as one el_decode_step call. Build once per (weights, cfg); run
+    once per token. Not thread-safe (its buffers are reused): one engine loop drives it."""
+
+    def __init__(self, weights: PreparedWeights, cfg: ModelConfig):
+        if cfg.rope_style not in ("norm", "neox"):
+            raise DecodeStepError(f"rope_style must be 'norm' or 'neox', got {cfg.rope_style!r}")
+        if len(weights.layers) != cfg.n_layers:
+            raise DecodeStepError(f"{len(weights.layers)} prepared layers for a {cfg.n_layers}-layer model")
+        self._lib = neon._lib()
+        self.cfg = cfg
+        self._weights = weights        # the QMatrix segment arrays the structs point into
+        self._keep = []                # every other array a struct points at
+        self._layers = (ElLayer * cfg.n_layers)()
+        for i, lw in enumerate(weights.layers):
+            n1, n2 = _f32(lw.attn_norm), _f32(lw.ffn_norm)
+            bias = None if lw.bqkv is None else _f32(lw.bqkv)
+            self._keep += [n1, n2, bias]
+            self._layers[i] = ElLayer(n1.ctypes.data, n2.ctypes.data, None if bias is None else bias.ctypes.data,
+                                      _matrix(lw.wqkv), _matrix(lw.wo), _matrix(lw.w_gate_up), _matrix(lw.w_down))
+        self._dims = ElModelDims(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.rope_dim,
+                                 1 if cfg.rope_style == "neox" else 0, cfg.norm_eps)
+        need = self._lib.el_decode_scratch(ctypes.addressof(self._dims))
+        if need == 0:
+            raise DecodeStepError(f"el_decode_scratch rejects the model's dimensions {self._dims_text()}")
+        half = cfg.rope_dim // 2
+        self._scratch = np.empty(need, np.uint8)
+        self._x = np.empty((1, cfg.d_model), np.float32)        # (1, d) residual stream, in and out
+        self._rope = np.empty((2, half), np.float32)            # (cos | sin, rope_dim/2) of the position
+        self._tbl = np.empty(0, np.int32)                       # the block table, copied in per step
+        # addresses passed on every call, computed once
+        self._layers_p, self._dims_p = ctypes.addressof(self._layers), ctypes.addressof(self._dims)
+        self._scratch_p, self._scratch_n = self._scratch.ctypes.data, self._scratch.nbytes
+        self._x_p = self._x.ctypes.data
+        self._cos_p = self._rope.ctypes.data
+        self._sin_p = self._cos_p + 4 * half
+        self._fn = self._lib.el_decode_step
+        self._pool = None              # the KVPool bound by _bind (arena addresses below)
+
+    @classmethod
+    def build(cls, weights: PreparedWeights, cfg: ModelConfig) -> "DecodeStep":
+        return cls(weights, cfg)
+
+    def _dims_text(self) -> str:
+        return ", ".join(f"{n}={getattr(self._dims, n)}" for n, _ in ElModelDims._fields_)
+
+    def _bind(self, pool) -> None:
+        """Reads a KV pool's arena addresses once (the arrays of a KVPool never move)."""
+        c = self.cfg
+        if pool.k.dtype not in _KV_TYPES:
+            raise DecodeStepError(f"the fused decode step reads f32 or f16 KV pools, not {pool.k.dtype} "
+                                  f"(int8 pools take the per-op path)")
+        want = (pool.n_blocks, c.n_layers, pool.block_tokens, c.n_kv_heads, c.head_dim)
+        for a in (pool.k, pool.v):
+            if a.shape != want or a.dtype != pool.k.dtype or not a.flags.c_contiguous:
+                raise DecodeStepError(f"KV arena {a.dtype} {a.shape} does not match the model: expected a "
+                                      f"C-contiguous {pool.k.dtype} (n_blocks, n_layers, block_tokens, "
+                                      f"kv_heads, head_dim) = {want}")
+        self._k_p, self._v_p = pool.k.ctypes.data, pool.v.ctypes.data
+        self._kv_type, self._bt, self._nb = _KV_TYPES[pool.k.dtype], pool.block_tokens, pool.n_blocks
+        if self._tbl.size < pool.n_blocks:
+            self._tbl = np.empty(pool.n_blocks, np.int32)
+            self._tbl_p = self._tbl.ctypes.data
+        self._pool = pool
+
+    def run(self, x: np.ndarray, pos: int, cos_row: np.ndarray, sin_row: np.ndarray, pool, table) -> np.ndarray:
+        """x (1, d) float32: the token's embedding -> (1, d), the last layer's output (this
+        object's buffer, overwritten by the next run). pos: the token's position (the
+        sequence's n_tokens; reserved). cos_row, sin_row (rope_dim/2,) or (1, rope_dim/2): the
+        RoPE tables' row pos. pool: the sequence's KVPool (f16 or f32). table: its block table
+        (a list or int array); the block of pos must be exclusively owned (seq.reserve did
+        that). Writes the token's K/V into every layer of the pool; raises DecodeStepError,
+        writing nothing, when the library refuses the arguments."""
+        if pool is not self._pool:
+            self._bind(pool)
+        self._x[...] = x
+        self._rope[0] = cos_row
+        self._rope[1] = sin_row
+        n = len(table)
+        if n > self._tbl.size:
+            raise DecodeStepError(f"a block table of {n} entries for a pool of {self._tbl.size} blocks")
+        self._tbl[:n] = table
+        rc = self._fn(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._x_p, pos, self._cos_p,
+                      self._sin_p, self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
+                      self._scratch_p, self._scratch_n)
+        if rc != 0:
+            raise DecodeStepError(f"el_decode_step failed with {_ERRORS.get(rc, rc)}: position {pos}, "
+                                  f"{n} table entries of {self._bt} tokens, pool of {self._nb} blocks; "
+                                  f"dims {self._dims_text()}")
+        return self._x

@@ -1,0 +1,244 @@
+/* el_decode_step: one decode token through every layer in one native call.
+ *
+ * Why: a Python decode step makes ~12 ctypes calls per layer (~365 for a 30-layer model), each
+ * ~10 us of interpreter and ctypes work; that is ~4 ms of a ~17 ms token, spent outside any
+ * kernel. Here the layer loop runs in C and calls the kernels' public entry points directly
+ * (el_rmsnorm, el_matmul, el_rope, el_attention_pool, el_swiglu, el_add), in the order and with
+ * the arguments of the per-op path (engine.py ModelRunner._layers), so the results are the same
+ * bit for bit: same kernels, same task splits, same pool. el_use_generic routes those kernels to
+ * their twins, and the fp16 K/V store below to its scalar twin.
+ *
+ * The only new arithmetic is the fp32 -> fp16 rounding of the K/V store, which must equal
+ * numpy's astype(float16) (what PoolSequence.write stores): round to nearest even, overflow to
+ * inf, subnormal halves rounded the same way. Arm: FCVTN (vcvt_f16_f32) in the default rounding
+ * mode. x86 (SIMDe): F16C's VCVTPS2PH with imm 0 (nearest even); SIMDe's own vcvt_f16_f32 is a
+ * scalar loop whose rounding we would have to trust, so without F16C the scalar twin runs.
+ */
+#include "el_common.h"
+
+#include <limits.h>
+#include <math.h>
+#include <string.h>
+
+/* mirrors attention.c's EL_ATTN_MAX_HD: checked here, up front, so that an unsupported head
+ * width fails before any K/V row is written */
+#define EL_DECODE_MAX_HD 512
+#define EL_DECODE_MAX_DIM (1 << 24)
+
+/* ---- fp32 -> fp16, round to nearest even ---------------------------------------------------- */
+
+/* numpy's npy_floatbits_to_halfbits, step for step: its results are the reference */
+static uint16_t el_f32_to_f16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t sgn = (uint16_t)((u & 0x80000000u) >> 16);
+    const uint32_t exp = u & 0x7f800000u;
+    uint32_t sig;
+    if (exp >= 0x47800000u) {                       /* overflow, inf, NaN */
+        sig = u & 0x007fffffu;
+        if (exp == 0x7f800000u && sig != 0) {
+            uint16_t h = (uint16_t)(0x7c00u + (sig >> 13));
+            return (uint16_t)(sgn + (h == 0x7c00u ? h + 1 : h));  /* keep it a NaN */
+        }
+        return (uint16_t)(sgn + 0x7c00u);
+    }
+    if (exp <= 0x38000000u) {                       /* a subnormal half, or zero */
+        if (exp < 0x33000000u) return sgn;
+        const uint32_t e = exp >> 23;
+        sig = 0x00800000u + (u & 0x007fffffu);
+        sig >>= (113 - e);
+        /* the shift may have dropped up to 11 set bits: a tie only if none was set */
+        if ((sig & 0x00003fffu) != 0x00001000u || (u & 0x000007ffu)) sig += 0x00001000u;
+        return (uint16_t)(sgn + (uint16_t)(sig >> 13));
+    }
+    const uint16_t hexp = (uint16_t)((exp - 0x38000000u) >> 13);
+    sig = u & 0x007fffffu;
+    if ((sig & 0x00003fffu) != 0x00001000u) sig += 0x00001000u;
+    /* a carry out of the significand bumps the exponent (up to inf): correct */
+    return (uint16_t)(sgn + (uint16_t)(sig >> 13) + hexp);
+}
+
+static void el_store_f16_generic(uint16_t *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] = el_f32_to_f16_bits(x[i]);
+}
+
+static void el_store_f16(uint16_t *y, const float *x, size_t n) {
+    size_t i = 0;
+#if EL_SIMDE && defined(__F16C__)
+    for (; i + 4 <= n; i += 4)
+        _mm_storel_epi64((__m128i *)(y + i), _mm_cvtps_ph(_mm_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#elif !EL_SIMDE
+    for (; i + 4 <= n; i += 4) vst1_u16(y + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(x + i))));
+#endif
+    el_store_f16_generic(y + i, x + i, n - i);
+}
+
+int el_f32_to_f16(const float *x, uint16_t *y, size_t n) {
+    if (n > 0 && (!x || !y)) return EL_EINVAL;
+    (el_generic_flag ? el_store_f16_generic : el_store_f16)(y, x, n);
+    return EL_OK;
+}
+
+/* ---- scratch -------------------------------------------------------------------------------- */
+
+static size_t el_a64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+typedef struct {
+    float *h;      /* (d) normed input of a projection */
+    float *qkv;    /* (H*hd + 2*KVH*hd) q | k | v; q and k rotated in place */
+    float *att;    /* (H*hd) attention output */
+    float *o;      /* (d) attn_out / down output, added to x */
+    float *gu;     /* (2*ff) gate | up */
+    float *act;    /* (ff) swiglu output */
+    void *mm;      /* el_matmul's scratch for one row of the widest K */
+} el_decode_bufs;
+
+/* Region sizes in bytes, in el_decode_bufs order; the layout starts 64-byte aligned. */
+static void el_decode_sizes(const el_model_dims *m, size_t sz[7]) {
+    const size_t q = (size_t)m->H * m->hd, kv = (size_t)m->KVH * m->hd;
+    const int kmax = EL_MAX(m->d, EL_MAX((int)q, m->ff));
+    sz[0] = el_a64((size_t)m->d * 4);
+    sz[1] = el_a64((q + 2 * kv) * 4);
+    sz[2] = el_a64(q * 4);
+    sz[3] = el_a64((size_t)m->d * 4);
+    sz[4] = el_a64((size_t)m->ff * 2 * 4);
+    sz[5] = el_a64((size_t)m->ff * 4);
+    sz[6] = el_a64(el_matmul_scratch(1, kmax));
+}
+
+static int el_dims_check(const el_model_dims *m) {
+    if (!m) return EL_EINVAL;
+    if (m->d <= 0 || m->H <= 0 || m->KVH <= 0 || m->hd <= 0 || m->ff <= 0) return EL_EINVAL;
+    if (m->d > EL_DECODE_MAX_DIM || m->H > EL_DECODE_MAX_DIM || m->hd > EL_DECODE_MAX_DIM ||
+        m->ff > EL_DECODE_MAX_DIM / 2)
+        return EL_EINVAL;
+    if (m->H % m->KVH != 0) return EL_EINVAL;
+    if ((int64_t)(m->H + 2 * (int64_t)m->KVH) * m->hd > EL_DECODE_MAX_DIM) return EL_EINVAL;
+    if (m->rope_dim <= 0 || m->rope_dim > m->hd || m->rope_dim % 2 != 0) return EL_EINVAL;
+    if (m->neox != 0 && m->neox != 1) return EL_EINVAL;
+    if (!(m->eps >= 0.0f) || !isfinite(m->eps)) return EL_EINVAL;
+    if (m->hd > EL_DECODE_MAX_HD) return EL_EUNSUPPORTED;
+    return EL_OK;
+}
+
+size_t el_decode_scratch(const el_model_dims *dims) {
+    if (el_dims_check(dims) != EL_OK) return 0;
+    size_t sz[7], total = 64;   /* + 64: the caller's buffer may start unaligned */
+    el_decode_sizes(dims, sz);
+    for (int i = 0; i < 7; i++) total += sz[i];
+    return total;
+}
+
+static el_decode_bufs el_decode_layout(const el_model_dims *m, void *scratch) {
+    size_t sz[7];
+    el_decode_sizes(m, sz);
+    uint8_t *p = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    el_decode_bufs b;
+    b.h = (float *)p, p += sz[0];
+    b.qkv = (float *)p, p += sz[1];
+    b.att = (float *)p, p += sz[2];
+    b.o = (float *)p, p += sz[3];
+    b.gu = (float *)p, p += sz[4];
+    b.act = (float *)p, p += sz[5];
+    b.mm = p;
+    return b;
+}
+
+/* ---- argument checks ------------------------------------------------------------------------ */
+
+/* The matrix has N output rows of K inputs, in a format el_matmul reads. */
+static int el_matrix_check(const el_matrix *w, long long N, int K) {
+    const int quantized = w->wtype == EL_Q4_0 || w->wtype == EL_Q4_1 || w->wtype == EL_Q8_0;
+    if (!quantized && w->wtype != EL_F32 && w->wtype != EL_F16) return EL_EUNSUPPORTED;
+    if (!w->seg_ptr || !w->seg_rows || w->n_seg <= 0) return EL_EINVAL;
+    if (quantized && K % 32 != 0) return EL_EINVAL;
+    long long n = 0;
+    for (int s = 0; s < w->n_seg; s++) {
+        if (w->seg_rows[s] < 0 || (w->seg_rows[s] > 0 && !w->seg_ptr[s])) return EL_EINVAL;
+        n += w->seg_rows[s];
+    }
+    return n == N ? EL_OK : EL_EINVAL;
+}
+
+static int el_layers_check(const el_layer *layers, int n_layers, const el_model_dims *m) {
+    const int q = m->H * m->hd, kv = m->KVH * m->hd;
+    for (int l = 0; l < n_layers; l++) {
+        const el_layer *L = &layers[l];
+        if (!L->attn_norm || !L->ffn_norm) return EL_EINVAL;
+        int rc;
+        if ((rc = el_matrix_check(&L->qkv, (long long)q + 2LL * kv, m->d)) != EL_OK) return rc;
+        if ((rc = el_matrix_check(&L->attn_out, m->d, q)) != EL_OK) return rc;
+        if ((rc = el_matrix_check(&L->gate_up, 2LL * m->ff, m->d)) != EL_OK) return rc;
+        if ((rc = el_matrix_check(&L->down, m->d, m->ff)) != EL_OK) return rc;
+    }
+    return EL_OK;
+}
+
+static int el_overlaps(const void *a, size_t na, const void *b, size_t nb) {
+    const uintptr_t pa = (uintptr_t)a, pb = (uintptr_t)b;
+    return pa < pb + nb && pb < pa + na;
+}
+
+/* ---- the step ------------------------------------------------------------------------------- */
+
+/* el_matmul with the matrix's own segments (validated up front: cannot fail) */
+static int el_mm(el_pool *pool, const el_matrix *w, const float *x, float *y, int K, const float *bias, void *mm) {
+    return el_matmul(pool, w->wtype, w->seg_ptr, w->seg_rows, w->n_seg, x, y, 1, K, bias, mm);
+}
+
+int el_decode_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,
+                   int pos, const float *cos_row, const float *sin_row, void *k_pool, void *v_pool, int kv_type,
+                   const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
+                   size_t scratch_bytes) {
+    int rc = el_dims_check(dims);
+    if (rc != EL_OK) return rc;
+    if (!layers || n_layers <= 0 || !x || !cos_row || !sin_row || !k_pool || !v_pool || !block_table || !scratch)
+        return EL_EINVAL;
+    if (kv_type != EL_F32 && kv_type != EL_F16) return EL_EUNSUPPORTED;
+    if (pos < 0 || pos == INT_MAX || block_tokens <= 0 || n_blocks <= 0 || n_table <= 0) return EL_EINVAL;
+    const el_model_dims m = *dims;
+    const size_t need = el_decode_scratch(&m);
+    if (scratch_bytes < need || el_overlaps(x, (size_t)m.d * sizeof(float), scratch, scratch_bytes))
+        return EL_EINVAL;
+    /* every block attention will read, and the one written, must exist in the arena */
+    const int last = pos / block_tokens;
+    if (last >= n_table) return EL_EINVAL;
+    for (int i = 0; i <= last; i++)
+        if (block_table[i] < 0 || block_table[i] >= n_blocks) return EL_EINVAL;
+    if ((rc = el_layers_check(layers, n_layers, &m)) != EL_OK) return rc;
+
+    const el_decode_bufs b = el_decode_layout(&m, scratch);
+    const int q_dim = m.H * m.hd, kv_dim = m.KVH * m.hd;
+    /* element offset of (block, layer 0, row) in the arena; + l * layer_sz for layer l */
+    const size_t layer_sz = (size_t)block_tokens * kv_dim;
+    const size_t row0 = (size_t)block_table[last] * n_layers * layer_sz + (size_t)(pos % block_tokens) * kv_dim;
+    const float *kr = b.qkv + q_dim, *vr = b.qkv + q_dim + kv_dim;
+
+    for (int l = 0; l < n_layers; l++) {
+        const el_layer *L = &layers[l];
+        if ((rc = el_rmsnorm(pool, x, L->attn_norm, b.h, 1, m.d, m.eps)) != EL_OK) return rc;
+        if ((rc = el_mm(pool, &L->qkv, b.h, b.qkv, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
+        /* q and k heads are adjacent in qkv: one pass rotates both (per head, as two calls would) */
+        if ((rc = el_rope(b.qkv, b.qkv, 1, m.H + m.KVH, m.hd, m.rope_dim, cos_row, sin_row, m.neox)) != EL_OK)
+            return rc;
+        const size_t off = row0 + (size_t)l * layer_sz;
+        if (kv_type == EL_F16) {
+            el_f32_to_f16(kr, (uint16_t *)k_pool + off, (size_t)kv_dim);
+            el_f32_to_f16(vr, (uint16_t *)v_pool + off, (size_t)kv_dim);
+        } else {
+            memcpy((float *)k_pool + off, kr, (size_t)kv_dim * sizeof(float));
+            memcpy((float *)v_pool + off, vr, (size_t)kv_dim * sizeof(float));
+        }
+        if ((rc = el_attention_pool(pool, b.qkv, b.att, 1, m.H, m.KVH, m.hd, pos, k_pool, v_pool, kv_type,
+                                    block_table, block_tokens, n_layers, l)) != EL_OK)
+            return rc;
+        if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, q_dim, NULL, b.mm)) != EL_OK) return rc;
+        el_add(x, b.o, x, (size_t)m.d);
+        if ((rc = el_rmsnorm(pool, x, L->ffn_norm, b.h, 1, m.d, m.eps)) != EL_OK) return rc;
+        if ((rc = el_mm(pool, &L->gate_up, b.h, b.gu, m.d, NULL, b.mm)) != EL_OK) return rc;
+        if ((rc = el_swiglu(pool, b.gu, b.act, 1, m.ff)) != EL_OK) return rc;
+        if ((rc = el_mm(pool, &L->down, b.act, b.o, m.ff, NULL, b.mm)) != EL_OK) return rc;
+        el_add(x, b.o, x, (size_t)m.d);
+    }
+    return EL_OK;
+}

@@ -1,0 +1,320 @@
+"""The fused decode step (neon/decode_step.c through backends/neon_fused.py) against the per-op
+neon path it replaces, on tiny synthetic models (F32, Q8_0, Q4_0, Q4_1; llama with GQA 2:1,
+qwen2 with qkv bias, neox RoPE and MQA 4:1), with f16 and f32 KV pools.
+
+Both paths run the same kernels in the same order on the same thread pool, so the bound (logits
+NMSE <= 1e-10) is far looser than what is observed: 0.0, bit-identical logits, in every case
+(the tests print it). The K/V rows the fused step writes are compared bit for bit with those
+PoolSequence.write stored for the per-op path, and the fp16 rounding itself with numpy's
+astype(float16) over a sweep of float32 bit patterns.
+
+The installed library (edgellm/_neon_*.so, rebuilt by `pip install -e .`) is what runs: the
+same one edgellm.load(units=["neon"]) uses.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import edgellm
+from edgellm.backends import neon, neon_lib
+from edgellm.backends.neon_fused import DecodeStep, DecodeStepError, ElLayer, ElModelDims
+from edgellm.kv.pool import KVPool
+from tests.synthetic import write_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+BOUND = 1e-10          # logits NMSE, fused vs per-op
+BT = 16                # KV block tokens: the decode runs below cross block boundaries
+THREADS = 2
+EINVAL, EUNSUPPORTED = -1, -3
+
+MODELS = {
+    # name: write_tiny_model arguments
+    "llama-F32": dict(arch="llama", tensor_type=QT.F32),
+    "llama-Q8_0": dict(arch="llama", tensor_type=QT.Q8_0),
+    "llama-Q4_0": dict(arch="llama", tensor_type=QT.Q4_0),
+    "llama-Q4_1": dict(arch="llama", tensor_type=QT.Q4_1),
+    "qwen2-F32": dict(arch="qwen2", tensor_type=QT.F32, n_kv_heads=1),
+    "qwen2-Q8_0": dict(arch="qwen2", tensor_type=QT.Q8_0, n_kv_heads=1),
+    "qwen2-Q4_0": dict(arch="qwen2", tensor_type=QT.Q4_0, n_kv_heads=1),
+    # partial RoPE: the last 8 of each head's 16 dims pass through unrotated
+    "qwen2-Q4_1": dict(arch="qwen2", tensor_type=QT.Q4_1, n_kv_heads=1,
+                       extra_metadata={"qwen2.rope.dimension_count": 8}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed_library():
+    ok, why = neon.available()
+    assert ok, f"the neon unit is unavailable: {why}"
+    lib = neon._lib()
+    newest = max(p.stat().st_mtime for p in (ROOT / "neon").glob("*.[ch]"))
+    assert Path(lib.path).stat().st_mtime >= newest, \
+        f"{lib.path} is older than neon/: rebuild it (pip install -e .)"
+    return lib
+
+
+_engines: dict[str, tuple] = {}
+
+
+def engine(name: str, tmp_path_factory):
+    """(an engine with every op on neon: the per-op path, the model's neon.PreparedWeights), one
+    per model, kept for the module."""
+    if name not in _engines:
+        path = tmp_path_factory.mktemp("fused") / f"{name}.gguf"
+        write_tiny_model(path, n_layers=3, d_model=64, n_heads=4, d_ff=128, seed=3, context_length=1024,
+                         **{"n_kv_heads": 2, **MODELS[name]})
+        eng = edgellm.load(str(path), n_ctx=1024, units=["neon"], threads=THREADS)
+        assert set(eng.runner.placement["decode"].values()) == {"neon"}, eng.runner.placement
+        _engines[name] = eng, neon.prepare(eng.model)
+    return _engines[name]
+
+
+def nmse(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.mean((got.astype(np.float64) - ref) ** 2) / np.mean(ref.astype(np.float64) ** 2))
+
+
+def fused_token(step: DecodeStep, w, runner, seq, token: int) -> np.ndarray:
+    """One decode token the way the engine drives the fused step (w: neon.PreparedWeights;
+    runner: the RoPE tables' owner); returns the logits."""
+    pos = seq.n_tokens
+    seq.reserve(1)
+    x = neon.embedding(w.embedding, np.array([token]))
+    x = step.run(x, pos, runner.cos[pos], runner.sin[pos], seq.pool, seq.block_table)
+    seq.commit(pos + 1, [token])
+    return neon.lm_head(neon.rmsnorm(x, w.output_norm, step.cfg.norm_eps), w.lm_head)[0]
+
+
+def kv_rows(seq) -> tuple[np.ndarray, np.ndarray]:
+    """The raw bytes of every committed K and V row: (positions, layers, bytes)."""
+    pool, n = seq.pool, seq.n_tokens
+    p = np.arange(n)
+    blk = np.asarray(seq.block_table)[p // pool.block_tokens]
+    return tuple(a[blk, :, p % pool.block_tokens].reshape(n, pool.n_layers, -1).view(np.uint8)
+                 for a in (pool.k, pool.v))
+
+
+def compare(model, precision: str, prompt: int, decode: int, seed: int = 0) -> float:
+    """Prefill `prompt` random tokens per-op into two pools, then decode `decode` more: per-op in
+    one (ModelRunner.forward), fused in the other. Asserts the logits within BOUND and the K/V
+    rows bit-identical; returns the worst logits NMSE."""
+    eng, w = model
+    r, cfg = eng.runner, eng.config
+    step = DecodeStep.build(w, cfg)
+    ids = np.random.default_rng(seed).integers(3, cfg.vocab_size, prompt + decode)
+    n_blocks = -(-(prompt + decode) // BT)
+    seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, BT, precision).new_sequence()
+            for _ in range(2)]
+    for s in seqs:
+        r.forward(s, ids[:prompt])
+    worst = 0.0
+    for t in ids[prompt:]:
+        ref = r.forward(seqs[0], [t])
+        got = fused_token(step, w, r, seqs[1], int(t))
+        worst = max(worst, nmse(got, ref))
+    assert worst <= BOUND
+    ka, va = kv_rows(seqs[0])
+    kb, vb = kv_rows(seqs[1])
+    np.testing.assert_array_equal(kb, ka)
+    np.testing.assert_array_equal(vb, va)
+    return worst
+
+
+@pytest.mark.parametrize("precision", ["f16", "f32"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fused_step_equals_per_op_path(name, precision, tmp_path_factory):
+    worst = compare(engine(name, tmp_path_factory), precision, prompt=20, decode=40)
+    print(f"\n[{name} kv {precision}] worst logits NMSE fused vs per-op: {worst:.3g}")
+
+
+def test_fused_step_long_context(tmp_path_factory):
+    """Past 512 keys with 2 threads the attention kernel also splits the keys of each head and
+    merges partial softmax states: the fused step takes the same branch."""
+    worst = compare(engine("llama-Q4_1", tmp_path_factory), "f16", prompt=530, decode=6)
+    print(f"\n[llama-Q4_1 kv f16, 530+ keys] worst logits NMSE: {worst:.3g}")
+
+
+def test_fused_step_generic_twins(tmp_path_factory):
+    lib = neon._lib()
+    lib.el_use_generic(1)
+    try:
+        worst = compare(engine("qwen2-Q4_0", tmp_path_factory), "f16", prompt=20, decode=12, seed=1)
+    finally:
+        lib.el_use_generic(0)
+    print(f"\n[qwen2-Q4_0 generic twins] worst logits NMSE: {worst:.3g}")
+
+
+# ---- the fp16 rounding of the K/V store --------------------------------------------------------
+
+def _f16_cases() -> np.ndarray:
+    sweep = np.arange(0, 1 << 32, 4093, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    ulp = np.float32(2.0 ** -24)                      # the smallest fp16 subnormal
+    special = np.array([
+        0.0, -0.0, np.inf, -np.inf, 1.0, -1.0, 65504.0, 65519.99, 65520.0, -65520.0, 1e9,
+        ulp, ulp / 2, ulp / 2 * np.float32(1.0000001), 3 * ulp / 2, 5 * ulp / 2, 2.0 ** -14, 2.0 ** -15,
+        1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 1.0 + 2.0 ** -11 + 2.0 ** -23,   # ties, and just past one
+        2.0 ** -14 - 2.0 ** -25, 6.1e-5, 1e-8, -1e-8, 3.0e-45], dtype=np.float32)
+    return np.concatenate([special, -special, sweep, [np.float32(0.1)] * 3])   # odd length: a scalar tail
+
+
+@pytest.mark.parametrize("generic", [0, 1], ids=["native", "generic"])
+def test_f16_store_rounds_like_numpy(generic):
+    lib = neon._lib()
+    x = np.ascontiguousarray(_f16_cases())
+    y = np.empty(x.size, np.uint16)
+    lib.el_use_generic(generic)
+    try:
+        assert lib.el_f32_to_f16(x.ctypes.data, y.ctypes.data, x.size) == 0
+    finally:
+        lib.el_use_generic(0)
+    with np.errstate(over="ignore"):
+        ref = x.astype(np.float16).view(np.uint16)
+    nan = np.isnan(x)
+    assert np.isnan(y[nan].view(np.float16)).all()
+    bad = np.flatnonzero(y[~nan] != ref[~nan])
+    assert bad.size == 0, [(float(x[~nan][i]), hex(y[~nan][i]), hex(ref[~nan][i])) for i in bad[:5]]
+
+
+# ---- bad arguments --------------------------------------------------------------------------------
+
+@pytest.fixture()
+def rig(tmp_path_factory):
+    """A built step, a pool with position 0 reserved, and the valid argument list of a call."""
+    eng, w = engine("llama-Q8_0", tmp_path_factory)
+    cfg = eng.config
+    step = DecodeStep.build(w, cfg)
+    pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "f16")
+    seq = pool.new_sequence()
+    seq.reserve(1)
+    step._bind(pool)
+    step._tbl[:1] = seq.block_table
+    step._x[...] = 1.0
+    step._rope[0], step._rope[1] = 1.0, 0.0
+    args = dict(pool=None, layers=step._layers_p, n_layers=cfg.n_layers, dims=step._dims_p, x=step._x_p, pos=0,
+                cos=step._cos_p, sin=step._sin_p, k=step._k_p, v=step._v_p, kv_type=neon_lib.EL_F16,
+                table=step._tbl_p, n_table=1, bt=BT, n_blocks=pool.n_blocks, scratch=step._scratch_p,
+                scratch_n=step._scratch_n)
+    return step, pool, seq, args
+
+
+def _call(lib, args: dict) -> int:
+    return lib.el_decode_step(*args.values())
+
+
+def _bad_dims(step, **change) -> ElModelDims:
+    d = ElModelDims.from_buffer_copy(step._dims)
+    for k, v in change.items():
+        setattr(d, k, v)
+    return d
+
+
+def _bad_layers(step, edit) -> ctypes.Array:
+    layers = (ElLayer * len(step._layers)).from_buffer_copy(step._layers)
+    edit(layers)
+    return layers
+
+
+def test_bad_arguments_return_negative_codes_and_write_nothing(rig):
+    step, pool, _, good = rig
+    lib = neon._lib()
+    x0, k0, v0 = step._x.copy(), pool.k.copy(), pool.v.copy()
+    keep = []
+
+    def dims(**c):
+        keep.append(_bad_dims(step, **c))
+        return ctypes.addressof(keep[-1])
+
+    def layers(edit):
+        keep.append(_bad_layers(step, edit))
+        return ctypes.addressof(keep[-1])
+
+    rows = (ctypes.c_int * 3)(64, 32, 16)     # qkv rows summing to 112, not 128
+    keep.append(rows)
+    cases = {
+        "layers NULL": (dict(layers=None), EINVAL),
+        "n_layers 0": (dict(n_layers=0), EINVAL),
+        "n_layers -1": (dict(n_layers=-1), EINVAL),
+        "dims NULL": (dict(dims=None), EINVAL),
+        "x NULL": (dict(x=None), EINVAL),
+        "pos -1": (dict(pos=-1), EINVAL),
+        "pos INT_MAX": (dict(pos=2**31 - 1), EINVAL),
+        "pos past the table": (dict(pos=BT), EINVAL),
+        "cos NULL": (dict(cos=None), EINVAL),
+        "sin NULL": (dict(sin=None), EINVAL),
+        "k NULL": (dict(k=None), EINVAL),
+        "v NULL": (dict(v=None), EINVAL),
+        "kv int8": (dict(kv_type=neon_lib.EL_Q8_0), EUNSUPPORTED),
+        "kv type -5": (dict(kv_type=-5), EUNSUPPORTED),
+        "table NULL": (dict(table=None), EINVAL),
+        "n_table 0": (dict(n_table=0), EINVAL),
+        "block_tokens 0": (dict(bt=0), EINVAL),
+        "n_blocks 0": (dict(n_blocks=0), EINVAL),
+        "scratch NULL": (dict(scratch=None), EINVAL),
+        "scratch short": (dict(scratch_n=step._scratch_n - 1), EINVAL),
+        "x inside scratch": (dict(x=step._scratch_p + 64), EINVAL),
+        "d 0": (dict(dims=dims(d=0)), EINVAL),
+        "H % KVH": (dict(dims=dims(KVH=3)), EINVAL),
+        "rope_dim odd": (dict(dims=dims(rope_dim=7)), EINVAL),
+        "rope_dim > hd": (dict(dims=dims(rope_dim=32)), EINVAL),
+        "rope_dim 0": (dict(dims=dims(rope_dim=0)), EINVAL),
+        "neox 2": (dict(dims=dims(neox=2)), EINVAL),
+        "eps -1": (dict(dims=dims(eps=-1.0)), EINVAL),
+        "eps NaN": (dict(dims=dims(eps=float("nan"))), EINVAL),
+        "hd 1024": (dict(dims=dims(H=1, KVH=1, hd=1024, rope_dim=2)), EUNSUPPORTED),
+        "ff differs from the matrices": (dict(dims=dims(ff=96)), EINVAL),
+        "attn_norm NULL": (dict(layers=layers(lambda L: setattr(L[1], "attn_norm", None))), EINVAL),
+        "ffn_norm NULL": (dict(layers=layers(lambda L: setattr(L[2], "ffn_norm", None))), EINVAL),
+        "wtype 7": (dict(layers=layers(lambda L: setattr(L[0].qkv, "wtype", 7))), EUNSUPPORTED),
+        "n_seg 0": (dict(layers=layers(lambda L: setattr(L[0].down, "n_seg", 0))), EINVAL),
+        "seg_ptr NULL": (dict(layers=layers(lambda L: setattr(L[2].gate_up, "seg_ptr", None))), EINVAL),
+        "rows do not sum to N": (dict(layers=layers(lambda L: setattr(L[1].qkv, "seg_rows", ctypes.addressof(rows)))),
+                                 EINVAL),
+    }
+    for what, (change, code) in cases.items():
+        rc = _call(lib, {**good, **change})
+        assert rc == code, f"{what}: expected {code}, got {rc}"
+    block = int(step._tbl[0])
+    for bad_id in (-1, pool.n_blocks):                  # block ids outside the arena
+        step._tbl[0] = bad_id
+        assert _call(lib, good) == EINVAL, bad_id
+    step._tbl[0] = block
+    assert np.array_equal(step._x, x0)
+    assert np.array_equal(pool.k.view(np.uint16), k0.view(np.uint16))
+    assert np.array_equal(pool.v.view(np.uint16), v0.view(np.uint16))
+    # the valid call itself succeeds (the rig is sound) and writes position 0
+    assert _call(lib, good) == 0
+    assert pool.k.view(np.uint16)[block, :, 0].any()
+
+
+def test_scratch_size_and_f16_entry_reject_bad_input(rig):
+    step, *_ = rig
+    lib = neon._lib()
+    assert lib.el_decode_scratch(None) == 0
+    bad = _bad_dims(step, KVH=3)
+    assert lib.el_decode_scratch(ctypes.addressof(bad)) == 0
+    assert lib.el_decode_scratch(step._dims_p) == step._scratch_n
+    assert lib.el_f32_to_f16(None, None, 4) == EINVAL
+    assert lib.el_f32_to_f16(None, None, 0) == 0
+
+
+def test_python_side_refuses_what_it_cannot_run(rig, tmp_path_factory):
+    step, pool, seq, _ = rig
+    cfg = step.cfg
+    x = np.ones((1, cfg.d_model), np.float32)
+    c, s = np.ones(cfg.rope_dim // 2, np.float32), np.zeros(cfg.rope_dim // 2, np.float32)
+    with pytest.raises(DecodeStepError, match="int8"):
+        step.run(x, 0, c, s, KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "int8"), [0])
+    with pytest.raises(DecodeStepError, match="does not match the model"):
+        step.run(x, 0, c, s, KVPool(cfg.n_layers + 1, cfg.n_kv_heads, cfg.head_dim, 4, BT, "f16"), [0])
+    with pytest.raises(DecodeStepError, match="block table of 5 entries"):
+        step.run(x, 0, c, s, pool, [0, 1, 2, 3, 0])
+    before = pool.k.copy()
+    with pytest.raises(DecodeStepError, match="EL_EINVAL"):
+        step.run(x, BT, c, s, pool, seq.block_table)      # position 16 lies past the reserved block
+    assert np.array_equal(pool.k.view(np.uint16), before.view(np.uint16))
+    out = step.run(x, 0, c, s, pool, seq.block_table)
+    assert out.shape == (1, cfg.d_model) and np.isfinite(out).all()
