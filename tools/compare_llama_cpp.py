@@ -52,12 +52,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--units", default=None, help="edgellm --units (default: the dispatcher's plan)")
     args = ap.parse_args()
     lengths = [int(x) for x in args.prompt_tokens.split(",")]
     n_ctx = max(lengths) + args.gen_tokens + 16
 
     t = time.perf_counter()
-    eng = edgellm.load(args.model, n_ctx=max(n_ctx, 2048), threads=args.threads)
+    eng = edgellm.load(args.model, n_ctx=max(n_ctx, 2048), threads=args.threads, units=args.units)
+    print(f"edgellm plan: prefill on {sorted({p.unit for p in eng.plan.prefill.placements})}, decode on "
+          f"{sorted({p.unit for p in eng.plan.decode.placements})}, chunk {eng.plan.chunk.tokens}")
     edge_load = (time.perf_counter() - t) * 1e3
     t = time.perf_counter()
     # logits_all=False: llama.cpp computes the lm_head for the last position only, as edgellm does
