@@ -21,6 +21,7 @@ from edgellm.device.profile import (
     PRECISIONS, CpuCluster, DeviceProfile, GemmFigure, Gpu, Measured, Npu, UnitMeasurement,
 )
 from edgellm.errors import ConfigError
+from edgellm.fileio import fsync_dir
 
 __all__ = ["parse_quantity", "format_quantity", "load_profile", "list_profiles", "dump_profile",
            "write_profile", "shipped_profiles_dir", "user_profiles_dir", "SCHEMA_VERSION"]
@@ -500,19 +501,6 @@ def write_profile(profile: DeviceProfile, path: str | os.PathLike) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
-
-def _fsync_dir(d: Path) -> None:
-    """Make the rename itself durable; not every platform can open a directory."""
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

