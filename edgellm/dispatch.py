@@ -107,11 +107,8 @@ def build_units(profile: DeviceProfile, *, probe: bool, threads: int | None = No
     """The units of `profile`. probe=True: this is the machine we run on, and each unit is
     available only if its backend module loads and its own probe passes. probe=False: planning
     for another device; what its profile describes is assumed present (and said so)."""
-    from dataclasses import replace
-
     models: list[Unit] = []
     for name in backends.names():
-        mod, _ = backends.get(name) if name not in backends.KNOWN else (None, "")
         if name == "neon" or name == "reference":
             models.append(cpu_unit(name, profile, threads=threads))
         elif name == "opencl":
@@ -121,8 +118,10 @@ def build_units(profile: DeviceProfile, *, probe: bool, threads: int | None = No
         elif name == "npu":
             u = npu_unit(profile)
             models.append(u or Unit("npu", "npu", {}, 1.0, 0.0, available=False, reason=f"{profile.name} has no NPU"))
-        elif mod is not None and hasattr(mod, "cost_unit"):
-            models.append(mod.cost_unit(profile))
+        else:   # a registered backend describes itself to the cost model
+            mod, _ = backends.get(name)
+            if mod is not None and hasattr(mod, "cost_unit"):
+                models.append(mod.cost_unit(profile))
     out = []
     for u in models:
         if not u.available:
