@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edgellm import selftest_cases as sc
 from edgellm import toolchain as tc
 from edgellm.errors import EdgeLLMError
 
@@ -43,7 +44,7 @@ def _run(cmd, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout)
 
 
-def assert_all_pass(r: subprocess.CompletedProcess, cases: list[tc.Case], what: str) -> int:
+def assert_all_pass(r: subprocess.CompletedProcess, cases: list[sc.Case], what: str) -> int:
     """Every case passed on both paths; returns the number of PASS lines."""
     lines = r.stdout.splitlines()
     fails = [ln for ln in lines if ln.startswith("FAIL")]
@@ -60,14 +61,14 @@ def assert_all_pass(r: subprocess.CompletedProcess, cases: list[tc.Case], what: 
 
 
 @pytest.fixture(scope="module")
-def cases() -> list[tc.Case]:
-    return tc.make_cases()
+def cases() -> list[sc.Case]:
+    return sc.make_cases()
 
 
 @pytest.fixture(scope="module")
 def cases_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("cases") / tc.CASES_NAME
-    tc.write_cases(path)
+    sc.write_cases(path)
     return path
 
 
@@ -236,11 +237,11 @@ def test_cases_cover_every_op_and_are_deterministic(cases):
     assert ops == set(range(1, 9))
     names = [c.name for c in cases]
     assert len(set(names)) == len(names) and all(re.fullmatch(r"[!-~]{1,127}", n) for n in names)
-    wtypes = {c.ints[0] for c in cases if c.op == tc.OP_MATMUL}
-    assert wtypes == {tc.EL_F32, tc.EL_F16, tc.EL_Q4_0, tc.EL_Q4_1, tc.EL_Q8_0}
-    assert tc.encode_cases(tc.make_cases()) == tc.encode_cases(cases)
-    pool = [c for c in cases if c.op == tc.OP_ATTN_POOL]
-    assert {c.ints[5] for c in pool} == {tc.EL_F16, tc.EL_F32}
+    wtypes = {c.ints[0] for c in cases if c.op == sc.OP_MATMUL}
+    assert wtypes == {sc.EL_F32, sc.EL_F16, sc.EL_Q4_0, sc.EL_Q4_1, sc.EL_Q8_0}
+    assert sc.encode_cases(sc.make_cases()) == sc.encode_cases(cases)
+    pool = [c for c in cases if c.op == sc.OP_ATTN_POOL]
+    assert {c.ints[5] for c in pool} == {sc.EL_F16, sc.EL_F32}
     assert any(c.ints[1] == 9 and c.ints[2] == 3 and c.ints[0] == 1 and c.ints[4] > 0 for c in pool)
 
 
@@ -251,9 +252,9 @@ def test_quantized_matmul_cases_are_fair(cases):
 
     from edgellm import quant
 
-    gg = {tc.EL_Q4_0: G.Q4_0, tc.EL_Q4_1: G.Q4_1, tc.EL_Q8_0: G.Q8_0}
+    gg = {sc.EL_Q4_0: G.Q4_0, sc.EL_Q4_1: G.Q4_1, sc.EL_Q8_0: G.Q8_0}
     for c in cases:
-        if c.op != tc.OP_MATMUL or c.ints[0] not in gg:
+        if c.op != sc.OP_MATMUL or c.ints[0] not in gg:
             continue
         _, M, K, n_seg, has_bias = c.ints[:5]
         rows = c.ints[6 : 6 + n_seg]
@@ -269,10 +270,10 @@ def test_quantized_matmul_cases_are_fair(cases):
 
 def _small_file(cases_list=None) -> bytes:
     a, b = np.arange(7, dtype=np.float32), np.ones(7, dtype=np.float32)
-    small = [tc.Case(tc.OP_ADD, "add/n7", 1e-7, (7,), (), (a, b, a + b)),
-             tc.Case(tc.OP_RMSNORM, "rmsnorm/t1_d7", 1e-7, (1, 7), (1e-5,), (a[None], b, a[None] / np.sqrt(
+    small = [sc.Case(sc.OP_ADD, "add/n7", 1e-7, (7,), (), (a, b, a + b)),
+             sc.Case(sc.OP_RMSNORM, "rmsnorm/t1_d7", 1e-7, (1, 7), (1e-5,), (a[None], b, a[None] / np.sqrt(
                  (a**2).mean() + 1e-5).astype(np.float32)))]
-    return tc.encode_cases(cases_list or small)
+    return sc.encode_cases(cases_list or small)
 
 
 def test_small_file_passes(host_selftest, tmp_path):
@@ -335,30 +336,30 @@ def test_corrupt_files_are_rejected(host_selftest, tmp_path):
         "array count overflowing x4": _patch(good, 58, "<Q", (1 << 62) + 1),
         "trailing byte": good + b"\0",
         "an array of the wrong kind": _small_file(
-            [tc.Case(tc.OP_ADD, "add", 1e-7, (7,), (), (a, b.view(np.uint8), a))]),
-        "matmul K not a multiple of 32": tc.encode_cases([tc.Case(
-            tc.OP_MATMUL, "mm", 1e-3, (tc.EL_Q4_0, 1, 40, 1, 0, 0, 1), (),
+            [sc.Case(sc.OP_ADD, "add", 1e-7, (7,), (), (a, b.view(np.uint8), a))]),
+        "matmul K not a multiple of 32": sc.encode_cases([sc.Case(
+            sc.OP_MATMUL, "mm", 1e-3, (sc.EL_Q4_0, 1, 40, 1, 0, 0, 1), (),
             (np.zeros(40, np.float32), np.zeros(18, np.uint8), np.zeros(1, np.float32)))]),
-        "matmul segment too short": tc.encode_cases([tc.Case(
-            tc.OP_MATMUL, "mm", 1e-3, (tc.EL_Q8_0, 1, 32, 1, 0, 0, 2), (),
+        "matmul segment too short": sc.encode_cases([sc.Case(
+            sc.OP_MATMUL, "mm", 1e-3, (sc.EL_Q8_0, 1, 32, 1, 0, 0, 2), (),
             (np.zeros(32, np.float32), np.zeros(34, np.uint8), np.zeros(2, np.float32)))]),
-        "attention H not a multiple of KVH": tc.encode_cases([tc.Case(
-            tc.OP_ATTN_DENSE, "at", 1e-3, (1, 3, 2, 4, 0), (),
+        "attention H not a multiple of KVH": sc.encode_cases([sc.Case(
+            sc.OP_ATTN_DENSE, "at", 1e-3, (1, 3, 2, 4, 0), (),
             (np.zeros(12, np.float32), np.zeros(8, np.float32), np.zeros(8, np.float32), np.zeros(12, np.float32)))]),
-        "block table entry out of range": tc.encode_cases([tc.Case(
-            tc.OP_ATTN_POOL, "ap", 1e-3, (1, 1, 1, 4, 0, tc.EL_F32, 2, 1, 0, 1), (),
+        "block table entry out of range": sc.encode_cases([sc.Case(
+            sc.OP_ATTN_POOL, "ap", 1e-3, (1, 1, 1, 4, 0, sc.EL_F32, 2, 1, 0, 1), (),
             (np.zeros(4, np.float32), np.zeros(8, np.float32).view(np.uint8), np.zeros(8, np.float32).view(np.uint8),
              np.array([1], np.int32), np.zeros(4, np.float32)))]),
-        "block table too short": tc.encode_cases([tc.Case(
-            tc.OP_ATTN_POOL, "ap", 1e-3, (1, 1, 1, 4, 2, tc.EL_F32, 2, 1, 0, 1), (),
+        "block table too short": sc.encode_cases([sc.Case(
+            sc.OP_ATTN_POOL, "ap", 1e-3, (1, 1, 1, 4, 2, sc.EL_F32, 2, 1, 0, 1), (),
             (np.zeros(4, np.float32), np.zeros(8, np.float32).view(np.uint8), np.zeros(8, np.float32).view(np.uint8),
              np.array([0], np.int32), np.zeros(4, np.float32)))]),
-        "layer out of range": tc.encode_cases([tc.Case(
-            tc.OP_ATTN_POOL, "ap", 1e-3, (1, 1, 1, 4, 0, tc.EL_F32, 2, 1, 1, 1), (),
+        "layer out of range": sc.encode_cases([sc.Case(
+            sc.OP_ATTN_POOL, "ap", 1e-3, (1, 1, 1, 4, 0, sc.EL_F32, 2, 1, 1, 1), (),
             (np.zeros(4, np.float32), np.zeros(8, np.float32).view(np.uint8), np.zeros(8, np.float32).view(np.uint8),
              np.array([0], np.int32), np.zeros(4, np.float32)))]),
-        "rope_dim odd": tc.encode_cases([tc.Case(
-            tc.OP_ROPE, "ro", 1e-7, (1, 1, 4, 3, 0, 0), (),
+        "rope_dim odd": sc.encode_cases([sc.Case(
+            sc.OP_ROPE, "ro", 1e-7, (1, 1, 4, 3, 0, 0), (),
             (np.zeros(4, np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(4, np.float32)))]),
     }
     for what, data in bad.items():

@@ -1,4 +1,4 @@
-"""Write the NEON self-test cases file (edgellm.toolchain.write_cases; format in neon/selftest.c).
+"""Write the NEON self-test cases file (edgellm.selftest_cases.write_cases; format in neon/selftest.c).
 For kernel work on the host:
 
     python tools/make_selftest_cases.py /tmp/cases.bin
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from edgellm import toolchain  # noqa: E402
+from edgellm import selftest_cases  # noqa: E402
 
 
 def main() -> None:
@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=20240531)
     a = ap.parse_args()
-    n = toolchain.write_cases(a.out, a.seed)
+    n = selftest_cases.write_cases(a.out, a.seed)
     print(f"{a.out}: {n} cases")
 
 

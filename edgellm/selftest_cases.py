@@ -1,0 +1,218 @@
+"""The NEON self-test cases: inputs and the numpy reference's outputs for every kernel, in the
+binary file neon/selftest.c reads (format documented there). Used by `edgellm build` bundles and
+by the host and qemu self-tests."""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+
+OP_MATMUL, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL = range(1, 9)
+CASES_MAGIC, CASES_VERSION = b"ELSTCASE", 1
+KIND_F32, KIND_RAW = 1, 2
+BOUND_ELEMENTWISE = 1e-7     # NMSE bounds of DESIGN.md's correctness discipline
+BOUND_MATMUL = 5e-4
+BOUND_ATTENTION = 5e-4
+EL_F32, EL_F16, EL_Q4_0, EL_Q4_1, EL_Q8_0 = 0, 1, 2, 3, 8
+
+
+@dataclass(frozen=True)
+class Case:
+    op: int                         # OP_*
+    name: str                       # printable, no spaces; unique in a file
+    bound: float                    # NMSE bound
+    ints: tuple[int, ...]           # shape parameters, per op (neon/selftest.c's header)
+    floats: tuple[float, ...]       # eps for rmsnorm, else empty
+    arrays: tuple[np.ndarray, ...]  # float32 arrays are stored as f32, anything else as raw bytes; last = expected
+
+
+def encode_case(c: Case) -> bytes:
+    name = c.name.encode("ascii")
+    parts = [struct.pack("<II", c.op, len(name)), name, struct.pack("<f", c.bound),
+             struct.pack(f"<I{len(c.ints)}i", len(c.ints), *c.ints),
+             struct.pack(f"<I{len(c.floats)}f", len(c.floats), *c.floats), struct.pack("<I", len(c.arrays))]
+    for a in c.arrays:
+        a = np.ascontiguousarray(a)
+        if a.dtype == np.float32:
+            parts += [struct.pack("<IIQ", KIND_F32, 0, a.size), a.astype("<f4").tobytes()]
+        else:
+            raw = a.view(np.uint8).reshape(-1)
+            parts += [struct.pack("<IIQ", KIND_RAW, 0, raw.size), raw.tobytes()]
+    return b"".join(parts)
+
+
+def encode_cases(cases: Sequence[Case]) -> bytes:
+    names = [c.name for c in cases]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate case names")
+    return b"".join([CASES_MAGIC, struct.pack("<II", CASES_VERSION, len(cases)), *map(encode_case, cases)])
+
+
+def _f32(a) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def _matmul_cases(rng: np.random.Generator) -> list[Case]:
+    from gguf import GGMLQuantizationType as G
+
+    from . import quant
+    from .backends import reference
+
+    types = {"q4_0": (EL_Q4_0, G.Q4_0), "q4_1": (EL_Q4_1, G.Q4_1), "q8_0": (EL_Q8_0, G.Q8_0),
+             "f32": (EL_F32, G.F32), "f16": (EL_F16, G.F16)}
+    cases = []
+
+    def one(tname: str, M: int, K: int, segs: Sequence[int], bias: bool, scratch: bool, zero_row: bool = False,
+            suffix: str = "") -> Case:
+        el, g = types[tname]
+        N = sum(segs)
+        # rows of different magnitude (per-block scales differ) and one all-zero block (d = 0)
+        w = rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K)
+        w *= np.exp(rng.normal(0.0, 0.5, N)).astype(np.float32)[:, None]
+        w[0, : min(K, 32)] = 0.0
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        if K > 32:
+            # an outlier channel, as LLM activations have; it coarsens its block's int8 scale, so
+            # not where the block is the whole row (the bound would then test the int8 step size)
+            x[:, rng.integers(K)] *= 8.0
+        if zero_row:
+            x[1] = 0.0                                # a padded row: its int8 scale is 0
+        raws, deqs = [], []
+        for s0, s1 in zip(np.cumsum([0, *segs[:-1]]), np.cumsum(segs)):
+            raw = quant.quantize(w[s0:s1], g)
+            raws.append(np.ascontiguousarray(raw))
+            deqs.append(quant.dequantize(raw.reshape(-1), g, (s1 - s0, K)))
+        b = _f32(rng.standard_normal(N)) if bias else None
+        want = reference.matmul(x, np.concatenate(deqs), b)
+        name = f"matmul/{tname}/m{M}_k{K}_n{N}{suffix}" + ("_bias" if bias else "") + ("_scratch" if scratch else "") \
+            + ("_zrow" if zero_row else "")
+        return Case(OP_MATMUL, name, BOUND_MATMUL, (el, M, K, len(segs), int(bias), int(scratch), *segs), (),
+                    (x, *raws, *([b] if bias else []), _f32(want)))
+
+    for tname in types:
+        i = 0
+        # every (M, K, N) tail combination except the large K = 576, N = 960 cell, which the fused
+        # QKV cases below cover (keeps the file small enough to push to a phone)
+        for M in (1, 3, 17):
+            for K, N in ((32, 7), (32, 33), (32, 960), (576, 7), (576, 33)):
+                cases.append(one(tname, M, K, [N], bias=i % 2 == 1, scratch=i % 3 == 0, zero_row=M > 1 and N == 33))
+                i += 1
+        # fused projections: Q, K, V kept as separate tensors (SmolLM2-135M's 576/192/192; a third
+        # of that for the plain float types, whose weights are 2-8x larger)
+        qkv = [576, 192, 192] if tname not in ("f32", "f16") else [192, 64, 64]
+        cases.append(one(tname, 1, 576, qkv, True, False, suffix="_qkv"))
+        cases.append(one(tname, 3, 576, qkv, True, True, suffix="_qkv"))
+        cases.append(one(tname, 17, 576, qkv, False, True, suffix="_qkv"))
+        cases.append(one(tname, 3, 96, [7, 1, 25], True, False, suffix="_segs3"))
+        if tname in ("f32", "f16"):          # no block structure: K need not be a multiple of 32
+            cases.append(one(tname, 3, 45, [7], True, False))
+            cases.append(one(tname, 1, 5, [33], False, True))
+    return cases
+
+
+def _elementwise_cases(rng: np.random.Generator) -> list[Case]:
+    from .backends import reference
+
+    cases = []
+    for T, d, eps in ((1, 576, 1e-5), (3, 7, 1e-6), (17, 960, 1e-5), (2, 33, 1e-6), (4, 1, 1e-5)):
+        x = _f32(rng.standard_normal((T, d)))
+        x[0] *= 1e3
+        if T > 2:
+            x[2] = 0.0                               # only eps keeps 1/rms finite
+        w = _f32(rng.standard_normal(d))
+        cases.append(Case(OP_RMSNORM, f"rmsnorm/t{T}_d{d}", BOUND_ELEMENTWISE, (T, d), (eps,),
+                          (x, w, _f32(reference.rmsnorm(x, w, eps)))))
+    for neox in (0, 1):
+        style = "neox" if neox else "norm"
+        for T, heads, hd, rd, inplace in ((1, 9, 64, 64, 0), (5, 3, 64, 32, 0), (17, 2, 128, 128, 1),
+                                          (3, 1, 6, 4, 0), (2, 4, 80, 64, 1)):
+            x = _f32(rng.standard_normal((T, heads, hd)))
+            pos = rng.integers(0, 4096) + np.arange(T)
+            ang = pos[:, None].astype(np.float64) * 10000.0 ** (-np.arange(0, rd, 2) / rd)[None, :]
+            cos, sin = _f32(np.cos(ang)), _f32(np.sin(ang))
+            cases.append(Case(OP_ROPE, f"rope/{style}/t{T}_h{heads}_hd{hd}_rd{rd}" + ("_inplace" if inplace else ""),
+                              BOUND_ELEMENTWISE, (T, heads, hd, rd, neox, inplace), (),
+                              (x, cos, sin, _f32(reference.rope(x, cos, sin, style)))))
+    for T, ff, scale in ((1, 1536, 1.0), (3, 7, 1.0), (17, 33, 3.0), (2, 64, 90.0)):
+        gu = _f32(rng.standard_normal((T, 2 * ff)) * scale)   # scale 90: exp(-g) overflows fp32
+        with np.errstate(over="ignore"):
+            want = reference.swiglu(gu.copy())
+        cases.append(Case(OP_SWIGLU, f"swiglu/t{T}_ff{ff}" + ("_large" if scale > 10 else ""), BOUND_ELEMENTWISE,
+                          (T, ff), (), (gu, _f32(want))))
+    for rows, n, scale, masked in ((1, 49152, 5.0, False), (3, 7, 1.0, False), (17, 33, 50.0, False),
+                                   (2, 1, 1.0, False), (4, 100, 10.0, True)):
+        x = _f32(rng.standard_normal((rows, n)) * scale)
+        if masked:
+            x[:, ::3] = -np.inf                     # masked logits (banned tokens): probability 0
+        # reference.py has no softmax (the model never needs one outside attention): float64 here
+        x64 = x.astype(np.float64)
+        e = np.exp(x64 - x64.max(axis=1, keepdims=True))
+        cases.append(Case(OP_SOFTMAX, f"softmax/r{rows}_n{n}" + ("_masked" if masked else ""), BOUND_ELEMENTWISE,
+                          (rows, n), (), (x, _f32(e / e.sum(axis=1, keepdims=True)))))
+    for n in (1, 7, 33, 16323):
+        a, b = _f32(rng.standard_normal(n)), _f32(rng.standard_normal(n))
+        cases.append(Case(OP_ADD, f"add/n{n}", BOUND_ELEMENTWISE, (n,), (), (a, b, _f32(reference.add(a, b)))))
+    return cases
+
+
+def _attention_cases(rng: np.random.Generator) -> list[Case]:
+    from .backends import reference
+
+    cases = []
+    # (T, H, KVH, hd, start): decode, prefill from 0, a chunk after a cached prefix, one head
+    for T, H, KVH, hd, start in ((1, 9, 3, 64, 40), (7, 9, 3, 64, 0), (5, 4, 4, 32, 11), (1, 1, 1, 64, 0),
+                                 (17, 2, 1, 128, 30), (3, 6, 2, 80, 5), (33, 4, 2, 64, 100)):
+        n = start + T
+        q = _f32(rng.standard_normal((T, H, hd)) * 2.0)
+        k = _f32(rng.standard_normal((KVH, n, hd)))
+        v = _f32(rng.standard_normal((KVH, n, hd)))
+        cases.append(Case(OP_ATTN_DENSE, f"attn_dense/t{T}_h{H}_kvh{KVH}_hd{hd}_s{start}", BOUND_ATTENTION,
+                          (T, H, KVH, hd, start), (), (q, k, v, _f32(reference.attention(q, k, v, start)))))
+    # (T, H, KVH, hd, start, block_tokens, n_layers, layer)
+    for kv_type, dt in ((EL_F16, np.float16), (EL_F32, np.float32)):
+        kvname = "f16" if kv_type == EL_F16 else "f32"
+        for T, H, KVH, hd, start, bt, L, layer in ((1, 9, 3, 64, 45, 16, 3, 2), (7, 9, 3, 64, 20, 16, 3, 0),
+                                                   (1, 1, 1, 64, 0, 16, 2, 1), (17, 4, 2, 128, 31, 8, 2, 1),
+                                                   (3, 2, 2, 32, 4, 1, 1, 0)):
+            n = start + T
+            need = -(-n // bt)
+            n_blocks = need + 3
+            table = rng.permutation(n_blocks)[: need + (1 if T > 1 else 0)].astype(np.int32)
+            # (blocks, layers, block_tokens, KVH, hd); NaN wherever the kernel must not read: other
+            # layers, other blocks, positions >= n (the real pool leaves them uninitialised)
+            shape = (n_blocks, L, bt, KVH, hd)
+            karena, varena = np.full(shape, np.nan, dtype=dt), np.full(shape, np.nan, dtype=dt)
+            k = rng.standard_normal((n, KVH, hd)).astype(dt)
+            v = rng.standard_normal((n, KVH, hd)).astype(dt)
+            for p in range(n):
+                karena[table[p // bt], layer, p % bt] = k[p]
+                varena[table[p // bt], layer, p % bt] = v[p]
+            q = _f32(rng.standard_normal((T, H, hd)) * 2.0)
+            want = reference.attention(q, _f32(k.transpose(1, 0, 2)), _f32(v.transpose(1, 0, 2)), start)
+            name = f"attn_pool/{kvname}/t{T}_h{H}_kvh{KVH}_hd{hd}_s{start}_bt{bt}_l{layer}of{L}"
+            ints = (T, H, KVH, hd, start, kv_type, bt, L, layer, n_blocks)
+            cases.append(Case(OP_ATTN_POOL, name, BOUND_ATTENTION, ints, (),
+                              (q, karena.view(np.uint8), varena.view(np.uint8), table, _f32(want))))
+    return cases
+
+
+def make_cases(seed: int = 20240531) -> list[Case]:
+    """Every kernel, awkward shapes included (tails of 1, 7, 33; M = 1, 3, 17; GQA 9:3; fused
+    segments; shuffled KV blocks), with expected outputs from the numpy reference."""
+    rng = np.random.default_rng(seed)
+    return [*_matmul_cases(rng), *_elementwise_cases(rng), *_attention_cases(rng)]
+
+
+def write_cases(path: str | os.PathLike, seed: int = 20240531) -> int:
+    """Write the self-test cases file; returns the number of cases."""
+    cases = make_cases(seed)
+    data = encode_cases(cases)
+    tmp = Path(f"{path}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return len(cases)
