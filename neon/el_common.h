@@ -4,6 +4,8 @@
 
 #include "edgellm_neon.h"
 
+#include <string.h>
+
 #if defined(__aarch64__) || defined(__ARM_NEON)
 #include <arm_neon.h>
 #define EL_SIMDE 0
@@ -66,6 +68,26 @@ static inline float32x4_t el_f16x4_load(const uint16_t *p) {
  * attention (elementwise.c) */
 float el_exp_sub_sum(float *x, int n, float m);
 float el_exp_sub_sum_generic(float *x, int n, float m);
+
+/* Stores nr (1..4) lanes of each of nx accumulators into y rows, adding the bias. */
+static inline void el_store_tile(const float32x4_t *acc, int nx, int nr, float *y, size_t ldy, const float *bias) {
+    float32x4_t bv = vdupq_n_f32(0.0f);
+    if (bias) {
+        float tmp[4] = {0, 0, 0, 0};
+        memcpy(tmp, bias, (size_t)nr * sizeof(float));
+        bv = vld1q_f32(tmp);
+    }
+    for (int c = 0; c < nx; c++) {
+        float32x4_t v = vaddq_f32(acc[c], bv);
+        if (nr == 4) {
+            vst1q_f32(y + c * ldy, v);
+        } else {
+            float tmp[4];
+            vst1q_f32(tmp, v);
+            memcpy(y + c * ldy, tmp, (size_t)nr * sizeof(float));
+        }
+    }
+}
 
 #define EL_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define EL_MAX(a, b) ((a) > (b) ? (a) : (b))

@@ -81,20 +81,6 @@ el_ftile(const int f16, const int nx, const uint8_t *const w[4], const float *x,
     }
 }
 
-static inline void el_fstore(const float32x4_t *acc, int nx, int nr, float *y, size_t ldy, const float *bias) {
-    float32x4_t bv = vdupq_n_f32(0.0f);
-    if (bias) {
-        float tmp[4] = {0, 0, 0, 0};
-        memcpy(tmp, bias, (size_t)nr * sizeof(float));
-        bv = vld1q_f32(tmp);
-    }
-    for (int c = 0; c < nx; c++) {
-        float tmp[4];
-        vst1q_f32(tmp, vaddq_f32(acc[c], bv));
-        memcpy(y + c * ldy, tmp, (size_t)nr * sizeof(float));
-    }
-}
-
 static inline __attribute__((always_inline)) void
 el_frows(const int f16, const uint8_t *w, int rows, const float *x, int nx_all, int K, float *y, size_t ldy,
          const float *bias) {
@@ -115,7 +101,7 @@ el_frows(const int f16, const uint8_t *w, int rows, const float *x, int nx_all, 
             case 3: el_ftile(f16, 3, wr, xt, K, acc); break;
             default: el_ftile(f16, 4, wr, xt, K, acc); break;
             }
-            el_fstore(acc, nx, nr, yt, ldy, br);
+            el_store_tile(acc, nx, nr, yt, ldy, br);
         }
     }
 }

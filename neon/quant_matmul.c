@@ -371,26 +371,6 @@ el_qtile(const int wt, const int nx, const uint8_t *const w[4], const int8_t *xq
     }
 }
 
-/* Stores nr (1..4) lanes of each of nx accumulators into y rows, adding the bias. */
-static inline void el_store_tile(const float32x4_t *acc, int nx, int nr, float *y, size_t ldy, const float *bias) {
-    float32x4_t bv = vdupq_n_f32(0.0f);
-    if (bias) {
-        float tmp[4] = {0, 0, 0, 0};
-        memcpy(tmp, bias, (size_t)nr * sizeof(float));
-        bv = vld1q_f32(tmp);
-    }
-    for (int c = 0; c < nx; c++) {
-        float32x4_t v = vaddq_f32(acc[c], bv);
-        if (nr == 4) {
-            vst1q_f32(y + c * ldy, v);
-        } else {
-            float tmp[4];
-            vst1q_f32(tmp, v);
-            memcpy(y + c * ldy, tmp, (size_t)nr * sizeof(float));
-        }
-    }
-}
-
 #define EL_QROWS_FN(name, wt)                                                                         \
     static void name(const uint8_t *w, size_t rb, int rows, const el_xq *xq, int x0, int nx_all,    \
                      float *y, size_t ldy, const float *bias) {                                       \
