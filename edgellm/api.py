@@ -279,7 +279,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     big = select_big(detect_clusters())
     threads = threads or len(big)
     dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
-                            kv_bytes=_KV_BYTES[kv_precision], threads=threads)
+                            kv_bytes=kv_cfg.bytes_per_elem, threads=threads)
     # the chunk's activations may take a quarter of the memory the KV cache leaves free
     plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
                            memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
@@ -307,9 +307,6 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
     return eng
-
-
-_KV_BYTES = {"f16": 2.0, "f32": 4.0, "int8": 1.0}
 
 
 def device_profile(device: str | os.PathLike | None):

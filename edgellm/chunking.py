@@ -62,9 +62,11 @@ def _why_not_roof(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], T: i
         if unit.launch_s > LAUNCH_SHARE * c.flops / att:
             return f"{op.name}'s launch overhead is over {LAUNCH_SHARE:.0%} of its compute"
     ops = layer_ops(cfg)
-    gemm_s = sum(op_cost(op, cfg, T, 0, unit.precision_for(op, formats.get(op.name, "f32"))[1], kv_bytes).flops
-                 / unit.attainable(unit.precision_for(op, formats.get(op.name, "f32"))[0], T)
-                 for op in ops if op.kind in MATMUL_KINDS)
+    gemm_s = 0.0
+    for op in ops:
+        if op.kind in MATMUL_KINDS:
+            prec, fmt = unit.precision_for(op, formats.get(op.name, "f32"))
+            gemm_s += op_cost(op, cfg, T, 0, fmt, kv_bytes).flops / unit.attainable(prec, T)
     if len(ops) * unit.launch_s > LAYER_CALLS_SHARE * gemm_s:
         return (f"the layer's {len(ops)} calls ({len(ops) * unit.launch_s * 1e6:.0f} us) are over "
                 f"{LAYER_CALLS_SHARE:.0%} of its GEMM time ({gemm_s * 1e6:.0f} us)")

@@ -354,17 +354,16 @@ def plan(
     from .model.registry import resolve_model
     from .ops import layer_ops, model_ops, weight_formats
 
-    if kv_precision not in ("f16", "f32", "int8"):
-        raise ConfigError(f"--kv-precision must be f16, f32 or int8, got {kv_precision!r}")
+    kv_cfg = KVConfig(precision=kv_precision)         # validates the precision
     profile = device_profile(device)
     mf = open_model(resolve_model(model, progress=lambda d, t: Progress()("pull", d, t)))
     n_ctx = max(ctx, prompt_tokens)
     if prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     disp = Dispatcher(profile, mf.config, weight_formats(mf), probe=device in (None, "host"),
-                      override=_units(units), kv_bytes={"f16": 2.0, "f32": 4.0, "int8": 1.0}[kv_precision])
+                      override=_units(units), kv_bytes=kv_cfg.bytes_per_elem)
     # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves
-    spare = profile.memory_total_bytes / 2 - memory_needed(mf, n_ctx, KVConfig(precision=kv_precision))
+    spare = profile.memory_total_bytes / 2 - memory_needed(mf, n_ctx, kv_cfg)
     p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=max(spare / 4, 16 * 2**20))
     if as_json:
         typer.echo(json.dumps({"model": mf.config.name, "soc": profile.soc, **p.to_json()}, indent=1))

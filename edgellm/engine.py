@@ -172,8 +172,8 @@ class ModelRunner:
         x = be.embedding(w.embedding, ids)                                   # (1, d)
         return self._fused.run(x, pos, self.cos[pos], self.sin[pos], seq.pool, seq.block_table).copy()
 
-    def _head(self, x: np.ndarray, phase: str | None = None) -> np.ndarray:
-        P = self._ops[phase or ("decode" if len(x) == 1 else "prefill")]
+    def _head(self, x: np.ndarray, phase: str) -> np.ndarray:
+        P = self._ops[phase]
         (mn, wn), (mh, wh) = P["output_norm"], P["lm_head"]
         return mh.lm_head(mn.rmsnorm(x, wn.output_norm, self.cfg.norm_eps), wh.lm_head)
 

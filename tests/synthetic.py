@@ -17,23 +17,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
+from edgellm.model.tokenizer import bytes_to_unicode
+
 # ---------------------------------------------------------------------------------------------
 # tokenizer
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable-char map (printable Latin-1 bytes map to themselves,
-    the rest to U+0100 onwards; the space 0x20 becomes 'Ġ')."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 as in SmolLM2

@@ -10,10 +10,9 @@ bounds are the measured level with a little margin, so a regression still fails.
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from tests.test_golden_smollm2 import _greedy, bucketed_kl, log_softmax
+from tests.test_golden_smollm2 import _greedy, agreement
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = json.loads((DATA / "golden_smollm2.json").read_text())
@@ -32,14 +31,7 @@ def neon_engine(real_model_path):
 
 @pytest.fixture(scope="module")
 def measured(neon_engine):
-    kls, agree, n = [], 0, 0
-    for text in GOLDEN["logprobs"]:
-        lp = log_softmax(neon_engine.logits(text["ids"]))
-        for i, pos in enumerate(text["positions"]):
-            kls.append(bucketed_kl(pos["top"], lp[i]))
-            agree += int(np.argmax(lp[i])) == pos["top"][0][0]
-            n += 1
-    return {"kl": np.array(kls), "top1": agree / n, "n": n}
+    return agreement(neon_engine, GOLDEN)
 
 
 def test_neon_top1_agreement_with_llama_cpp(measured):

@@ -56,17 +56,21 @@ def case(request):
     return request.param, *CASES[request.param]
 
 
-@pytest.fixture(scope="module")
-def measured(real_engine, case):
-    golden = case[1]
+def agreement(engine, golden) -> dict:
+    """Per-position bucketed KL and top-1 agreement of `engine` with a golden file's logprobs."""
     kls, agree, n = [], 0, 0
     for text in golden["logprobs"]:
-        lp = log_softmax(real_engine.logits(text["ids"]))
+        lp = log_softmax(engine.logits(text["ids"]))
         for i, pos in enumerate(text["positions"]):
             kls.append(bucketed_kl(pos["top"], lp[i]))
             agree += int(np.argmax(lp[i])) == pos["top"][0][0]
             n += 1
-    return {"kl": np.array(kls), "top1": agree / n, "n": n, "name": case[0], "min_top1": case[2], "max_kl": case[3]}
+    return {"kl": np.array(kls), "top1": agree / n, "n": n}
+
+
+@pytest.fixture(scope="module")
+def measured(real_engine, case):
+    return {**agreement(real_engine, case[1]), "name": case[0], "min_top1": case[2], "max_kl": case[3]}
 
 
 def test_enough_positions(measured):

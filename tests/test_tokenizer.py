@@ -14,7 +14,7 @@ import pytest
 from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
 from edgellm.model.chat_template import ChatTemplate
 from edgellm.model.gguf_file import read_gguf
-from edgellm.model.tokenizer import Tokenizer, _bytes_to_unicode
+from edgellm.model.tokenizer import Tokenizer, bytes_to_unicode
 
 DATA = Path(__file__).parent / "data"
 GOLDEN = json.loads((DATA / "golden_smollm2.json").read_text(encoding="utf-8"))
@@ -241,7 +241,7 @@ def test_bpe_tiny_ids_match_llama_cpp(bpe_md, pre, entry):
 
 # --- metadata validation -------------------------------------------------------------------------
 def _tiny_gpt2() -> dict:
-    chars = list(_bytes_to_unicode().values())
+    chars = list(bytes_to_unicode().values())
     return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
             "tokenizer.ggml.tokens": chars + ["he", "<|endoftext|>"],
             "tokenizer.ggml.token_type": [1] * 257 + [3],

@@ -33,6 +33,8 @@ import numpy as np
 import llama_cpp
 from llama_cpp import Llama
 
+from edgellm.model.tokenizer import bytes_to_unicode
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = os.environ.get("EDGELLM_TEST_MODEL", "/tmp/dl/SmolLM2-135M-Instruct.Q4_1.gguf")
 SETTINGS = dict(n_ctx=2048, n_threads=2, n_batch=512, seed=0)
@@ -377,19 +379,6 @@ BPE_STRINGS = [
 BPE_PRES = ["smollm", "gpt-2", "default", "llama-bpe", "qwen2"]
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
-
 def make_spm_tiny(data: Path) -> None:
     words = Counter("\u2581" + w for w in TINY_CORPUS.replace("\n", " ").split(" ") if w)
     merges = _train_merges(Counter({tuple(w): c for w, c in words.items()}), 120)
@@ -439,7 +428,7 @@ def make_spm_tiny(data: Path) -> None:
 
 
 def make_bpe_tiny(data: Path) -> None:
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     pieces = re.findall(r"'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?[^\s\w]+|\s+", TINY_CORPUS)
     words = Counter(tuple(b2u[b] for b in p.encode("utf-8")) for p in pieces)
     merges = _train_merges(words, 150)

@@ -215,7 +215,7 @@ def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
 
 # ---- ops ---------------------------------------------------------------------------------------
 
-_scratch = {"buf": np.empty(0, np.uint8)}
+_scratch = {"buf": np.empty(0, np.uint8), "sizes": {}}   # sizes: (T, K) -> el_matmul_scratch bytes
 
 
 def _check(rc: int, op: str) -> None:
@@ -237,7 +237,9 @@ def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None) -> np.ndarray
     x = _f32(x)
     T, K = x.shape
     y = np.empty((T, w.n), dtype=np.float32)
-    need = lib.el_matmul_scratch(T, K)
+    need = _scratch["sizes"].get((T, K))
+    if need is None:   # a ctypes call per matmul would cost as much as a small decode GEMV
+        need = _scratch["sizes"][(T, K)] = lib.el_matmul_scratch(T, K)
     if _scratch["buf"].nbytes < need:
         _scratch["buf"] = np.empty(need, np.uint8)
     rc = lib.el_matmul(_pool(), w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K,

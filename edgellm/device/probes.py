@@ -36,7 +36,7 @@ from .profile import CpuCluster, DeviceProfile, GemmFigure, Measured, UnitMeasur
 from .topology import PinResult, current_affinity, pin_threads, select_big
 
 __all__ = ["ProbeSizes", "FULL", "QUICK", "HostMeasurement", "Progress", "ProbeFn", "register_probe",
-           "unregister_probe", "registered_probes", "measure_host", "probe_reference", "resolve_sizes",
+           "unregister_probe", "registered_probes", "measure_host", "probe_reference", "resolve_sizes", "median_seconds",
            "busy_note"]
 
 Progress = Callable[[str, int, int], None]          # (stage, done, total); total never changes
@@ -118,7 +118,7 @@ def registered_probes() -> tuple[str, ...]:
 
 # ---- timing ------------------------------------------------------------------------------------
 
-def _median_s(call: Callable[[], object], sizes: ProbeSizes) -> float:
+def median_seconds(call: Callable[[], object], sizes: ProbeSizes) -> float:
     """Median seconds of one call, after a warm-up (first BLAS call starts its threads, the
     output's pages fault in). Runs: as many as fit the budget, within [min_runs, runs]."""
     call()
@@ -265,7 +265,7 @@ def _gemm_rate(m: int, k: int, n: int, dtype, sizes: ProbeSizes) -> float:
     else:
         x = rng.standard_normal((m, k), dtype=np.float32).astype(dtype)
         w = rng.standard_normal((n, k), dtype=np.float32).astype(dtype)
-    return 2.0 * m * k * n / _median_s(lambda: x @ w.T, sizes)
+    return 2.0 * m * k * n / median_seconds(lambda: x @ w.T, sizes)
 
 
 def measure_cluster(sizes: ProbeSizes) -> dict[str, float]:
@@ -287,7 +287,7 @@ def measure_read_bandwidth(sizes: ProbeSizes) -> float:
     w = np.empty((rows, k), dtype=np.float32)           # (rows, k), ~bandwidth_bytes
     w.fill(_FILL)
     x = np.full((1, k), 1.0, dtype=np.float32)
-    return w.nbytes / _median_s(lambda: reference.matmul(x, w), sizes)
+    return w.nbytes / median_seconds(lambda: reference.matmul(x, w), sizes)
 
 
 def measure_call_overhead(sizes: ProbeSizes) -> float:
@@ -303,7 +303,7 @@ def measure_call_overhead(sizes: ProbeSizes) -> float:
     def calls():
         for _ in range(batch):
             add(a, b)
-    return _median_s(calls, sizes) / batch
+    return median_seconds(calls, sizes) / batch
 
 
 def measure_gemm_curve(sizes: ProbeSizes, call_overhead_s: float,
@@ -330,7 +330,7 @@ def measure_gemm_curve(sizes: ProbeSizes, call_overhead_s: float,
 
         def call():
             return reference.matmul(x, weights[next(turn) % count])
-        t = _median_s(call, sizes)
+        t = median_seconds(call, sizes)
         # never let a noisy overhead figure eat more than half of a measured time
         body = max(t - call_overhead_s, 0.5 * t)
         figures.append(GemmFigure(m=m, k=k, n=n, flops=2.0 * m * k * n / body))
@@ -357,7 +357,8 @@ register_probe("reference", probe_reference)
 def _probe_neon(quick: bool, threads: int, progress: Progress | None = None) -> UnitMeasurement | None:
     from ..backends import neon_probe
 
-    return neon_probe.probe(quick, threads, progress, cache_bytes=_cache_bytes(estimate_host_profile().clusters))
+    sizes = resolve_sizes(QUICK if quick else FULL, estimate_host_profile().clusters)
+    return neon_probe.probe(sizes, threads, progress)
 
 
 register_probe("neon", _probe_neon)

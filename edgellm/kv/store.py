@@ -36,6 +36,11 @@ class KVConfig:
             raise ConfigError(f"ring needs 0 <= sinks < window, got sinks={self.sinks}, window={self.window}")
 
     @property
+    def bytes_per_elem(self) -> int:
+        """Bytes one K or V element takes (int8's per-row scales are not counted)."""
+        return np.dtype(PRECISIONS[self.precision]).itemsize
+
+    @property
     def layout(self) -> str:
         if self.kind == "pool":
             return f"pool/{self.precision}/block{self.block_tokens}"

@@ -106,7 +106,7 @@ _FORCED_CONTROL_TEXTS = _EOG_TEXTS | _FIM_EOG_TEXTS | {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
         + list(range(ord("®"), ord("ÿ") + 1))
@@ -120,7 +120,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 
 
 class Tokenizer:
