@@ -23,3 +23,13 @@ def real_engine(real_model_path):
 
     # the reference unit explicitly: the strict fp32 golden checks are about its arithmetic
     return edgellm.load(real_model_path, n_ctx=1024, units=["reference"])
+
+
+@pytest.fixture(scope="session")
+def cl_runtime(tmp_path_factory):
+    """The OpenCL runtime on this machine's device (PoCL's CPU device in CI), with its binary
+    cache in a temporary directory. Fails (not skips) without OpenCL: the test extra installs
+    pyopencl and PoCL, so a missing platform is a broken setup, not an absent unit."""
+    from edgellm.backends.opencl_runtime import ClRuntime
+
+    return ClRuntime.create(cache_dir=tmp_path_factory.mktemp("cl_cache"))
