@@ -294,16 +294,37 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         log.warning("threads not pinned to the big cores: %s", pinning.reason)
     _limit_blas_threads(threads)
     store = make_store(mf.config, kv_cfg, n_ctx)
+    described = {"opencl": profile.gpu is not None, "npu": profile.npu is not None}
     for u in plan.units:
-        log.info("unit %s: %s (%s)", u.name, "available" if u.available else "unavailable", u.reason)
+        if not u.available and (described.get(u.name, True) or u.name in (units or ())):
+            # a unit the profile (or --units) counts on is missing: the user must see why
+            log.warning("unit %s unavailable: %s; its ops run on other units", u.name, u.reason)
+        else:
+            log.info("unit %s: %s (%s)", u.name, "available" if u.available else "unavailable", u.reason)
     log.info("plan on %s: units %s, prefill chunk %d (%s); `edgellm plan` shows every op and why",
              profile.name, ",".join(plan.units_used()), plan.chunk.tokens, "; ".join(plan.chunk.derivation))
     for name in plan.units_used():
         mod, _ = backends.get(name)
         if hasattr(mod, "configure"):      # native units run their own pools on the big cores
             mod.configure(threads=threads, cores=big)
-    runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement,
-                         progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
+    while True:
+        try:
+            runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement,
+                                 progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
+            break
+        except backends.UnitFailed as e:
+            # the unit passed its probe but cannot run this model: plan again without it
+            log.warning("%s; its ops move to the next best unit", e)
+            units_now = tuple(replace(u, available=False, reason=f"failed at load: {e.reason}")
+                              if u.name == e.unit else u for u in dispatcher.units)
+            if e.unit == "reference":
+                raise
+            dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
+                                    kv_bytes=kv_cfg.bytes_per_elem, threads=threads, units=units_now)
+            plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
+                                   memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
+            plan = replace(plan, warnings=plan.warnings + (f"unit {e.unit} unavailable: failed at load: {e.reason}",))
+            placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
     return eng

@@ -187,9 +187,18 @@ def gpu_unit(profile: DeviceProfile) -> Unit | None:
     if g is None or g.api != "opencl":
         return None
     peak = dict(g.peak)
-    return Unit("opencl", "gpu", peak, profile.memory_bandwidth, g.launch_overhead_s, g.transfer_overhead_s,
-                zero_copy=g.unified_memory, quant_precision="int8" if (g.int8_dot and "int8" in peak) else "fp32",
-                stores_quantized=True)
+    bw, launch, curve, notes = profile.memory_bandwidth, g.launch_overhead_s, (), []
+    m = profile.measured
+    um = m.units.get("opencl") if m is not None else None
+    if um is not None:
+        # measured whole op calls (upload, kernel, read-back): what the engine pays per op
+        bw, launch = m.memory_read_bandwidth, um.call_overhead_s
+        curve = tuple(sorted((f.m, f.flops) for f in um.gemm))
+        notes.append(f"measured by {m.tool} on {m.date}")
+    qprec = "int8" if (g.int8_dot and "int8" in peak) else "fp32"
+    return Unit("opencl", "gpu", peak, bw, launch, g.transfer_overhead_s, zero_copy=g.unified_memory,
+                gemm_curve=curve, curve_precision="fp32", quant_precision=qprec, stores_quantized=True,
+                notes=tuple(notes))
 
 
 def npu_unit(profile: DeviceProfile) -> Unit | None:

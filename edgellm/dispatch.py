@@ -113,8 +113,11 @@ def build_units(profile: DeviceProfile, *, probe: bool, threads: int | None = No
             models.append(cpu_unit(name, profile, threads=threads))
         elif name == "opencl":
             u = gpu_unit(profile)
-            models.append(u or Unit("opencl", "gpu", {}, 1.0, 0.0, available=False,
-                                    reason=f"{profile.name} has no OpenCL GPU"))
+            why = f"{profile.name} has no OpenCL GPU"
+            if probe and profile.gpu is None:
+                why = (f"the {profile.name} profile lists no OpenCL GPU (`edgellm profile` detects and "
+                       f"measures one; `--device NAME` plans with a profile that has one)")
+            models.append(u or Unit("opencl", "gpu", {}, 1.0, 0.0, available=False, reason=why))
         elif name == "npu":
             u = npu_unit(profile)
             models.append(u or Unit("npu", "npu", {}, 1.0, 0.0, available=False, reason=f"{profile.name} has no NPU"))

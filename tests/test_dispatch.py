@@ -165,7 +165,17 @@ def test_unavailable_units_are_never_chosen_and_say_why():
 def test_probe_mode_marks_missing_backends_unavailable():
     units = {u.name: u for u in build_units(soc(), probe=True)}
     assert units["reference"].available
-    assert not units["opencl"].available and "not part of this build" in units["opencl"].reason
+    assert not units["npu"].available and "not part of this build" in units["npu"].reason
+
+
+def test_probe_mode_takes_the_backends_own_probe(monkeypatch):
+    from edgellm.backends import opencl
+
+    monkeypatch.setattr(opencl, "available", lambda: (False, "injected: the driver said no"))
+    units = {u.name: u for u in build_units(soc(), probe=True)}
+    assert not units["opencl"].available and units["opencl"].reason == "injected: the driver said no"
+    monkeypatch.setattr(opencl, "available", lambda: (True, "injected: fine"))
+    assert {u.name: u for u in build_units(soc(), probe=True)}["opencl"].available
 
 
 def test_override_forces_the_listed_order_and_falls_back_with_a_warning(caplog):

@@ -9,9 +9,20 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ..errors import EdgeLLMError
+
 # Units in the order the dispatcher lists them; reference last: it runs everything, slowly.
 KNOWN = ("neon", "opencl", "npu", "reference")
 _REGISTERED: dict[str, ModuleType] = {}
+
+
+class UnitFailed(EdgeLLMError):
+    """A unit whose probe passed failed while preparing this model (a model-specific kernel that
+    does not build, a weight format it cannot pack). The engine re-plans without it."""
+
+    def __init__(self, unit: str, reason: str):
+        self.unit, self.reason = unit, reason
+        super().__init__(f"unit {unit}: {reason}")
 
 
 def register(module) -> None:

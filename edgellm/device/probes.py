@@ -364,6 +364,16 @@ def _probe_neon(quick: bool, threads: int, progress: Progress | None = None) -> 
 register_probe("neon", _probe_neon)
 
 
+def _probe_opencl(quick: bool, threads: int, progress: Progress | None = None) -> UnitMeasurement | None:
+    from ..backends import opencl_profile
+
+    sizes = resolve_sizes(QUICK if quick else FULL, estimate_host_profile().clusters)
+    return opencl_profile.probe(sizes, threads, progress)
+
+
+register_probe("opencl", _probe_opencl)
+
+
 # ---- the whole run -------------------------------------------------------------------------------
 
 def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
@@ -435,6 +445,17 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
             notes.append(f"unit {name}: skipped ({type(e).__name__}: {e})")
         report(i, done=i + 1)
 
+    gpu = None
+    if "opencl" in units:
+        # the gpu: section the cost model plans with comes from the device the unit opened
+        try:
+            from ..backends import opencl_profile
+
+            gpu = opencl_profile.gpu_section(units["opencl"], sizes)
+        except Exception as e:  # noqa: BLE001 - as for a unit probe: noted, never the end of the run
+            notes.append(f"gpu section: not written ({type(e).__name__}: {e})")
+            units.pop("opencl")
+
     i = next(step)
     report(i)
     busy = busy_note(cpu_start, _cpu_seconds(), time.perf_counter() - started, psutil.cpu_count() or 1)
@@ -445,7 +466,7 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
         est, name="host",
         soc=re.sub(r",\s*estimated$", "", est.soc),
         # a measured figure stands in for the datasheet one: it is what this machine reaches
-        memory_bandwidth=bandwidth,
+        memory_bandwidth=bandwidth, gpu=gpu,
         measured=Measured(date=datetime.date.today().isoformat(), tool=tool,
                           memory_read_bandwidth=bandwidth, clusters=clusters, units=units),
         source="")

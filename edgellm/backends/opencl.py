@@ -1,0 +1,302 @@
+"""The opencl unit: the kernels of opencl_kernels/ on an OpenCL GPU (Mali first), through pyopencl.
+
+Correct first, and never able to take the app down: the unit is probed in a child process
+(backends/opencl_probe.py: platform and device choice, a build of the kernels, a numeric
+self-check), because a GPU driver that crashes or hangs while probing would otherwise kill the
+engine. Only when the child reports success is the device opened in this process; its programs
+then come from the binary cache the child filled.
+
+Weights stay in their GGUF block formats, repacked once at prepare() into device buffers
+(backends/opencl_matmul.py). Activations cross as fp32 numpy arrays per op.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import quant
+from ..model.config import ModelConfig
+from . import UnitFailed
+from .opencl_runtime import ClRuntime, KernelBuildError, OpenCLUnavailable
+
+NAME = "opencl"
+KIND = "gpu"
+log = logging.getLogger("edgellm")
+
+# A cold PoCL build of every probe kernel takes ~10 s on 2 cores; a GPU driver's first compile can
+# take as long. A probe that has not answered by then is hung.
+PROBE_TIMEOUT_S = float(os.environ.get("EDGELLM_OPENCL_PROBE_TIMEOUT", "180"))
+_OPS = {"embedding", "rmsnorm", "matmul", "rope", "attention", "swiglu", "add", "lm_head"}
+_TYPES = {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"}
+
+_state: dict = {"probe": None, "rt": None, "probe_report": {}}
+_lock = threading.Lock()
+
+
+# ---- probe ---------------------------------------------------------------------------------------
+
+def available() -> tuple[bool, str]:
+    """(ok, reason), probed once per process in a guarded child process."""
+    with _lock:
+        if _state["probe"] is None:
+            _state["probe"] = _probe()
+        return _state["probe"]
+
+
+def reset() -> None:
+    """Forget the probe result and the device (tests; a changed environment)."""
+    with _lock:
+        _state.update(probe=None, rt=None, probe_report={})
+
+
+def _probe() -> tuple[bool, str]:
+    if importlib.util.find_spec("pyopencl") is None:     # the cheap check first, in this process
+        return False, "pyopencl is not installed (pip install 'edgellm[opencl]')"
+    cmd = [sys.executable, "-m", "edgellm.backends.opencl_probe"]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False, f"the OpenCL probe did not finish in {PROBE_TIMEOUT_S:.0f} s (driver hung?)"
+    except OSError as e:
+        return False, f"the OpenCL probe could not start: {e}"
+    if r.returncode < 0:
+        try:
+            sig = signal.Signals(-r.returncode).name
+        except ValueError:
+            sig = f"signal {-r.returncode}"
+        tail = r.stderr.strip().splitlines()[-1:] or [""]
+        return False, f"the OpenCL probe crashed ({sig}) while probing the driver; {tail[0]}".rstrip("; ")
+    try:
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return False, f"the OpenCL probe exited with code {r.returncode} without a result: {tail}"
+    _state["probe_report"] = res
+    if not res.get("ok"):
+        return False, str(res.get("reason", "probe failed"))
+    try:
+        rt = ClRuntime.create()
+    except OpenCLUnavailable as e:
+        return False, str(e)
+    _state["rt"] = rt
+    return True, str(res.get("reason", rt.why))
+
+
+def probe_report() -> dict:
+    """What the probe child reported: device, build seconds, its own wall time."""
+    return dict(_state["probe_report"])
+
+
+def runtime() -> ClRuntime:
+    """The device this process runs on (after a successful probe)."""
+    if _state["rt"] is None:
+        ok, why = available()
+        if not ok:
+            raise OpenCLUnavailable(why)
+    return _state["rt"]
+
+
+def supports(op: str, precision: str = "fp32") -> tuple[bool, str]:
+    if op not in _OPS:
+        return False, f"opencl_kernels/ has no {op} kernel"
+    if op in ("matmul", "lm_head"):
+        if precision in ("fp32", "fp16"):
+            return True, f"{precision} GEMV/GEMM (weights dequantized in the kernel, fp32 accumulation)"
+        if precision == "int8":
+            rt = _state["rt"]
+            if rt is not None and rt.int8_dot:
+                return True, "int8 dot-product GEMM (cl_arm_integer_dot_product_int8)"
+            return False, "the device reports no integer dot-product extension"
+        return False, f"no {precision} matmul kernel"
+    if precision != "fp32":
+        return False, f"{op} runs in fp32 only"
+    if op == "embedding":
+        return True, "row gather on the host into a buffer the device reads"
+    return True, "fp32 kernel"
+
+
+# ---- resident weights ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: np.ndarray
+    wqkv: object            # opencl_matmul.ClMatrix, or None when this unit does not run qkv
+    bqkv: np.ndarray | None
+    wo: object
+    ffn_norm: np.ndarray
+    w_gate_up: object
+    w_down: object
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    embedding: object       # reference.EmbeddingTable
+    layers: tuple[LayerWeights, ...]
+    output_norm: np.ndarray
+    lm_head: object
+    nbytes: int             # device bytes of the packed matrices
+
+
+def prepare(model, precision: str = "fp32", progress=None, ops=None) -> PreparedWeights:
+    """Pack and upload the matrices of the ops this unit runs (`ops`; None: all), once."""
+    from . import opencl_matmul
+    from .reference import EmbeddingTable
+
+    rt = runtime()
+    cfg: ModelConfig = model.config
+    d = cfg.d_model
+    need = (lambda op: True) if ops is None else (lambda op: op in ops)
+    total = [0]
+
+    def f32(name, shape):
+        return quant.dequantize(model.raw(name), model.tensor_type(name), shape)
+
+    def mat(op: str, *parts: tuple[str, int], k: int):
+        if not need(op):
+            return None
+        types = {model.tensor_type(n).name for n, _ in parts}
+        if len(types) != 1 or not types <= _TYPES:
+            raise UnitFailed(NAME, f"{[n for n, _ in parts]}: the OpenCL kernels read one of {sorted(_TYPES)} "
+                             f"per projection, found {sorted(types)}")
+        try:
+            m = opencl_matmul.pack(rt, types.pop(), [model.raw(n) for n, _ in parts], [r for _, r in parts], k)
+        except (KernelBuildError, OpenCLUnavailable) as e:
+            raise UnitFailed(NAME, str(e)) from e
+        total[0] += m.nbytes
+        return m
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        bqkv = None
+        if cfg.qkv_bias:
+            bqkv = np.concatenate([f32(p + "attn_q.bias", (cfg.q_dim,)), f32(p + "attn_k.bias", (cfg.kv_dim,)),
+                                   f32(p + "attn_v.bias", (cfg.kv_dim,))])
+        layers.append(LayerWeights(
+            attn_norm=f32(p + "attn_norm.weight", (d,)),
+            wqkv=mat("qkv", (p + "attn_q.weight", cfg.q_dim), (p + "attn_k.weight", cfg.kv_dim),
+                     (p + "attn_v.weight", cfg.kv_dim), k=d),
+            bqkv=bqkv, wo=mat("attn_out", (p + "attn_output.weight", d), k=cfg.q_dim),
+            ffn_norm=f32(p + "ffn_norm.weight", (d,)),
+            w_gate_up=mat("ffn_gate_up", (p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), k=d),
+            w_down=mat("ffn_down", (p + "ffn_down.weight", d), k=cfg.d_ff)))
+        if progress:
+            progress(i + 1, cfg.n_layers + 1)
+    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    lm = mat("lm_head", (head, cfg.vocab_size), k=d)
+    if progress:
+        progress(cfg.n_layers + 1, cfg.n_layers + 1)
+    _warm_up(rt, cfg, ops)
+    return PreparedWeights(
+        embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
+        layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm, nbytes=total[0])
+
+
+def _warm_up(rt: ClRuntime, cfg: ModelConfig, ops) -> None:
+    """Build the model-specific elementwise and attention programs now, at load: a kernel that
+    fails to build must fail here (and the engine re-plan without this unit), not mid-request."""
+    from . import opencl_attention, opencl_elementwise
+
+    need = (lambda op: True) if ops is None else (lambda op: op in ops)
+    H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    x = np.ones((2, cfg.d_model), np.float32)
+    try:
+        if need("attn_norm") or need("ffn_norm") or need("output_norm"):
+            opencl_elementwise.rmsnorm(rt, x, np.ones(cfg.d_model, np.float32), cfg.norm_eps)
+        if need("rope"):
+            half = cfg.rope_dim // 2
+            opencl_elementwise.rope(rt, np.ones((2, H, hd), np.float32), np.ones((2, half), np.float32),
+                                    np.zeros((2, half), np.float32), cfg.rope_style)
+        if need("swiglu"):
+            opencl_elementwise.swiglu(rt, np.ones((2, 2 * cfg.d_ff), np.float32))
+        if need("attn_add") or need("ffn_add"):
+            opencl_elementwise.add(rt, x, x)
+        if need("attention"):
+            kv = np.ones((KVH, 2, hd), np.float32)
+            opencl_attention.attention(rt, np.ones((2, H, hd), np.float32), kv, kv, 0)
+    except (KernelBuildError, OpenCLUnavailable) as e:
+        raise UnitFailed(NAME, str(e)) from e
+
+
+def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
+    """Host bytes: the fp32 norm vectors. The packed matrices live in device buffers, which on a
+    unified-memory GPU are the same DRAM: about the GGUF size of the matrices this unit runs."""
+    return 4 * (2 * cfg.n_layers + 1) * cfg.d_model
+
+
+# ---- ops -----------------------------------------------------------------------------------------
+
+def embedding(table, ids: np.ndarray) -> np.ndarray:
+    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids)
+
+
+def matmul(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
+    from . import opencl_matmul
+
+    return opencl_matmul.matmul(runtime(), x, w, b)
+
+
+def lm_head(x: np.ndarray, w) -> np.ndarray:
+    return matmul(x, w)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    from . import opencl_elementwise
+
+    return opencl_elementwise.rmsnorm(runtime(), x, w, eps)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
+    from . import opencl_elementwise
+
+    return opencl_elementwise.rope(runtime(), x, cos, sin, style)
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    from . import opencl_elementwise
+
+    return opencl_elementwise.swiglu(runtime(), gate_up)
+
+
+def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    from . import opencl_elementwise
+
+    return opencl_elementwise.add(runtime(), a, b)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    from . import opencl_attention
+
+    return opencl_attention.attention(runtime(), q, k, v, start)
+
+
+def can_read_pool(pool) -> bool:
+    from . import opencl_attention
+
+    return opencl_attention.can_read_pool(pool)
+
+
+def attention_pool(q: np.ndarray, pool, table: np.ndarray, layer: int, start: int) -> np.ndarray:
+    from . import opencl_attention
+
+    return opencl_attention.attention_pool(runtime(), q, pool, table, layer, start)
+
+
+def kernel_times() -> dict[str, list[float]]:
+    """Per-kernel device times from profiling events (after enable_profiling())."""
+    rt = _state["rt"]
+    return dict(rt.timings) if rt is not None else {}
+
+
+def enable_profiling(on: bool = True) -> None:
+    runtime().profiling = on
+

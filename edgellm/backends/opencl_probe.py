@@ -1,0 +1,93 @@
+"""The opencl unit's guarded probe: run as `python -m edgellm.backends.opencl_probe` in a child
+process by backends/opencl.py, so that a driver that crashes or hangs takes only the child down.
+
+It opens the device, builds the kernels (filling the binary cache the engine's process then
+reads), and runs a numeric self-check of each op family against backends/reference.py. It prints
+one JSON line: {"ok": bool, "reason": str, "device": str, "build_s": float}.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+from .. import quant
+from . import reference
+from .opencl_runtime import ClRuntime, KernelBuildError, OpenCLUnavailable
+
+# Bounds of DESIGN.md: elementwise 1e-7, matmul and attention 5e-4 (a broken kernel is off by
+# orders of magnitude; these catch a wrong build, not rounding).
+NMSE_ELEMENTWISE = 1e-7
+NMSE_MATMUL = 5e-4
+
+
+def nmse(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.mean((np.asarray(y, np.float64) - ref) ** 2) / max(np.mean(np.asarray(ref, np.float64) ** 2), 1e-30))
+
+
+def self_check(rt: ClRuntime) -> str:
+    """'' when every op family matches the reference on a small case, else what failed."""
+    from . import opencl_attention, opencl_elementwise, opencl_matmul
+
+    # the simplest kernel first: a driver that cannot run it fails (or crashes) here, plainly
+    buf = rt.empty(4 * 40)
+    rt.launch(rt.kernel("probe_kernels", "el_fill"), (48,), None, buf, np.float32(1.5), np.int32(40))
+    if not np.all(rt.read(buf, (40,)) == 1.5):
+        return "a trivial fill kernel wrote wrong values"
+    rng = np.random.default_rng(7)
+    fails = []
+
+    def check(name, got, ref, bound):
+        e = nmse(got, ref)
+        if not e <= bound:       # NaN fails too
+            fails.append(f"{name} NMSE {e:.2e} > {bound:.0e}")
+
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    for t in (quant.T.Q4_0, quant.T.Q4_1, quant.T.Q8_0):
+        w = rng.standard_normal((40, 64)).astype(np.float32)
+        raw = quant.quantize(w, t)
+        m = opencl_matmul.pack(rt, t.name, [raw], [40], 64)
+        ref = reference.matmul(x, quant.dequantize(raw, t, w.shape))
+        check(f"{t.name} GEMM", opencl_matmul.matmul(rt, x, m), ref, NMSE_MATMUL)
+        check(f"{t.name} GEMV", opencl_matmul.matmul(rt, x[:1], m), ref[:1], NMSE_MATMUL)
+    nw = rng.standard_normal(64).astype(np.float32)
+    check("rmsnorm", opencl_elementwise.rmsnorm(rt, x, nw, 1e-5), reference.rmsnorm(x, nw, 1e-5), NMSE_ELEMENTWISE)
+    gu = rng.standard_normal((3, 128)).astype(np.float32)
+    check("swiglu", opencl_elementwise.swiglu(rt, gu), reference.swiglu(gu), NMSE_ELEMENTWISE)
+    check("add", opencl_elementwise.add(rt, x, nw[None, :] + x), x + (nw[None, :] + x), NMSE_ELEMENTWISE)
+    q = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    ang = rng.standard_normal((3, 8)).astype(np.float32)
+    cos, sin = np.cos(ang), np.sin(ang)
+    check("rope", opencl_elementwise.rope(rt, q, cos, sin, "neox"), reference.rope(q, cos, sin, "neox"),
+          NMSE_ELEMENTWISE)
+    k = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    v = rng.standard_normal((2, 5, 16)).astype(np.float32)
+    check("attention", opencl_attention.attention(rt, q, k, v, 2), reference.attention(q, k, v, 2), NMSE_MATMUL)
+    return "; ".join(fails)
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    out = {"ok": False, "reason": "", "device": "", "build_s": 0.0}
+    try:
+        rt = ClRuntime.create()
+        out["device"] = rt.name
+        err = self_check(rt)
+        out["build_s"] = round(rt.stats.seconds, 3)
+        out["ok"] = not err
+        out["reason"] = f"numeric self-check failed on {rt.name}: {err}" if err else rt.why
+    except KernelBuildError as e:
+        out["reason"] = f"a kernel failed to build: {e}"
+    except OpenCLUnavailable as e:
+        out["reason"] = str(e)
+    except Exception as e:   # report, don't crash: the parent wants a reason
+        out["reason"] = f"probe failed: {type(e).__name__}: {e}"
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Faults of the opencl unit, each injected for real: no platform, a kernel that fails to build, a
+numeric self-check that fails, a driver crash while probing. In every case the unit is
+unavailable with its reason, `edgellm plan` and the log show that reason, and generation completes
+on the CPU with exactly the tokens a CPU-only engine produces."""
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from dataclasses import replace
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+from typer.testing import CliRunner
+
+import edgellm
+from edgellm.backends import opencl, opencl_runtime
+from edgellm.cli import app
+from edgellm.device.host import estimate_host_profile
+from edgellm.device.profile import Gpu
+from edgellm.device.profile_yaml import write_profile
+from tests.synthetic import write_tiny_model
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh EDGELLM_HOME whose host profile lists an OpenCL GPU (as `edgellm profile` writes
+    one on a machine that has it), and a fresh probe."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    gpu = Gpu("test gpu", "opencl", 2, {"fp32": 50e9}, False, True, 20e-6, 50e-6, 8, 32)
+    write_profile(replace(estimate_host_profile(), name="host", gpu=gpu),
+                  tmp_path / "home" / "profiles" / "host.yaml")
+    opencl.reset()
+    yield tmp_path
+    opencl.reset()
+
+
+@pytest.fixture
+def kernels(tmp_path, monkeypatch):
+    d = tmp_path / "kernels"
+    shutil.copytree(opencl_runtime.kernel_dir(), d)
+    monkeypatch.setenv("EDGELLM_OPENCL_KERNELS", str(d))
+    return d
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tm = write_tiny_model(tmp_path_factory.mktemp("m") / "tiny.gguf", tensor_type=QT.Q8_0, n_layers=2, seed=3)
+    ref = edgellm.load(tm.path, n_ctx=128, units=["reference"])
+    return tm.path, ref.generate("hello", max_tokens=6, temperature=0)
+
+
+def _break_build(kernels):
+    p = kernels / "elementwise.cl"
+    p.write_text(p.read_text() + "\n__kernel void el_broken(__global float *y) { y[0] = not_declared_here; }\n")
+
+
+def _break_numerics(kernels):
+    # a kernel that builds and runs but computes the wrong thing: rmsnorm's output scaled by 2
+    p = kernels / "elementwise.cl"
+    src = p.read_text()
+    m = re.search(r"__kernel void (el_)?rmsnorm\w*\s*\(", src)
+    assert m, "elementwise.cl has no rmsnorm kernel to break"
+    p.write_text("#define EL_FAULT_SCALE 2.0f\n" + src.replace("rsqrt(", "EL_FAULT_SCALE * rsqrt("))
+    assert "EL_FAULT_SCALE * rsqrt(" in p.read_text(), "rmsnorm no longer uses rsqrt: update this fault"
+
+
+def _crash_driver(kernels):
+    # the probe's first kernel writes far outside any buffer: the process running it dies (SIGSEGV)
+    p = kernels / "probe_kernels.cl"
+    p.write_text(p.read_text().replace("if (i < n) out[i] = value;",
+                                       "if (i < n) out[i] = value; ((__global float *)0x10)[i * 4096] = value;"))
+
+
+FAULTS = {
+    "no platform": (lambda k, mp: mp.setenv("EDGELLM_OPENCL_PLATFORM", "no-such-platform"),
+                    "no OpenCL device with platform matching 'no-such-platform'"),
+    "build failure": (lambda k, mp: _break_build(k), "failed to build"),
+    "self-check": (lambda k, mp: _break_numerics(k), "numeric self-check failed"),
+    "probe crash": (lambda k, mp: _crash_driver(k), "crashed"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_fault_falls_back_to_the_cpu_with_the_reason_shown(fault, home, kernels, tiny, monkeypatch, caplog):
+    inject, expect = FAULTS[fault]
+    inject(kernels, monkeypatch)
+    path, cpu_text = tiny
+
+    ok, why = opencl.available()
+    assert not ok and expect in why, why
+
+    # the plan shows the unit unavailable with the reason
+    res = CliRunner().invoke(app, ["plan", "--model", path, "--prompt-tokens", "32", "--ctx", "128"])
+    assert res.exit_code == 0, res.output
+    assert expect in " ".join(res.output.split()), res.output
+
+    # the log says so, and generation completes on the CPU with the CPU's tokens
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        eng = edgellm.load(path, n_ctx=128, units=["opencl", "reference"])
+    assert "opencl" not in eng.plan.units_used()
+    assert "unit opencl unavailable" in caplog.text and expect in caplog.text
+    assert eng.generate("hello", max_tokens=6, temperature=0) == cpu_text
+
+
+def test_healthy_unit_runs_the_model_like_the_cpu(home, tiny):
+    path, _ = tiny
+    ok, why = opencl.available()
+    assert ok, why
+    eng = edgellm.load(path, n_ctx=128, units=["opencl"])
+    used = {p.op: p.unit for p in eng.plan.prefill.placements}
+    assert {used[op] for op in ("attn_norm", "qkv", "rope", "attention", "swiglu", "ffn_down", "lm_head")} \
+        == {"opencl"}, used
+    ref = edgellm.load(path, n_ctx=128, units=["reference"])
+    ids = ref.tokenize("hello there, a test")
+    got, want = eng.logits(ids), ref.logits(ids)
+    nmse = float(((got - want) ** 2).mean() / (want ** 2).mean())
+    assert nmse < 1e-6, nmse    # fp32 throughout; only summation order differs
+
+
+def test_a_model_specific_kernel_failure_at_load_replans_without_the_unit(home, tiny, monkeypatch, caplog):
+    """The probe passed, then the model's own kernel variant fails while preparing: the engine
+    re-plans without the unit and still generates."""
+    from edgellm.backends import opencl_elementwise
+
+    path, cpu_text = tiny
+    assert opencl.available()[0]
+
+    def broken(*a, **k):
+        raise opencl_runtime.KernelBuildError("elementwise", "-DHEAD_DIM=16", "error: injected", None)
+    monkeypatch.setattr(opencl_elementwise, "rope", broken)
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        eng = edgellm.load(path, n_ctx=128, units=["opencl", "reference"])
+    assert "opencl" not in eng.plan.units_used()
+    assert any("failed at load" in w for w in eng.plan.warnings)
+    assert "injected" in caplog.text
+    assert eng.generate("hello", max_tokens=6, temperature=0) == cpu_text
