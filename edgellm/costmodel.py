@@ -47,6 +47,7 @@ class Unit:
     cache_bytes: int = 0                       # last-level cache the GEMM working set should fit in
     quant_precision: str = "fp32"              # compute precision for GGUF-quantized weights
     stores_quantized: bool = False             # keeps GGUF block formats resident (else dequantizes)
+    head_precision: str | None = None          # compute precision of lm_head, when not quant_precision
     fused_decode_s: float | None = None        # cost of one call running a whole decode step's
                                                # layers natively (None: the unit has no such call)
     available: bool = True
@@ -74,6 +75,8 @@ class Unit:
         """(compute precision, resident weight format) of `op` on this unit."""
         if op.kind not in MATMUL_KINDS:
             return "fp32", "f32" if op.kind != "embedding" else weight_format
+        if op.kind == "lm_head" and self.head_precision and self.stores_quantized:
+            return self.head_precision, weight_format
         if weight_format in ("f32", "f16") or not self.stores_quantized:
             fmt = weight_format if self.stores_quantized else "f32"
             return ("fp16" if fmt == "f16" and "fp16" in self.peak else "fp32"), fmt
@@ -179,6 +182,9 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     qprec = "int8" if name == "neon" else "fp32"
     return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, curve_precision=qprec, cache_bytes=llc,
                 quant_precision=qprec, stores_quantized=(name != "reference"),
+                # neon's head keeps fp32 activations against its quantized weights (accuracy of
+                # the near-ties that pick the token; memory-bound either way)
+                head_precision="fp32" if name == "neon" else None,
                 fused_decode_s=launch if name == "neon" else None, notes=tuple(notes))
 
 

@@ -17,6 +17,9 @@ CASES_MAGIC, CASES_VERSION = b"ELSTCASE", 1
 KIND_F32, KIND_RAW = 1, 2
 BOUND_ELEMENTWISE = 1e-7     # NMSE bounds of DESIGN.md's correctness discipline
 BOUND_MATMUL = 5e-4
+# el_matmul_f32act: x stays fp32 and W is compared with its own dequantization, so only the
+# summation order differs (~K eps^2 ~ 1e-11 at K = 1536); one wrong output in 33 is ~3e-2.
+BOUND_F32ACT = 1e-9
 BOUND_ATTENTION = 5e-4
 EL_F32, EL_F16, EL_Q4_0, EL_Q4_1, EL_Q8_0 = 0, 1, 2, 3, 8
 
@@ -94,6 +97,36 @@ def _matmul_cases(rng: np.random.Generator) -> list[Case]:
         return Case(OP_MATMUL, name, BOUND_MATMUL, (el, M, K, len(segs), int(bias), int(scratch), *segs), (),
                     (x, *raws, *([b] if bias else []), _f32(want)))
 
+    def f32act(tname: str, M: int, K: int, segs: Sequence[int], bias: bool, zero_row: bool = False) -> Case:
+        """An el_matmul_f32act case (the matmul op's trailing f32act int = 1). x is exactly
+        representable as int8 blocks with fp16 scales (d * q, |q| <= 127, one |q| = 127 per
+        block): an int8-activation kernel then rounds nothing either, which keeps the file's
+        int8 fairness check (tests/test_neon_selftest.py) true for the tight bound; what tells the
+        fp32 path from the int8 one is tests/test_neon_matmul.py, on Gaussian x."""
+        el, g = types[tname]
+        N = sum(segs)
+        w = rng.standard_normal((N, K)).astype(np.float32) / np.sqrt(K)
+        w *= np.exp(rng.normal(0.0, 0.5, N)).astype(np.float32)[:, None]
+        w[0, : min(K, 32)] = 0.0
+        nb = K // 32
+        q = np.clip(np.rint(rng.standard_normal((M, nb, 32)) * 50.0), -127, 127)
+        q[:, :, 0] = np.where(rng.random((M, nb)) < 0.5, -127.0, 127.0)   # the block's max |q|
+        d = np.exp(rng.normal(0.0, 1.0, (M, nb, 1))).astype(np.float16).astype(np.float32)
+        x = _f32((q * d).reshape(M, K))                                    # exact: 11 x 7 bits
+        if zero_row:
+            x[1] = 0.0
+        raws, deqs = [], []
+        for s0, s1 in zip(np.cumsum([0, *segs[:-1]]), np.cumsum(segs)):
+            raw = quant.quantize(w[s0:s1], g)
+            raws.append(np.ascontiguousarray(raw))
+            deqs.append(quant.dequantize(raw.reshape(-1), g, (s1 - s0, K)))
+        b = _f32(rng.standard_normal(N)) if bias else None
+        want = reference.matmul(x, np.concatenate(deqs), b)
+        name = f"matmul_f32act/{tname}/m{M}_k{K}_n{N}" + (f"_segs{len(segs)}" if len(segs) > 1 else "") \
+            + ("_bias" if bias else "") + ("_zrow" if zero_row else "")
+        return Case(OP_MATMUL, name, BOUND_F32ACT, (el, M, K, len(segs), int(bias), 0, *segs, 1), (),
+                    (x, *raws, *([b] if bias else []), _f32(want)))
+
     for tname in types:
         i = 0
         # every (M, K, N) tail combination except the large K = 576, N = 960 cell, which the fused
@@ -112,6 +145,15 @@ def _matmul_cases(rng: np.random.Generator) -> list[Case]:
         if tname in ("f32", "f16"):          # no block structure: K need not be a multiple of 32
             cases.append(one(tname, 3, 45, [7], True, False))
             cases.append(one(tname, 1, 5, [33], False, True))
+        # el_matmul_f32act: block and tile tails, a zero x row, segments, a GEMV of the lm_head's
+        # width (576) over 260 rows (several tasks on a 2-thread pool; the real head's 49152 rows
+        # would make the file too large to push to a phone), K = 1536
+        cases.append(f32act(tname, 1, 32, [7], True))
+        cases.append(f32act(tname, 3, 576, [33], False, zero_row=True))
+        if tname not in ("f32", "f16"):      # el_matmul's own kernels: covered above
+            cases.append(f32act(tname, 17, 96, [7, 1, 25], True))
+            cases.append(f32act(tname, 1, 576, [260], False))
+            cases.append(f32act(tname, 2, 1536, [33], True))
     return cases
 
 

@@ -66,6 +66,15 @@ EL_API void el_parallel_for(el_pool *pool, int n_tasks, el_task_fn fn, void *ctx
 EL_API size_t el_matmul_scratch(int M, int K);
 EL_API int el_matmul(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
                      const float *x, float *y, int M, int K, const float *bias, void *scratch);
+/* The same product with x kept in fp32 (no scratch): block weights are widened to fp32 in
+ * registers (matmul_float.c) and FMA'd against x, accumulated in fp32, so the result differs
+ * from x @ dequantized(W)^T only in rounding order. More arithmetic per weight than the int8
+ * path (every quant converted, no SDOT): for outputs where x's int8 rounding matters, such as
+ * the output head, whose near-tied logits decide the token, a GEMV bound by weight reads.
+ * F32 / F16 weights run el_matmul's kernels (already fp32). Same arguments, segments, return
+ * codes and threading as el_matmul. */
+EL_API int el_matmul_f32act(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
+                            const float *x, float *y, int M, int K, const float *bias);
 
 /* ---- elementwise (fp32 in and out; accumulation in fp32 everywhere) ---------------------- */
 EL_API int el_rmsnorm(el_pool *pool, const float *x, const float *w, float *y, int T, int d, float eps);

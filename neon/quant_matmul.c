@@ -1,6 +1,7 @@
 /* el_matmul: y (M, N) = x (M, K) @ W^T (+ bias), W in GGUF blocks (Q4_0, Q4_1, Q8_0) or plain
- * F32 / F16 rows (those kernels live in matmul_float.c). This file holds the entry point
- * (argument checks, segments, the task grid) and the quantized kernels.
+ * F32 / F16 rows (those kernels live in matmul_float.c). This file holds the entry points
+ * (argument checks, segments, the task grid) and the int8-activation kernels. el_matmul_f32act
+ * shares the grid; its block kernels, which keep x in fp32, are in matmul_float.c.
  *
  * Quantized path: x is quantized once per call to int8 blocks of 32 with one fp32 scale each
  * (symmetric, d = max|x| / 127, round to nearest even), plus s = d * sum(q) per block. A
@@ -27,6 +28,10 @@
  * -fvisibility=hidden; the only caller is el_mm_task below.) */
 void el_matmul_float_rows(int wtype, int generic, const uint8_t *w, int rows, const float *x, int nx, int K,
                           float *y, size_t ldy, const float *bias);
+/* matmul_float.c: the same for block weights (Q4_0, Q4_1, Q8_0, rows rb bytes apart) against
+ * fp32 x (el_matmul_f32act). */
+void el_matmul_f32act_rows(int wtype, int generic, const uint8_t *w, size_t rb, int rows, const float *x, int nx,
+                           int K, float *y, size_t ldy, const float *bias);
 
 #define QK 32
 /* GEMV prefetch distance. The 4 rows of a tile are 4 interleaved streams a row apart; each
@@ -434,9 +439,10 @@ static void el_qrows_generic(int wt, const uint8_t *w, size_t rb, int rows, cons
     }
 }
 
-/* ---- entry point ----------------------------------------------------------------------------- */
+/* ---- entry points ---------------------------------------------------------------------------- */
 typedef struct {
     int wtype, generic;
+    int f32act;                    /* block types: x stays fp32 (el_matmul_f32act) */
     const void *const *seg_ptr;
     const int *seg_rows;
     int n_seg;
@@ -444,7 +450,7 @@ typedef struct {
     int rw;                        /* W rows per task chunk (multiple of 4) */
     int cx;                        /* x rows per task chunk (multiple of 4, or M) */
     int n_wchunks;                 /* over all segments */
-    const float *x;                /* fp32 input (float types) */
+    const float *x;                /* fp32 input (float types, f32act) */
     el_xq xq;                      /* quantized input (block types) */
     float *y;
     int M, K, N;
@@ -472,6 +478,9 @@ static void el_mm_task(void *vctx, int task, int n_tasks) {
 
     if (c->wtype == EL_F32 || c->wtype == EL_F16) {
         el_matmul_float_rows(c->wtype, c->generic, w, rows, c->x + (size_t)x0 * c->K, nx, c->K, y, ldy, bias);
+    } else if (c->f32act) {
+        el_matmul_f32act_rows(c->wtype, c->generic, w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, nx, c->K, y,
+                              ldy, bias);
     } else if (c->generic) {
         el_qrows_generic(c->wtype, w, c->row_bytes, rows, &c->xq, x0, nx, y, ldy, bias);
     } else if (c->wtype == EL_Q4_0) {
@@ -504,12 +513,14 @@ static void el_quant_task(void *vctx, int task, int n_tasks) {
 
 static int el_round4(int v) { return (v + 3) & ~3; }
 
-int el_matmul(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
-              const float *x, float *y, int M, int K, const float *bias, void *scratch) {
-    const int quantized = wtype == EL_Q4_0 || wtype == EL_Q4_1 || wtype == EL_Q8_0;
-    if (!quantized && wtype != EL_F32 && wtype != EL_F16) return EL_EUNSUPPORTED;
+/* Both entry points: f32act = 0 quantizes x for the block types (el_matmul), 1 keeps it fp32. */
+static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
+                         const float *x, float *y, int M, int K, const float *bias, void *scratch, int f32act) {
+    const int blocks = wtype == EL_Q4_0 || wtype == EL_Q4_1 || wtype == EL_Q8_0;
+    const int quantized = blocks && !f32act;   /* x goes through int8 blocks in scratch */
+    if (!blocks && wtype != EL_F32 && wtype != EL_F16) return EL_EUNSUPPORTED;
     if (!seg_ptr || !seg_rows || n_seg <= 0 || !x || !y || M <= 0 || K <= 0) return EL_EINVAL;
-    if (quantized && K % QK) return EL_EINVAL;
+    if (blocks && K % QK) return EL_EINVAL;
     long long n_total = 0;
     for (int s = 0; s < n_seg; s++) {
         if (seg_rows[s] < 0 || (seg_rows[s] > 0 && !seg_ptr[s])) return EL_EINVAL;
@@ -521,6 +532,7 @@ int el_matmul(el_pool *pool, int wtype, const void *const *seg_ptr, const int *s
     memset(&c, 0, sizeof c);
     c.wtype = wtype;
     c.generic = el_generic_flag;
+    c.f32act = f32act;
     c.seg_ptr = seg_ptr;
     c.seg_rows = seg_rows;
     c.n_seg = n_seg;
@@ -533,7 +545,7 @@ int el_matmul(el_pool *pool, int wtype, const void *const *seg_ptr, const int *s
     switch (wtype) {
     case EL_F32: c.row_bytes = (size_t)K * 4; break;
     case EL_F16: c.row_bytes = (size_t)K * 2; break;
-    default: c.row_bytes = (size_t)(K / QK) * el_qblock_bytes(wtype); break;
+    default: c.row_bytes = (size_t)(K / QK) * el_qblock_bytes(wtype); break;   /* block types */
     }
     const int threads = pool ? EL_MAX(1, el_pool_threads(pool)) : 1;
 
@@ -577,4 +589,14 @@ int el_matmul(el_pool *pool, int wtype, const void *const *seg_ptr, const int *s
     el_parallel_for(pool, (int)n_tasks, el_mm_task, &c);
     free(owned);
     return EL_OK;
+}
+
+int el_matmul(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
+              const float *x, float *y, int M, int K, const float *bias, void *scratch) {
+    return el_matmul_run(pool, wtype, seg_ptr, seg_rows, n_seg, x, y, M, K, bias, scratch, 0);
+}
+
+int el_matmul_f32act(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
+                     const float *x, float *y, int M, int K, const float *bias) {
+    return el_matmul_run(pool, wtype, seg_ptr, seg_rows, n_seg, x, y, M, K, bias, NULL, 1);
 }

@@ -21,9 +21,11 @@
  *   array    u32 kind (1 = f32, 2 = raw bytes); u32 reserved = 0; u64 count (elements for f32,
  *            bytes for raw); data[count * (kind == 1 ? 4 : 1)]
  *   The file ends right after the last case. Per op (ints; floats; arrays, in order):
- *   1 matmul     wtype M K n_seg has_bias use_scratch rows[n_seg]; -;
+ *   1 matmul     wtype M K n_seg has_bias use_scratch rows[n_seg] [f32act]; -;
  *                x f32 (M*K), seg raw (rows[s] * row_bytes(wtype, K)) x n_seg, [bias f32 (N)],
- *                expected f32 (M*N), N = sum rows
+ *                expected f32 (M*N), N = sum rows. f32act (optional, 0 when absent): 1 runs
+ *                el_matmul_f32act (fp32 x; no scratch, so use_scratch must be 0) instead of
+ *                el_matmul
  *   2 rmsnorm    T d; eps; x f32 (T*d), w f32 (d), expected f32 (T*d)
  *   3 rope       T heads hd rope_dim neox inplace; -; x f32 (T*heads*hd), cos f32 (T*rope_dim/2),
  *                sin f32 (T*rope_dim/2), expected f32 (T*heads*hd)
@@ -214,8 +216,11 @@ static void validate(const case_t *k) {
         if (row_bytes(wtype, K) < 0) BAD("case %s: unknown weight type %d", k->name, wtype);
         if (wtype != EL_F32 && wtype != EL_F16 && K % 32)
             BAD("case %s: K = %lld is not a multiple of 32", k->name, (long long)K);
-        if (has_bias > 1 || k->ints[5] > 1 || n_seg > 16 || k->n_int != 6 + n_seg)
-            BAD("case %s: matmul needs has_bias, use_scratch in 0..1 and n_seg (<= 16) row counts", k->name);
+        if (has_bias > 1 || k->ints[5] > 1 || n_seg > 16 || (k->n_int != 6 + n_seg && k->n_int != 7 + n_seg))
+            BAD("case %s: matmul needs has_bias, use_scratch in 0..1, n_seg (<= 16) row counts and an optional "
+                "f32act", k->name);
+        if (k->n_int == 7 + n_seg && ((uint32_t)k->ints[6 + n_seg] > 1 || (k->ints[6 + n_seg] && k->ints[5])))
+            BAD("case %s: f32act must be 0 or 1, and 1 only without use_scratch", k->name);
         need_counts(6 + (uint32_t)n_seg, 0, 2 + (uint32_t)n_seg + (uint32_t)has_bias);
         need_array(0, KIND_F32, prod(M, K), "x");
         for (int s = 0; s < n_seg; s++) {
@@ -377,7 +382,10 @@ static void run_case(const case_t *k, const char *path) {
             scratch = xalloc(ss + 4 * GUARD);
             memset(scratch, 0xA5, ss + 4 * GUARD);
         }
-        rc = el_matmul(g_pool, p[0], seg, rows, n_seg, a[0].data, y, p[1], p[2], bias, scratch);
+        if (k->n_int == 7u + (uint32_t)n_seg && p[6 + n_seg])
+            rc = el_matmul_f32act(g_pool, p[0], seg, rows, n_seg, a[0].data, y, p[1], p[2], bias);
+        else
+            rc = el_matmul(g_pool, p[0], seg, rows, n_seg, a[0].data, y, p[1], p[2], bias, scratch);
         if (scratch) {
             for (size_t i = ss; i < ss + 4 * GUARD; i++) if (scratch[i] != 0xA5) guard = 0;
             free(scratch);
@@ -455,7 +463,7 @@ static void builtin_checks(int threads, const char *path) {
     const void *seg[1] = {w};
     int rows[1] = {2};
     int32_t table[1] = {0};
-    struct { const char *name; int rc; } bad[5];
+    struct { const char *name; int rc; } bad[8];
     bad[0].name = "args/matmul_unknown_wtype";
     bad[0].rc = el_matmul(g_pool, 99, seg, rows, 1, x, out, 1, 32, NULL, NULL);
     bad[1].name = "args/matmul_q4_0_K_not_multiple_of_32";
@@ -466,7 +474,13 @@ static void builtin_checks(int threads, const char *path) {
     bad[3].rc = el_attention_dense(g_pool, x, out, 1, 5, 2, 8, 0, kv, kv);
     bad[4].name = "args/attention_pool_unknown_kv_type";
     bad[4].rc = el_attention_pool(g_pool, x, out, 1, 2, 1, 8, 0, kv, kv, 99, table, 16, 1, 0);
-    for (int i = 0; i < 5; i++) {
+    bad[5].name = "args/matmul_f32act_unknown_wtype";
+    bad[5].rc = el_matmul_f32act(g_pool, 99, seg, rows, 1, x, out, 1, 32, NULL);
+    bad[6].name = "args/matmul_f32act_q8_0_K_not_multiple_of_32";
+    bad[6].rc = el_matmul_f32act(g_pool, EL_Q8_0, seg, rows, 1, x, out, 1, 40, NULL);
+    bad[7].name = "args/matmul_f32act_q4_1_M_zero";
+    bad[7].rc = el_matmul_f32act(g_pool, EL_Q4_1, seg, rows, 1, x, out, 0, 32, NULL);
+    for (int i = 0; i < 8; i++) {
         snprintf(buf, sizeof buf, "rc=%d expected=negative", bad[i].rc);
         snprintf(name, sizeof name, "%s%s", bad[i].name, path);
         check(name, bad[i].rc < 0, buf);

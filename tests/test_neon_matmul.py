@@ -1,4 +1,5 @@
-"""el_matmul (neon/quant_matmul.c, neon/matmul_float.c) against reference.matmul.
+"""el_matmul and el_matmul_f32act (neon/quant_matmul.c, neon/matmul_float.c) against
+reference.matmul.
 
 Both library variants (base: SMULL/SADALP; dotprod: SDOT), each with its NEON kernels and with
 their plain C twins (el_use_generic). The installed library is used when it is there and
@@ -114,6 +115,18 @@ def el_matmul(lib, qtype, segs: list[np.ndarray], x: np.ndarray, bias=None, scra
     return rc, y
 
 
+def el_matmul_f32act(lib, qtype, segs: list[np.ndarray], x: np.ndarray, bias=None, wtype=None, pool=None):
+    """Calls el_matmul_f32act (fp32 x, no scratch) on raw segments; returns (rc, y)."""
+    M, K = x.shape
+    rows = [s.shape[0] for s in segs]
+    y = np.full((M, max(1, sum(rows))), np.nan, np.float32)
+    ptrs = (ctypes.c_void_p * len(segs))(*[s.ctypes.data for s in segs])
+    rows_c = (ctypes.c_int * len(segs))(*rows)
+    rc = lib.el_matmul_f32act(pool, EL_TYPE[qtype] if wtype is None else wtype, ptrs, rows_c, len(segs), fptr(x),
+                              fptr(y), M, K, fptr(bias) if bias is not None else None)
+    return rc, y
+
+
 def nmse(y: np.ndarray, ref: np.ndarray) -> float:
     return float(np.mean((y.astype(np.float64) - ref) ** 2) / max(np.mean(ref.astype(np.float64) ** 2), 1e-30))
 
@@ -122,10 +135,12 @@ class Errors:
     """Error statistics of several calls pooled into one NMSE: a handful of outputs (N = 1 with
     M = 1, K = 32) gives a ratio of a few squared errors to a few squared results, which a
     single small result (a near-cancelling dot) can blow up; pooled over every M of a shape the
-    ratio is stable, and one wrong output still stands out (1 / 92 outputs = 1e-2)."""
+    ratio is stable, and one wrong output still stands out (1 / 92 outputs = 1e-2).
+    fp32_x: x was not rounded to int8 (el_matmul_f32act), so block weights get the float bounds."""
 
-    def __init__(self, qtype):
+    def __init__(self, qtype, fp32_x: bool = False):
         self.qtype, self.err2, self.ref2, self.n, self.max_abs, self.cases = qtype, 0.0, 0.0, 0, 0.0, []
+        self.fp32_x = fp32_x
 
     def add(self, y, ref, what: str):
         assert np.all(np.isfinite(y)), what
@@ -138,13 +153,14 @@ class Errors:
 
     def check(self) -> float:
         e = self.err2 / max(self.ref2, 1e-30)
-        quantized = self.qtype in BLOCK_TYPES
+        quantized = self.qtype in BLOCK_TYPES and not self.fp32_x
         assert e < (NMSE_QUANT if quantized else NMSE_FLOAT), f"{self.qtype.name} {self.cases}: NMSE {e:.2e}"
         # and no single output far off: the int8 error's std is ~0.5% of the outputs' rms
         rms = (self.ref2 / max(self.n, 1)) ** 0.5
         assert self.max_abs <= (GROSS_QUANT if quantized else GROSS_FLOAT) * rms, \
             f"{self.qtype.name} {self.cases}: max |error| {self.max_abs:.3g} vs rms {rms:.3g}"
-        _observed[self.qtype.name] = max(_observed.get(self.qtype.name, 0.0), e)
+        key = self.qtype.name + (" f32act" if self.fp32_x else "")
+        _observed[key] = max(_observed.get(key, 0.0), e)
         return e
 
 
@@ -330,3 +346,158 @@ def test_bad_arguments_return_negative_codes(lib):
     assert call(M=-3) < 0
     assert call(rows=(ctypes.c_int * 1)(-4)) < 0
     assert call(ptrs=(ctypes.c_void_p * 1)(None)) < 0
+
+
+# ---- el_matmul_f32act: block weights against fp32 x ----------------------------------------------
+# x is not rounded and each weight is its exact dequantization, so only the summation order differs
+# from reference.matmul: the float bounds (NMSE_FLOAT, GROSS_FLOAT) apply to the block types too.
+
+F32ACT_MS = (1, 2, 3, 17)
+F32ACT_KS = (32, 576, 1536)
+
+
+def run_f32act(lib, qtype, segs_raw, segs_ref, x, bias, generic: int, errs: Errors, pool=None) -> np.ndarray:
+    lib.el_use_generic(generic)
+    try:
+        rc, y = el_matmul_f32act(lib, qtype, segs_raw, x, bias, pool=pool)
+    finally:
+        lib.el_use_generic(0)
+    what = f"f32act M={x.shape[0]} K={x.shape[1]} N={y.shape[1]} segs={len(segs_raw)} bias={bias is not None} " \
+           f"generic={generic}"
+    assert rc == 0, what
+    errs.add(y, reference.matmul(x, np.concatenate(segs_ref), bias), what)
+    return y
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0, T.F32, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("K", F32ACT_KS)
+def test_f32act_matches_reference(lib, qtype, K):
+    rng = np.random.default_rng(100 + K)
+    for N in NS:
+        raw, deq = weights(qtype, N, K)
+        bias = rng.standard_normal(N).astype(np.float32) if N in (7, 960) else None
+        for generic in (0, 1):
+            errs = Errors(qtype, fp32_x=True)
+            for M in F32ACT_MS:
+                x = rng.standard_normal((M, K)).astype(np.float32)
+                run_f32act(lib, qtype, [raw], [deq], x, bias, generic, errs)
+            errs.check()
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("M", F32ACT_MS)
+def test_f32act_segments(lib, qtype, M):
+    """Four tensors of different heights (one empty) produce one (M, N) result: row counts that
+    are not multiples of the 4-row tile, a chunk boundary inside a segment, with and without bias."""
+    K = 576
+    segs = [weights(qtype, n, K, seed=i + 1) for i, n in enumerate((130, 33, 67))]
+    segs.insert(2, (segs[0][0][:0], segs[0][1][:0]))       # an empty segment (0 rows)
+    rows = [s[0].shape[0] for s in segs]
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    bias = rng.standard_normal(sum(rows)).astype(np.float32)
+    for b in (None, bias):
+        for generic in (0, 1):
+            errs = Errors(qtype, fp32_x=True)
+            run_f32act(lib, qtype, [s[0] for s in segs], [s[1] for s in segs], x, b, generic, errs)
+            errs.check()
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_f32act_is_finer_than_int8_x(lib, qtype):
+    """The point of the path: on the same Gaussian x, el_matmul's int8 rounding of x leaves an
+    NMSE near 2e-5 (see NMSE_QUANT), el_matmul_f32act only fp32 summation order (~1e-13)."""
+    K, N = 576, 257
+    raw, deq = weights(qtype, N, K)
+    x = np.random.default_rng(21).standard_normal((3, K)).astype(np.float32)
+    ref = reference.matmul(x, deq)
+    rc8, y8 = el_matmul(lib, qtype, [raw], x)
+    rc32, y32 = el_matmul_f32act(lib, qtype, [raw], x)
+    assert rc8 == rc32 == 0
+    e8, e32 = nmse(y8, ref), nmse(y32, ref)
+    assert e32 < NMSE_FLOAT and e8 > 1e4 * e32, (e8, e32)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_f32act_thread_pool_matches_serial(lib, qtype):
+    """With a pool the task grid has more, smaller chunks, but every chunk starts at a multiple of
+    the 4-row tile and a tile's sums do not depend on the chunk: outputs equal the serial run's
+    bit for bit. An lm_head-shaped GEMV (960 rows of a 576-wide head), a small and a larger GEMM."""
+    pool = lib.el_pool_create(3, None, 0)
+    assert pool
+    try:
+        rng = np.random.default_rng(13)
+        for M, K, rows in ((1, 576, (960,)), (17, 576, (130, 33, 67)), (64, 1536, (37,))):
+            segs = [weights(qtype, n, K, seed=i + 5) for i, n in enumerate(rows)]
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            bias = rng.standard_normal(sum(rows)).astype(np.float32)
+            for generic in (0, 1):
+                errs = Errors(qtype, fp32_x=True)
+                y0 = run_f32act(lib, qtype, [s[0] for s in segs], [s[1] for s in segs], x, bias, generic, errs)
+                y1 = run_f32act(lib, qtype, [s[0] for s in segs], [s[1] for s in segs], x, bias, generic, errs,
+                                pool=pool)
+                np.testing.assert_array_equal(y1, y0, err_msg=f"M={M} rows={rows} generic={generic}")
+                errs.check()
+    finally:
+        lib.el_pool_destroy(pool)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_f32act_extreme_quants(lib, qtype):
+    """The widest quants the formats hold (Q8_0 -128, which ggml never writes but a file may;
+    nibbles 0 and 15) against x = +-1 and large x: widened exactly, no saturation."""
+    K, N = 64, 5
+    raw, _ = weights(qtype, N, K)
+    for fill in ((-128, 127) if qtype == T.Q8_0 else (0x00, 0xFF, 0x0F)):
+        r = raw.copy()
+        blocks = r.reshape(-1).view(quant._BLOCK_DTYPES[qtype])
+        blocks["qs"] = fill
+        deq = quant.dequantize(r.reshape(-1), qtype, (N, K))
+        x = np.full((3, K), -1.0, np.float32)
+        x[1] = 1.0
+        x[2] = 3.0e4
+        for generic in (0, 1):
+            errs = Errors(qtype, fp32_x=True)
+            run_f32act(lib, qtype, [r], [deq], x, None, generic, errs)
+            errs.check()
+
+
+def test_f32act_bad_arguments_return_negative_codes(lib):
+    raw, _ = weights(T.Q8_0, 4, 64)
+    x = np.ones((2, 64), np.float32)
+    assert el_matmul_f32act(lib, T.Q8_0, [raw], x)[0] == 0
+    assert el_matmul_f32act(lib, T.Q8_0, [raw], np.ones((2, 48), np.float32))[0] < 0   # K % 32
+    assert el_matmul_f32act(lib, T.Q8_0, [raw], x, wtype=99)[0] < 0
+    assert el_matmul_f32act(lib, T.Q8_0, [raw], np.ones((0, 64), np.float32))[0] < 0  # M = 0
+    assert el_matmul_f32act(lib, T.Q8_0, [raw[:0]], x)[0] < 0                        # N = 0
+    y = np.empty((2, 4), np.float32)
+    ptrs, rows = (ctypes.c_void_p * 1)(raw.ctypes.data), (ctypes.c_int * 1)(4)
+    assert lib.el_matmul_f32act(None, neon_lib.EL_Q8_0, ptrs, rows, 1, fptr(x), fptr(y), 2, 64, None) == 0
+    assert lib.el_matmul_f32act(None, neon_lib.EL_Q8_0, None, rows, 1, fptr(x), fptr(y), 2, 64, None) < 0
+    assert lib.el_matmul_f32act(None, neon_lib.EL_Q8_0, ptrs, None, 1, fptr(x), fptr(y), 2, 64, None) < 0
+    assert lib.el_matmul_f32act(None, neon_lib.EL_Q8_0, ptrs, rows, 0, fptr(x), fptr(y), 2, 64, None) < 0
+    assert lib.el_matmul_f32act(None, neon_lib.EL_Q8_0, ptrs, rows, 1, None, fptr(y), 2, 64, None) < 0
+    assert lib.el_matmul_f32act(None, neon_lib.EL_Q8_0, ptrs, rows, 1, fptr(x), None, 2, 64, None) < 0
+    assert lib.el_matmul_f32act(None, neon_lib.EL_Q8_0, (ctypes.c_void_p * 1)(None), rows, 1, fptr(x), fptr(y),
+                                2, 64, None) < 0
+
+
+def test_neon_lm_head_keeps_x_fp32(lib, monkeypatch):
+    """backends/neon.py: lm_head runs el_matmul_f32act (float bound), matmul stays on int8 x."""
+    from edgellm.backends import neon
+
+    monkeypatch.setitem(neon._state, "lib", lib)
+    monkeypatch.setitem(neon._state, "pool", None)
+    monkeypatch.setitem(neon._state, "threads", 2)
+    monkeypatch.setitem(neon._state, "cores", ())
+    try:
+        K, N = 576, 301
+        raw, deq = weights(T.Q8_0, N, K, seed=9)
+        w = neon.QMatrix.from_arrays("Q8_0", [raw], [N], K)
+        x = np.random.default_rng(17).standard_normal((2, K)).astype(np.float32)
+        ref = reference.matmul(x, deq)
+        assert nmse(neon.lm_head(x, w), ref) < NMSE_FLOAT
+        assert nmse(neon.matmul(x, w), ref) > 1e-7       # int8 rounding of x: ~2e-5
+    finally:
+        if neon._state["pool"]:
+            lib.el_pool_destroy(neon._state["pool"])

@@ -33,6 +33,8 @@ _SIGNATURES = {
     "el_matmul_scratch": (c_size_t, [c_int, c_int]),
     "el_matmul": (c_int, [c_void_p, c_int, POINTER(c_void_p), _c_int_p, c_int, _c_float_p, _c_float_p,
                           c_int, c_int, _c_float_p, c_void_p]),
+    "el_matmul_f32act": (c_int, [c_void_p, c_int, POINTER(c_void_p), _c_int_p, c_int, _c_float_p, _c_float_p,
+                                 c_int, c_int, _c_float_p]),
     "el_rmsnorm": (c_int, [c_void_p, _c_float_p, _c_float_p, _c_float_p, c_int, c_int, c_float]),
     "el_rope": (c_int, [_c_float_p, _c_float_p, c_int, c_int, c_int, c_int, _c_float_p, _c_float_p, c_int]),
     "el_swiglu": (c_int, [c_void_p, _c_float_p, _c_float_p, c_int, c_int]),
