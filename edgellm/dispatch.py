@@ -133,7 +133,7 @@ def build_units(profile: DeviceProfile, *, probe: bool, threads: int | None = No
         if not probe:
             ok, why = _assumed(u, profile)
         else:
-            ok, why = _probe(u.name)
+            ok, why = _probe(u.name, profile)
         out.append(replace(u, available=ok, reason=why))
     return tuple(out)
 
@@ -144,11 +144,13 @@ def _assumed(u: Unit, profile: DeviceProfile) -> tuple[bool, str]:
     return True, f"assumed from the {profile.name} profile (not probed on this machine)"
 
 
-def _probe(name: str) -> tuple[bool, str]:
+def _probe(name: str, profile: DeviceProfile) -> tuple[bool, str]:
     mod, why = backends.get(name)
     if mod is None:
         return False, why
     try:
+        if hasattr(mod, "use_profile"):     # a unit configured by the profile (NPU providers, buckets)
+            mod.use_profile(profile)
         ok, why = mod.available()
     except Exception as e:  # a probe must never take the engine down
         return False, f"probe failed: {type(e).__name__}: {e}"

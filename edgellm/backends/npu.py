@@ -1,0 +1,300 @@
+"""The npu unit: the prefill projections of each layer as static-shape subgraphs, one per token
+bucket, run through ONNX Runtime execution providers (npu_onnx.py) or a LiteRT/TFLite delegate
+(npu_tflite.py). NPUs compile for fixed shapes and want int8 weights: each matrix the plan gives
+this unit is requantized at load to int8 per output channel (npu_graphs.py) and compiled once per
+bucket; a chunk is split into bucket-sized pieces, the last one padded (its padded rows are
+computed and dropped: the cost model counts that waste).
+
+Runtime choice: EDGELLM_NPU_RUNTIME=onnx|tflite, else ONNX Runtime when one of the profile's
+providers is present, else LiteRT. The profile says which providers (priority order) or which
+external delegate the device has (use_profile(), called by the dispatcher before it probes).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import quant
+from ..model.config import ModelConfig
+from . import UnitFailed, npu_graphs
+
+NAME = "npu"
+KIND = "npu"
+log = logging.getLogger("edgellm")
+
+DEFAULT_BUCKETS = (32, 64, 128, 256)
+# Self-check bound: int8 weights and per-row int8 activations against the float reference of the
+# same int8 weights: activation rounding alone gives NMSE ~2e-5 on Gaussian data; a broken
+# provider or a wrong packing is off by orders of magnitude.
+SELF_CHECK_NMSE = 5e-4
+_MATMUL_OPS = {"qkv": "attn", "attn_out": "attn_out", "ffn_gate_up": "ffn", "ffn_down": "ffn_down",
+               "lm_head": "head"}
+
+_state: dict = {"profile_npu": None, "probe": None, "runtime": None, "threads": None}
+_lock = threading.Lock()
+
+
+def use_profile(profile) -> None:
+    """The device profile's NPU section (providers, delegate, buckets): set before probing."""
+    npu = getattr(profile, "npu", None)
+    with _lock:
+        if npu != _state["profile_npu"]:
+            _state.update(profile_npu=npu, probe=None, runtime=None)
+
+
+def configure(threads: int | None = None, cores=None) -> None:
+    """Threads each subgraph may use (the engine's compute threads; the runtime places them)."""
+    _state["threads"] = threads
+
+
+def reset() -> None:
+    with _lock:
+        _state.update(profile_npu=None, probe=None, runtime=None)
+
+
+def _providers() -> tuple[str, ...]:
+    npu = _state["profile_npu"]
+    return tuple(npu.onnx_providers) if npu is not None else ("CPUExecutionProvider",)
+
+
+def _delegate() -> str | None:
+    npu = _state["profile_npu"]
+    return npu.tflite_delegate if npu is not None else None
+
+
+def buckets() -> tuple[int, ...]:
+    npu = _state["profile_npu"]
+    return tuple(npu.chunk_buckets) if npu is not None and npu.chunk_buckets else DEFAULT_BUCKETS
+
+
+def _choose_runtime() -> tuple[object | None, str]:
+    """(runtime module, why) or (None, why not)."""
+    want = os.environ.get("EDGELLM_NPU_RUNTIME", "").strip().lower()
+    if want not in ("", "onnx", "tflite"):
+        return None, f"EDGELLM_NPU_RUNTIME={want!r}: expected onnx or tflite"
+    reasons = []
+    for name in (("onnx", "tflite") if not want else (want,)):
+        try:
+            if name == "onnx":
+                from . import npu_onnx as mod
+            else:
+                from . import npu_tflite as mod
+        except ImportError as e:
+            reasons.append(f"{name}: {e}")
+            continue
+        ok, why = mod.available()
+        if not ok:
+            reasons.append(f"{name}: {why}")
+            continue
+        if name == "onnx":
+            import onnxruntime as ort
+
+            have = set(ort.get_available_providers())
+            usable = [p for p in _providers() if p in have]
+            if not usable:
+                reasons.append(f"onnx: none of the profile's providers {list(_providers())} is in this "
+                               f"onnxruntime (it has {sorted(have)})")
+                continue
+            skipped = [p for p in _providers() if p not in have]
+            note = f" (not present: {', '.join(skipped)})" if skipped else ""
+            return mod, f"ONNX Runtime with {', '.join(usable)}{note}"
+        d = _delegate()
+        return mod, f"LiteRT with {'delegate ' + d if d else 'its built-in CPU/XNNPACK kernels'}"
+    return None, "; ".join(reasons) or "no NPU runtime"
+
+
+def weight_format(mod=None) -> str:
+    """The NPU weight format per runtime: ONNX Runtime runs int8 weight blocks with float
+    activations (MatMulNBits, W8A16-style); LiteRT's int8 FULLY_CONNECTED is per output channel
+    with the input rows quantized to int8 by the kernel. EDGELLM_NPU_FORMAT overrides."""
+    env = os.environ.get("EDGELLM_NPU_FORMAT", "").strip()
+    if env:
+        if env not in npu_graphs.FORMATS:
+            raise UnitFailed(NAME, f"EDGELLM_NPU_FORMAT={env!r}: expected one of {npu_graphs.FORMATS}")
+        return env
+    mod = mod or _state["runtime"]
+    return "int8b" if mod is not None and mod.__name__.endswith("npu_onnx") else "int8"
+
+
+def _compile(mod, graph):
+    threads = _state["threads"]
+    if mod.__name__.endswith("npu_onnx"):
+        return mod.compile(graph, providers=list(_providers()), intra_op_threads=threads or 0)
+    return mod.compile(graph, delegate=_delegate(), num_threads=threads)
+
+
+def available() -> tuple[bool, str]:
+    """A runtime is importable, one of the profile's providers (or its delegate) loads, and an
+    int8 subgraph matches the reference."""
+    with _lock:
+        if _state["probe"] is None:
+            _state["probe"] = _probe()
+        return _state["probe"]
+
+
+def _probe() -> tuple[bool, str]:
+    mod, why = _choose_runtime()
+    if mod is None:
+        return False, why
+    try:
+        rng = np.random.default_rng(11)
+        w = npu_graphs.quantize(rng.standard_normal((48, 64)).astype(np.float32), weight_format(mod))
+        g = npu_graphs.LinearGraph("self-check", w, 32)
+        x = rng.standard_normal((32, 64)).astype(np.float32)
+        got, ref = _compile(mod, g).run(x), npu_graphs.reference(g, x)
+        e = float(np.mean((got - ref) ** 2) / np.mean(ref ** 2))
+        if not e <= SELF_CHECK_NMSE:
+            return False, f"numeric self-check failed ({why}): int8 linear NMSE {e:.2e} > {SELF_CHECK_NMSE:.0e}"
+    except Exception as e:  # a provider that throws while probing leaves the unit unavailable
+        return False, f"{why}: self-check failed: {type(e).__name__}: {e}"
+    _state["runtime"] = mod
+    return True, why
+
+
+def supports(op: str, precision: str = "int8") -> tuple[bool, str]:
+    if op not in ("matmul", "lm_head"):
+        return False, "the NPU takes only the projections (static-shape matmul subgraphs)"
+    if precision not in ("int8", "fp16", "fp32"):
+        return False, f"no {precision} subgraphs"
+    return True, f"{precision} static-shape subgraphs, buckets {list(buckets())}"
+
+
+# ---- resident weights ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, eq=False)
+class NpuMatrix:
+    """One projection compiled for every bucket: bucket -> subgraph with .run((bucket, K) f32)."""
+    name: str
+    n: int
+    k: int
+    graphs: dict
+    bias: np.ndarray | None
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: np.ndarray
+    wqkv: NpuMatrix | None
+    bqkv: None              # the bias is inside the QKV subgraph
+    wo: NpuMatrix | None
+    ffn_norm: np.ndarray
+    w_gate_up: NpuMatrix | None
+    w_down: NpuMatrix | None
+
+
+@dataclass(frozen=True)
+class PreparedWeights:
+    embedding: object
+    layers: tuple[LayerWeights, ...]
+    output_norm: np.ndarray
+    lm_head: NpuMatrix | None
+    nbytes: int
+
+
+def prepare(model, precision: str = "int8", progress=None, ops=None) -> PreparedWeights:
+    """Requantize the matrices of the ops this unit runs to int8 per channel and compile each for
+    every bucket (from the on-disk cache when built before)."""
+    from .reference import EmbeddingTable
+
+    ok, why = available()
+    if not ok:
+        raise UnitFailed(NAME, why)
+    mod = _state["runtime"]
+    cfg: ModelConfig = model.config
+    d = cfg.d_model
+    need = (lambda op: True) if ops is None else (lambda op: op in ops)
+    total = [0]
+    steps = cfg.n_layers + 1
+
+    def f32(name, shape):
+        return quant.dequantize(model.raw(name), model.tensor_type(name), shape)
+
+    def mat(op: str, label: str, *parts: tuple[str, int], k: int, bias=None) -> NpuMatrix | None:
+        if not need(op):
+            return None
+        w = np.concatenate([f32(n, (r, k)) for n, r in parts]) if len(parts) > 1 else f32(parts[0][0], (parts[0][1], k))
+        q = npu_graphs.quantize(w, weight_format(mod), bias)
+        total[0] += q.q.nbytes + (q.scale.nbytes if q.scale is not None else 0)
+        graphs = {}
+        for b in buckets():
+            try:
+                graphs[b] = _compile(mod, npu_graphs.LinearGraph(label, q, b))
+            except Exception as e:   # a rejected subgraph: the unit re-plans away, with the reason
+                raise UnitFailed(NAME, f"subgraph {label} (bucket {b}) rejected: {type(e).__name__}: {e}") from e
+        return NpuMatrix(label, q.n, q.k, graphs, None)
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        bqkv = None
+        if cfg.qkv_bias:
+            bqkv = np.concatenate([f32(p + "attn_q.bias", (cfg.q_dim,)), f32(p + "attn_k.bias", (cfg.kv_dim,)),
+                                   f32(p + "attn_v.bias", (cfg.kv_dim,))])
+        layers.append(LayerWeights(
+            attn_norm=f32(p + "attn_norm.weight", (d,)),
+            wqkv=mat("qkv", p + "qkv", (p + "attn_q.weight", cfg.q_dim), (p + "attn_k.weight", cfg.kv_dim),
+                     (p + "attn_v.weight", cfg.kv_dim), k=d, bias=bqkv),
+            bqkv=None, wo=mat("attn_out", p + "attn_out", (p + "attn_output.weight", d), k=cfg.q_dim),
+            ffn_norm=f32(p + "ffn_norm.weight", (d,)),
+            w_gate_up=mat("ffn_gate_up", p + "ffn_gate_up", (p + "ffn_gate.weight", cfg.d_ff),
+                          (p + "ffn_up.weight", cfg.d_ff), k=d),
+            w_down=mat("ffn_down", p + "ffn_down", (p + "ffn_down.weight", d), k=cfg.d_ff)))
+        if progress:
+            progress(i + 1, steps)
+    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    lm = mat("lm_head", "lm_head", (head, cfg.vocab_size), k=d)
+    if progress:
+        progress(steps, steps)
+    return PreparedWeights(
+        embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
+        layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm, nbytes=total[0])
+
+
+def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
+    """int8 weights + fp32 scales of the matrices this unit runs, once per bucket: each bucket's
+    compiled subgraph holds its own copy (runtimes do not share constants across sessions)."""
+    d = cfg.d_model
+    per_op = {"qkv": (cfg.q_dim + 2 * cfg.kv_dim, d), "attn_out": (d, cfg.q_dim), "ffn_gate_up": (2 * cfg.d_ff, d),
+              "ffn_down": (d, cfg.d_ff)}
+    n = sum(cfg.n_layers * (r * (c + 4)) for op, (r, c) in per_op.items() if ops is None or op in ops)
+    if ops is None or "lm_head" in ops:
+        n += cfg.vocab_size * (d + 4)
+    return n * len(buckets()) + 4 * (2 * cfg.n_layers + 1) * d
+
+
+# ---- ops ----------------------------------------------------------------------------------------------
+
+def _run(w: NpuMatrix, x: np.ndarray) -> np.ndarray:
+    """x (T, K) -> (T, N): pieces of the largest bucket, the rest padded up to the smallest bucket
+    that holds it."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    T = x.shape[0]
+    sizes = sorted(w.graphs)
+    top = sizes[-1]
+    out = np.empty((T, w.n), np.float32)
+    for s in range(0, T, top):
+        rows = min(top, T - s)
+        b = next(b for b in sizes if b >= rows)
+        if rows == b:
+            out[s:s + rows] = w.graphs[b].run(x[s:s + rows])
+        else:
+            xp = np.zeros((b, w.k), np.float32)
+            xp[:rows] = x[s:s + rows]
+            out[s:s + rows] = w.graphs[b].run(xp)[:rows]
+    return out
+
+
+def matmul(x: np.ndarray, w: NpuMatrix, b: np.ndarray | None = None) -> np.ndarray:
+    y = _run(w, x)
+    if b is not None:      # only when a caller passes one; the model's QKV bias is in the subgraph
+        y += b
+    return y
+
+
+def lm_head(x: np.ndarray, w: NpuMatrix) -> np.ndarray:
+    return _run(w, x)
+

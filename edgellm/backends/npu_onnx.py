@@ -1,0 +1,509 @@
+"""The npu unit's ONNX Runtime path: the static-shape subgraphs of npu_graphs.py as ONNX models,
+run through ONNX Runtime execution providers (an NPU EP in priority order, else the CPU EP).
+
+Graph forms (x (tokens, K) float32 in, y float32 out, fp32 accumulation everywhere):
+    int8  per-row symmetric int8 activations quantized in the graph (row absmax / 127), then
+          MatMulInteger with the int8 per-channel weights stored (K, N), int32 -> float, times
+          x_scale (tokens, 1) times w_scale (1, N), + bias. Why this form: see _int8_matmul.
+    int4  com.microsoft MatMulNBits (bits 4, blocks of 32, accuracy_level 1 = fp32 activations).
+    fp16  fp16 weights, Cast to float32, MatMul (no fp16 arithmetic: Mali/NPU fp16 accumulation
+          overflows past 65504). The CPU EP folds the Cast at load, so there it holds fp32 weights.
+    fp32  MatMul.
+    FFN   gate_up matmul -> Split -> g * Sigmoid(g) * up -> down matmul, one model.
+Every model passes onnx.checker and strict shape inference before a runtime sees it (RELIABILITY 16).
+
+Model cache: <cache_dir>/<graph name>-<key hash>.onnx, the key hash over graph.key(), the weight
+formats, the builder version, the opset and the onnx/onnxruntime versions. Files are plain ONNX
+with inline weights (a per-graph model stays far below protobuf's 2 GB limit, one file is one
+atomic rename, and no external-data path is ever followed: a cached file that names external
+data is treated as damaged, RELIABILITY 15). Each file records its key and a sha256 of its
+initializers; a file that fails to parse, the checker, the key or the checksum is rebuilt with one
+warning. Sessions load the file by path: from bytes, the Python InferenceSession keeps its own
+copy of the serialized model (measured: 2x the weight bytes resident instead of 1x).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, EdgeLLMError
+from ..fileio import fsync_dir
+from .npu_graphs import FORMATS, INT4_BLOCK, FfnGraph, LinearGraph, NpuGraphError, NpuInputError, QLinear
+
+log = logging.getLogger("edgellm")
+
+OPSET = 17                  # ai.onnx opset: QuantizeLinear per-axis (13+), Split sizes as input (13+)
+IR_VERSION = 8              # the IR that goes with opset 17: loads in onnxruntime >= 1.12
+MS_OPSET = 1                # com.microsoft (MatMulNBits)
+BUILDER_VERSION = 1         # bump when a graph form changes: old cache files then miss
+MIN_ORT = (1, 17)           # MatMulNBits first shipped in onnxruntime 1.17
+CPU_EP = "CPUExecutionProvider"
+# The smallest row absmax the int8 activation scale uses. A zero row (the padding of a short
+# chunk) would otherwise get scale 0: QuantizeLinear would compute 0 / 0, and what a runtime makes
+# of NaN -> int8 (or of a zero scale at all) is not specified. The CPU EP happens to give 0.
+_ROW_AMAX_FLOOR = 1e-30
+
+
+class NpuUnavailable(EdgeLLMError):
+    """onnx or onnxruntime cannot be used here (not installed, fails to import, too old)."""
+
+
+@dataclass
+class CacheStats:
+    built: int = 0           # models built from the spec (cache miss or damaged file)
+    loaded: int = 0          # models taken from the on-disk cache
+    damaged: int = 0         # cached files rejected (each rebuilt, one warning each)
+    sessions: int = 0        # InferenceSessions created
+
+
+stats = CacheStats()
+
+
+def available() -> tuple[bool, str]:
+    """(True, versions and providers) or (False, why): not installed, fails to import, too old."""
+    try:
+        _import()
+    except NpuUnavailable as e:
+        return False, str(e)
+    import onnx
+    import onnxruntime as ort
+    return True, (f"onnx {onnx.__version__}, onnxruntime {ort.__version__}, "
+                  f"providers: {', '.join(ort.get_available_providers())}")
+
+
+def _import():
+    mods = []
+    for name in ("onnx", "onnxruntime"):
+        try:
+            mods.append(__import__(name))
+        except ImportError as e:
+            raise NpuUnavailable(f"{name} is not installed (pip install 'edgellm[npu]'): {e}") from e
+        except Exception as e:       # a broken wheel or a missing shared library
+            raise NpuUnavailable(f"{name} fails to import: {type(e).__name__}: {e}") from e
+    ort = mods[1]
+    version = tuple(int(p) for p in re.findall(r"\d+", ort.__version__)[:2])
+    if version < MIN_ORT:
+        raise NpuUnavailable(f"onnxruntime {ort.__version__} is too old: MatMulNBits needs "
+                             f">= {'.'.join(map(str, MIN_ORT))}")
+    return mods
+
+
+# --- building ---------------------------------------------------------------------------------
+
+def _check_qlinear(graph: str, role: str, w: QLinear, n: int | None = None, k: int | None = None):
+    def bad(what):
+        raise NpuGraphError(graph, f"{role} weights: {what}")
+    if w.fmt not in FORMATS:
+        bad(f"format {w.fmt!r}, expected one of {FORMATS}")
+    if n is not None and w.n != n or k is not None and w.k != k:
+        bad(f"expected (N, K) = ({n if n is not None else w.n}, {k if k is not None else w.k}), found ({w.n}, {w.k})")
+    if w.n < 1 or w.k < 1 or tuple(w.q.shape) != (w.n, w.k):
+        bad(f"q has shape {tuple(w.q.shape)}, expected ({w.n}, {w.k})")
+    want = {"int8": (np.int8, (w.n,)), "int8b": (np.int8, (w.n, w.k // INT4_BLOCK)),
+            "int4": (np.uint8, (w.n, w.k // INT4_BLOCK)),
+            "fp16": (np.float16, None), "fp32": (np.float32, None)}[w.fmt]
+    if w.q.dtype != want[0]:
+        bad(f"q is {w.q.dtype}, expected {np.dtype(want[0])} for {w.fmt}")
+    if w.fmt in ("int4", "int8b") and w.k % INT4_BLOCK:
+        bad(f"{w.fmt} needs K a multiple of {INT4_BLOCK}, found K={w.k}")
+    if want[1] is not None and (w.scale is None or tuple(w.scale.shape) != want[1]):
+        bad(f"scale has shape {None if w.scale is None else tuple(w.scale.shape)}, expected {want[1]}")
+    if w.bias is not None and tuple(w.bias.shape) != (w.n,):
+        bad(f"bias has shape {tuple(w.bias.shape)}, expected ({w.n},)")
+
+
+def _dims(graph) -> tuple[int, int]:
+    """(K, N) of the subgraph after checking the spec's shapes."""
+    if not isinstance(graph, (LinearGraph, FfnGraph)):
+        raise NpuGraphError(getattr(graph, "name", "?"), f"not a LinearGraph or FfnGraph: {type(graph).__name__}")
+    if not isinstance(graph.tokens, int) or graph.tokens < 1:
+        raise NpuGraphError(graph.name, f"tokens must be a positive int, found {graph.tokens!r}")
+    if isinstance(graph, LinearGraph):
+        _check_qlinear(graph.name, "linear", graph.w)
+        return graph.w.k, graph.w.n
+    gu, down = graph.gate_up, graph.down
+    _check_qlinear(graph.name, "gate_up", gu)
+    if gu.n % 2:
+        raise NpuGraphError(graph.name, f"gate_up has {gu.n} rows, expected an even count (gate then up)")
+    _check_qlinear(graph.name, "down", down, n=gu.k, k=gu.n // 2)
+    return gu.k, gu.k
+
+
+class _Builder:
+    """Nodes and initializers of one model; names are prefixed by the graph's name so that an
+    error from a runtime points at the op."""
+
+    def __init__(self, graph_name: str, tokens: int):
+        import onnx
+        self.onnx, self.h, self.nh = onnx, onnx.helper, onnx.numpy_helper
+        self.graph, self.tokens = graph_name, tokens
+        self.nodes: list = []
+        self.inits: list = []
+
+    def const(self, name: str, arr) -> str:
+        self.inits.append(self.nh.from_array(np.asarray(arr), name))
+        return name
+
+    def op(self, op: str, inputs: list[str], out: str | list[str], domain: str = "", **attrs):
+        outs = [out] if isinstance(out, str) else out
+        self.nodes.append(self.h.make_node(op, inputs, outs, name=f"{self.graph}/{outs[0]}",
+                                           domain=domain, **attrs))
+        return out
+
+    def matmul(self, tag: str, x: str, w: QLinear, out: str) -> str:
+        """out = x W^T (+ b) for x (tokens, w.k), in the form of w.fmt."""
+        mm = out if w.bias is None else f"{tag}.mm"
+        if w.fmt == "int8":
+            self._int8_matmul(tag, x, w, mm)
+        elif w.fmt == "int4":
+            self._int4_matmul(tag, x, w, mm)
+        elif w.fmt == "int8b":
+            self._int8b_matmul(tag, x, w, mm)
+        else:
+            wt = np.ascontiguousarray(w.q.T)                     # (K, N) fp16 / fp32
+            if w.fmt == "fp16":
+                # Cast before MatMul: the products and sums stay fp32 (fp16 accumulation overflows
+                # past 65504 and loses 1e-3 relative per add).
+                wt = self.op("Cast", [self.const(f"{tag}.w16", wt)], f"{tag}.w", to=self.onnx.TensorProto.FLOAT)
+            else:
+                wt = self.const(f"{tag}.w", wt)
+            self.op("MatMul", [x, wt], mm)
+        if w.bias is not None:
+            self.op("Add", [mm, self.const(f"{tag}.b", w.bias.astype(np.float32))], out)
+        return out
+
+    def _int8_matmul(self, tag: str, x: str, w: QLinear, out: str) -> str:
+        # Why this form (ONNX's integer matmul with in-graph per-row quantization):
+        #  - An NPU runs int8 x int8 -> int32. MatMulInteger is the op that says so, and nothing in
+        #    it is constant-foldable: the int8 weights stay the resident copy (measured: session
+        #    RSS grows by 1.0x the int8 bytes). The QDQ form (DequantizeLinear on the weights before
+        #    a float MatMul) is fused only with per-tensor activation scales; with per-row scales
+        #    the CPU EP dequantizes the weights every run and keeps an fp32 copy (4x).
+        #  - Per-row (per token) scales: rows stay independent (a padded chunk's real rows do not
+        #    depend on the padding), and a row's error is set by its own absmax, not the chunk's
+        #    largest outlier. DynamicQuantizeLinear is per tensor and uint8: in exact arithmetic its
+        #    error measured 1.5x-3.5x the per-row error (Gaussian rows, and rows with outlier
+        #    channels); in onnxruntime 3x-60x, because uint8 x int8 MatMulInteger saturates on AVX2
+        #    without VNNI (u8*s8 pairs summed in int16: wrong int32 sums, measured). int8 x int8 is
+        #    exact there.
+        #  - Symmetric (zero point 0): w and x need no zero-point correction terms.
+        t = self.tokens
+        amax = self.op("ReduceMax", [self.op("Abs", [x], f"{tag}.xabs")], f"{tag}.amax", axes=[1], keepdims=1)
+        amax = self.op("Max", [amax, self.const(f"{tag}.floor", np.float32(_ROW_AMAX_FLOOR))], f"{tag}.amaxf")
+        xs = self.op("Div", [amax, self.const(f"{tag}.c127", np.float32(127.0))], f"{tag}.xs")   # (tokens, 1)
+        xs1 = self.op("Reshape", [xs, self.const(f"{tag}.rows", np.array([t], np.int64))], f"{tag}.xs1")
+        # round(x / s) lies in [-127, 127]: QuantizeLinear rounds half to even and saturates
+        xq = self.op("QuantizeLinear", [x, xs1, self.const(f"{tag}.xzp", np.zeros(t, np.int8))], f"{tag}.xq", axis=0)
+        wq = self.const(f"{tag}.wq", np.ascontiguousarray(w.q.T))                              # (K, N) int8
+        acc = self.op("MatMulInteger", [xq, wq], f"{tag}.acc")                                 # (tokens, N) int32
+        # int32 -> float32 is exact below 2^24 and 6e-8 relative above it (127 * 127 * K)
+        accf = self.op("Cast", [acc], f"{tag}.accf", to=self.onnx.TensorProto.FLOAT)
+        y = self.op("Mul", [accf, xs], f"{tag}.xsc")
+        return self.op("Mul", [y, self.const(f"{tag}.ws", w.scale.astype(np.float32)[None, :])], out)
+
+    def _int4_matmul(self, tag: str, x: str, w: QLinear, out: str) -> str:
+        nb = w.k // INT4_BLOCK
+        return self.op(
+            "MatMulNBits", [x, self.const(f"{tag}.w4", pack_int4(w.q)),
+                            self.const(f"{tag}.s4", w.scale.astype(np.float32).reshape(w.n * nb))],
+            out, domain="com.microsoft", K=w.k, N=w.n, bits=4, block_size=INT4_BLOCK,
+            # 1 = fp32 activations. 0 lets the EP choose (fp16 on some ARM builds), 4 quantizes the
+            # activations to int8 per block (measured NMSE 3e-5 instead of 2e-13).
+            accuracy_level=1)
+        # no zero_points input: MatMulNBits' default zero point is 2^(bits-1) = 8, QLinear's too
+
+
+    def _int8b_matmul(self, tag: str, x: str, w: QLinear, out: str) -> str:
+        # MatMulNBits with 8 bits: int8 weight blocks stay the resident copy, activations fp32
+        # (accuracy_level 1); B is unsigned with the default zero point 2^(8-1) = 128
+        nb = w.k // INT4_BLOCK
+        b = (w.q.astype(np.int16) + 128).astype(np.uint8).reshape(w.n, nb, INT4_BLOCK)
+        return self.op(
+            "MatMulNBits", [x, self.const(f"{tag}.w8", np.ascontiguousarray(b)),
+                            self.const(f"{tag}.s8", w.scale.astype(np.float32).reshape(w.n * nb))],
+            out, domain="com.microsoft", K=w.k, N=w.n, bits=8, block_size=INT4_BLOCK, accuracy_level=1)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """QLinear int4 q (N, K) uint8 in 0..15 -> MatMulNBits' B (N, K / 32, 16) uint8: per block
+    of 32 along K, element 2i in the low nibble and element 2i+1 in the high nibble of byte i."""
+    n, k = q.shape
+    blocks = q.astype(np.uint8).reshape(n, k // INT4_BLOCK, INT4_BLOCK)
+    return np.ascontiguousarray(blocks[:, :, 0::2] | (blocks[:, :, 1::2] << 4))
+
+
+def build_model(graph):
+    """The ONNX model of a LinearGraph or FfnGraph: x (tokens, K) float32 -> y float32, checked
+    (check_model) before it is returned. Raises NpuGraphError naming the graph."""
+    _import()
+    k, n = _dims(graph)
+    b = _Builder(graph.name, graph.tokens)
+    if isinstance(graph, LinearGraph):
+        b.matmul("linear", "x", graph.w, "y")
+    else:
+        ff = graph.gate_up.n // 2
+        gu = b.matmul("gate_up", "x", graph.gate_up, "gu")                        # (tokens, 2 ff)
+        g, u = b.op("Split", [gu, b.const("ffn.split", np.array([ff, ff], np.int64))], ["ffn.g", "ffn.u"], axis=1)
+        act = b.op("Mul", [g, b.op("Sigmoid", [g], "ffn.sig")], "ffn.silu")         # silu(g) = g * sigmoid(g)
+        b.matmul("down", b.op("Mul", [act, u], "ffn.h"), graph.down, "y")
+    h, tp = b.h, b.onnx.TensorProto
+    g = h.make_graph(b.nodes, _safe(graph.name) or "graph",
+                     [h.make_tensor_value_info("x", tp.FLOAT, [graph.tokens, k])],
+                     [h.make_tensor_value_info("y", tp.FLOAT, [graph.tokens, n])], b.inits)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", MS_OPSET)],
+                         producer_name="edgellm", producer_version=str(BUILDER_VERSION), doc_string=graph.key())
+    model.ir_version = IR_VERSION
+    h.set_model_props(model, {"edgellm.key": _cache_key(graph), "edgellm.weights_sha256": _weights_sha(model)})
+    return check_model(model, graph.name)
+
+
+def check_model(model, graph_name: str):
+    """onnx.checker plus strict shape inference; the graph's output must be the declared static
+    shape. Returns the model; raises NpuGraphError(graph_name, what was rejected)."""
+    onnx, _ = _import()
+    try:
+        onnx.checker.check_model(model)
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except Exception as e:        # ValidationError, InferenceError, and protobuf errors alike
+        raise NpuGraphError(graph_name, f"ONNX checker rejected the model: {type(e).__name__}: {e}") from e
+    for vi in list(inferred.graph.input) + list(inferred.graph.output):
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+        if len(dims) != 2 or None in dims or min(dims) < 1:
+            raise NpuGraphError(graph_name, f"{vi.name} has shape {dims}, expected a static 2-d shape")
+    return model
+
+
+def _weights_sha(model) -> str:
+    h = hashlib.sha256()
+    for t in model.graph.initializer:
+        h.update(t.name.encode() + b"\0" + t.SerializeToString())
+    return h.hexdigest()
+
+
+# --- cache ------------------------------------------------------------------------------------
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64].lstrip(".")
+
+
+def _formats(graph) -> str:
+    return graph.w.fmt if isinstance(graph, LinearGraph) else f"{graph.gate_up.fmt}+{graph.down.fmt}"
+
+
+def _cache_key(graph) -> str:
+    import onnx
+    import onnxruntime as ort
+    return (f"edgellm-onnx-v{BUILDER_VERSION}|{graph.key()}|{_formats(graph)}|opset{OPSET}|"
+            f"onnx{onnx.__version__}|ort{ort.__version__}")
+
+
+def cache_dir_default() -> Path:
+    from ..model.registry import edgellm_home
+    return edgellm_home() / "cache" / "npu" / "onnx"
+
+
+def cache_path(graph, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the model of `graph` is cached (it may not exist yet)."""
+    _import()
+    d = Path(cache_dir) if cache_dir is not None else cache_dir_default()
+    digest = hashlib.sha256(_cache_key(graph).encode()).hexdigest()[:32]
+    return d / f"{_safe(graph.name) or 'graph'}-{digest}.onnx"
+
+
+def _read_cached(path: Path, graph) -> str | None:
+    """None when `path` holds a valid model of `graph`, else why it does not."""
+    onnx, _ = _import()
+    try:
+        if path.is_symlink():
+            return "is a symlink (the cache writes plain files)"
+        if path.stat().st_size >= 2**31:
+            return "is larger than protobuf's 2 GB limit"
+        model = onnx.load_model_from_string(path.read_bytes())
+    except Exception as e:
+        return f"does not parse ({type(e).__name__}: {e})"
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL or t.external_data:
+            # our writer never uses external data: a file that names some is not ours, and the
+            # path it names is never opened (RELIABILITY 15)
+            return f"initializer {t.name!r} names external data"
+    props = {p.key: p.value for p in model.metadata_props}
+    if props.get("edgellm.key") != _cache_key(graph):
+        return "was built for another graph or version"
+    if props.get("edgellm.weights_sha256") != _weights_sha(model):
+        return "fails its weights checksum"
+    try:
+        check_model(model, graph.name)
+    except NpuGraphError as e:
+        return e.reason
+    return None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".onnx")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def cached_model(graph, cache_dir: str | os.PathLike | None = None) -> Path | bytes:
+    """The model of `graph` from the cache, else built and cached. A path (what a session should
+    load), or the serialized bytes when the cache cannot be written (one warning)."""
+    path = cache_path(graph, cache_dir)
+    if path.exists():
+        why = _read_cached(path, graph)
+        if why is None:
+            stats.loaded += 1
+            return path
+        stats.damaged += 1
+        log.warning("npu model cache %s %s; rebuilding it", path, why)
+    data = build_model(graph).SerializeToString()
+    stats.built += 1
+    try:
+        _write_atomic(path, data)
+    except OSError as e:
+        log.warning("npu model cache %s cannot be written (%s); the session loads from memory", path, e)
+        return data
+    return path
+
+
+# --- sessions ---------------------------------------------------------------------------------
+
+def select_providers(providers, provider_options=None):
+    """(chosen [(name, options)], skipped [(name, reason)]) from the caller's EP names in priority
+    order: names this onnxruntime does not know or did not build are skipped with the reason.
+    When none is left the CPU EP is chosen."""
+    _, ort = _import()
+    if isinstance(providers, str):
+        providers = [providers]
+    provider_options = dict(provider_options or {})
+    unused = set(provider_options) - set(providers)
+    if unused:
+        raise ConfigError(f"provider_options for {sorted(unused)}, which are not in providers {list(providers)}")
+    known, avail = set(ort.get_all_providers()), ort.get_available_providers()
+    chosen, skipped = [], []
+    for name in providers:
+        if not isinstance(name, str):
+            raise ConfigError(f"provider names are strings, found {name!r}")
+        if name not in known:
+            skipped.append((name, "not an onnxruntime execution provider"))
+        elif name not in avail:
+            skipped.append((name, f"not in this onnxruntime build (available: {', '.join(avail)})"))
+        elif name not in (c for c, _ in chosen):
+            chosen.append((name, {str(k): str(v) for k, v in provider_options.get(name, {}).items()}))
+    if not chosen:
+        chosen = [(CPU_EP, {})]
+    return chosen, skipped
+
+
+_reported_skips: set = set()
+
+
+class OnnxSubgraph:
+    """One subgraph in one InferenceSession, created once. Not re-entrant: one run at a time
+    (the input binding and output buffer are the subgraph's)."""
+
+    def __init__(self, graph, model: str | os.PathLike | bytes, *, providers, provider_options=None,
+                 intra_op_threads: int = 0):
+        _, ort = _import()
+        self.name = graph.name
+        self.tokens = graph.tokens
+        self.k, self.n = _dims(graph)
+        chosen, self.skipped = select_providers(providers, provider_options)
+        names = [c for c, _ in chosen]
+        if self.skipped and (tuple(self.skipped), tuple(names)) not in _reported_skips:
+            # once per provider list, not once per layer; every subgraph keeps it in .skipped
+            _reported_skips.add((tuple(self.skipped), tuple(names)))
+            log.warning("npu graph %r: skipped %s; using %s", self.name,
+                        "; ".join(f"{n} ({r})" for n, r in self.skipped), names)
+        # Only the listed providers may run the graph. Without the CPU EP in the list, a node
+        # the NPU EP rejects is an error (the caller moves the whole op to its CPU unit) rather
+        # than a silent split of the graph between the NPU and ORT's CPU EP.
+        strict = CPU_EP not in names
+        so = ort.SessionOptions()
+        # no spin-waiting: a model holds hundreds of these sessions (layers x ops x buckets), each
+        # with its own pool; spinning pools steal the cores from the next session and from the
+        # CPU units between calls (measured: prefill 8x slower than one session alone suggests)
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.log_severity_level = 3
+        if intra_op_threads:
+            so.intra_op_num_threads = int(intra_op_threads)
+        record = hasattr(ort.InferenceSession, "get_provider_graph_assignment_info")
+        if record:
+            so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        elif strict:
+            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        source = model if isinstance(model, bytes) else str(model)
+        try:
+            self._sess = ort.InferenceSession(source, so, providers=names, provider_options=[o for _, o in chosen])
+        except Exception as e:
+            raise NpuGraphError(self.name, f"onnxruntime with {names} rejected it: {type(e).__name__}: {e}") from e
+        stats.sessions += 1
+        self.providers_used: list[str] = self._sess.get_providers()
+        # EP -> ["op_type node_name", ...] as onnxruntime placed the (optimized) nodes
+        self.assignment: dict[str, list[str]] = {}
+        if record:
+            for sub in self._sess.get_provider_graph_assignment_info():
+                self.assignment.setdefault(sub.ep_name, []).extend(f"{n.op_type} {n.name}" for n in sub.get_nodes())
+        on_cpu = self.assignment.get(CPU_EP, [])
+        if strict and on_cpu:
+            total = sum(map(len, self.assignment.values()))
+            ops = sorted({n.split(" ")[0] for n in on_cpu})
+            raise NpuGraphError(self.name, f"{', '.join(names)} did not take {len(on_cpu)} of {total} nodes "
+                                           f"(op types {', '.join(ops)}; first {on_cpu[0]!r})")
+        ins, outs = self._sess.get_inputs(), self._sess.get_outputs()
+        shapes = ([tuple(i.shape) for i in ins], [tuple(o.shape) for o in outs])
+        if shapes != ([(self.tokens, self.k)], [(self.tokens, self.n)]):
+            raise NpuGraphError(self.name, f"the session's shapes {shapes[0]} -> {shapes[1]} are not "
+                                           f"({self.tokens}, {self.k}) -> ({self.tokens}, {self.n})")
+        self._in, self._out_name = ins[0].name, outs[0].name
+        self._out = np.empty((self.tokens, self.n), np.float32)          # (tokens, N): bound once
+        self._io = self._sess.io_binding()
+        self._io.bind_output(self._out_name, "cpu", 0, np.float32, list(self._out.shape), self._out.ctypes.data)
+
+    def run(self, x: np.ndarray) -> np.ndarray:
+        """y for x (tokens, K) float32. Returns the subgraph's output buffer (tokens, N): the
+        next run overwrites it; copy what must be kept."""
+        if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.shape != (self.tokens, self.k):
+            found = f"{x.dtype} {x.shape}" if isinstance(x, np.ndarray) else type(x).__name__
+            raise NpuInputError(f"npu graph {self.name!r}: x must be float32 {(self.tokens, self.k)}, found {found}")
+        x = np.ascontiguousarray(x)
+        # binds the caller's memory as is (no copy); the binding is dropped before returning so
+        # that no pointer to x outlives this call
+        self._io.bind_input(self._in, "cpu", 0, np.float32, list(x.shape), x.ctypes.data)
+        try:
+            self._sess.run_with_iobinding(self._io)
+        except Exception as e:
+            raise NpuGraphError(self.name, f"run failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._io.clear_binding_inputs()
+        return self._out
+
+
+def compile(graph, *, providers, provider_options=None, cache_dir: str | os.PathLike | None = None,
+            intra_op_threads: int = 0) -> OnnxSubgraph:
+    """The subgraph of `graph`, its model from the cache (else built, checked and cached), in a
+    session on the first available of `providers` (EP names in priority order; options per name
+    in `provider_options`). Raises NpuUnavailable, NpuGraphError (the caller falls back to the
+    CPU for this op) or ConfigError."""
+    _dims(graph)
+    model = cached_model(graph, cache_dir)
+    return OnnxSubgraph(graph, model, providers=providers, provider_options=provider_options,
+                        intra_op_threads=intra_op_threads)

@@ -1,0 +1,126 @@
+"""Faults of the npu unit: a provider or delegate that is missing, a subgraph the runtime rejects,
+a numeric self-check that fails. The unit (or, for a rejection at load, the whole unit after a
+re-plan) falls back with its reason shown in `edgellm plan` and the log, and generation completes
+on the CPU with the tokens a CPU-only engine produces."""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+from typer.testing import CliRunner
+
+import edgellm
+from edgellm.backends import npu
+from edgellm.cli import app
+from edgellm.device.host import estimate_host_profile
+from edgellm.device.profile import Npu
+from edgellm.device.profile_yaml import load_profile, write_profile
+from tests.synthetic import write_tiny_model
+
+
+def _home(tmp_path, monkeypatch, *, providers=("CPUExecutionProvider",), delegate=None):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    n = Npu("test npu", {"int8": 4e12}, tuple(providers), delegate, True, (32,), frozenset({"matmul"}), 300e-6, 100e-6)
+    path = write_profile(replace(estimate_host_profile(), name="host", npu=n),
+                         tmp_path / "home" / "profiles" / "host.yaml")
+    npu.reset()
+    npu.use_profile(load_profile(path))       # as the dispatcher does before it probes
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    npu.reset()
+    yield
+    npu.reset()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tm = write_tiny_model(tmp_path_factory.mktemp("m") / "tiny.gguf", tensor_type=QT.Q8_0, n_layers=2, seed=4)
+    ref = edgellm.load(tm.path, n_ctx=128, units=["reference"])
+    return tm.path, ref.generate("hello", max_tokens=6, temperature=0)
+
+
+def _check_fallback(path, cpu_text, expect, caplog):
+    ok, why = npu.available()
+    assert not ok and expect in why, why
+    res = CliRunner().invoke(app, ["plan", "--model", path, "--prompt-tokens", "32", "--ctx", "128"])
+    assert res.exit_code == 0, res.output
+    assert expect in " ".join(res.output.split()), res.output
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        eng = edgellm.load(path, n_ctx=128, units=["npu", "reference"])
+    assert "npu" not in eng.plan.units_used()
+    assert "unit npu unavailable" in caplog.text and expect in caplog.text
+    assert eng.generate("hello", max_tokens=6, temperature=0) == cpu_text
+
+
+def test_missing_provider(tmp_path, monkeypatch, tiny, caplog):
+    _home(tmp_path, monkeypatch, providers=("QNNExecutionProvider",))
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", "onnx")
+    _check_fallback(*tiny, "none of the profile's providers ['QNNExecutionProvider']", caplog)
+
+
+def test_missing_delegate(tmp_path, monkeypatch, tiny, caplog):
+    _home(tmp_path, monkeypatch, delegate=str(tmp_path / "no_such_delegate.so"))
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", "tflite")
+    _check_fallback(*tiny, "no_such_delegate.so", caplog)
+
+
+def test_failed_self_check(tmp_path, monkeypatch, tiny, caplog):
+    from edgellm.backends import npu_onnx
+
+    _home(tmp_path, monkeypatch)
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", "onnx")
+    real = npu_onnx.compile
+
+    class Wrong:                      # a provider that runs but computes garbage
+        def __init__(self, sub):
+            self.sub = sub
+
+        def run(self, x):
+            return self.sub.run(x) * 1.5
+    monkeypatch.setattr(npu_onnx, "compile", lambda g, **kw: Wrong(real(g, **kw)))
+    _check_fallback(*tiny, "numeric self-check failed", caplog)
+
+
+def test_subgraph_rejected_at_load_replans_to_the_cpu(tmp_path, monkeypatch, tiny, caplog):
+    from edgellm.backends import npu_onnx
+
+    _home(tmp_path, monkeypatch)
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", "onnx")
+    path, cpu_text = tiny
+    assert npu.available()[0]
+    real = npu_onnx.compile
+
+    def picky(g, **kw):
+        if g.name == "blk.1.ffn_down":
+            raise npu_onnx.NpuGraphError(g.name, "the provider rejected MatMulInteger (injected)")
+        return real(g, **kw)
+    monkeypatch.setattr(npu_onnx, "compile", picky)
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        eng = edgellm.load(path, n_ctx=128, units=["npu", "reference"])
+    assert "npu" not in eng.plan.units_used()
+    assert any("blk.1.ffn_down" in w for w in eng.plan.warnings)
+    assert "rejected" in caplog.text
+    assert eng.generate("hello", max_tokens=6, temperature=0) == cpu_text
+
+
+@pytest.mark.parametrize("runtime", ["onnx", "tflite"])
+def test_healthy_unit_runs_the_projections(tmp_path, monkeypatch, tiny, runtime):
+    _home(tmp_path, monkeypatch)
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", runtime)
+    path, _ = tiny
+    ok, why = npu.available()
+    assert ok, why
+    eng = edgellm.load(path, n_ctx=128, units=["npu", "reference"])
+    used = {p.op: p.unit for p in eng.plan.prefill.placements}
+    assert {used[op] for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down")} == {"npu"}, used
+    ref = edgellm.load(path, n_ctx=128, units=["reference"])
+    ids = ref.tokenize("hello there, a test of the npu")
+    got, want = eng.logits(ids), ref.logits(ids)
+    nmse = float(((got - want) ** 2).mean() / (want ** 2).mean())
+    # int8 weights per channel and int8 activations per row: ~1e-4 per projection, compounding
+    print(f"\n[npu {runtime}] logits NMSE vs the fp32 reference: {nmse:.2e}")
+    assert nmse < 1e-2, nmse

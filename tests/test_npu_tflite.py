@@ -1,0 +1,571 @@
+"""The npu unit's LiteRT/TFLite path (backends/npu_tflite.py): op conformance of every weight
+format against npu_graphs.reference, padded buckets, the on-disk model cache, typed errors, and
+the flatbuffer validator under targeted and random corruption.
+
+Runs on the default CPU path of whatever runtime is installed (ai_edge_litert's XNNPACK here);
+the tests that need a runtime skip with the reason when there is none (the [npu] extra)."""
+from __future__ import annotations
+
+import ctypes.util
+import importlib
+import logging
+import struct
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from edgellm.backends import npu_graphs as G
+from edgellm.backends import npu_tflite as T
+from edgellm.errors import ConfigError, EdgeLLMError
+
+pytest.importorskip("tflite", reason="the tflite schema package (the [npu] extra) writes the models")
+_OK, _WHY = T.available()
+needs_runtime = pytest.mark.skipif(not _OK, reason=f"no TFLite runtime: {_WHY}")
+
+K, N, FF = 64, 96, 128                   # small dims; SmolLM2's are d=576, ff=1536, qkv N=960
+BUCKETS = (32, 64, 128, 256)
+
+
+def nmse(y, ref) -> float:
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    return float(np.sum((y - ref) ** 2) / np.sum(ref ** 2))
+
+
+def _linear(fmt, k, n, tokens, bias, seed=0, name="blk.0.qkv"):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
+    b = rng.standard_normal(n).astype(np.float32) if bias else None
+    return G.LinearGraph(name, G.quantize(w, fmt, b), tokens)
+
+
+def _ffn(fmt, d, ff, tokens, seed=0, name="blk.0.ffn"):
+    rng = np.random.default_rng(seed)
+    gu = rng.standard_normal((2 * ff, d)).astype(np.float32) / np.sqrt(d)
+    dn = rng.standard_normal((d, ff)).astype(np.float32) / np.sqrt(ff)
+    return G.FfnGraph(name, G.quantize(gu, fmt), G.quantize(dn, fmt), tokens)
+
+
+def _x(graph, seed=1):
+    k = graph.w.k if isinstance(graph, G.LinearGraph) else graph.gate_up.k
+    return np.random.default_rng(seed).standard_normal((graph.tokens, k)).astype(np.float32)
+
+
+# -- expected error of the dynamic-range (hybrid) paths -----------------------------------------
+# int8/int4 FULLY_CONNECTED quantizes each input row to int8 on the fly, asymmetric: step
+# s = (max(row, 0) - min(row, 0)) / 255 (both kernels, XNNPACK and the builtin one, checked
+# bit-for-bit against this scheme). The rounding error is uniform in [-s/2, s/2] (variance
+# s^2 / 12) and independent across k, so one output y[t, n] = sum_k x[t, k] W[n, k] gets error
+# variance s_t^2 / 12 * sum_k W[n, k]^2. Expected NMSE = sum of those / sum y^2. For N(0, 1) rows
+# of K=64, s ~ 4.9 / 255 and the NMSE ~ s^2 / 12 ~ 3e-5 (2e-5 more or less with the bias).
+# int4 adds its scale rounding: scales are stored f16, and XNNPACK rounds them again to bf16
+# (relative error up to 2^-9), a known deterministic weight error dW: + (x dW^T)^2.
+# The FFN linearizes: gate/up errors pass through h = silu(g) * u with their derivatives, then h
+# is quantized again for the down projection. Measured / expected is 0.96..1.06 over these
+# shapes; the tests accept 0.5..2 (quantization must be there, and no worse than derived).
+def _row_var(x):
+    s = (np.maximum(x.max(1), 0) - np.minimum(x.min(1), 0)) / 255.0
+    return s ** 2 / 12.0                                            # (T,)
+
+
+def _bf16(a):
+    u = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def _weight_error(w: G.QLinear) -> np.ndarray:
+    if w.fmt != "int4":
+        return np.zeros((w.n, w.k))
+    s = _bf16(w.scale.astype(np.float16).astype(np.float32)).astype(np.float64)
+    run = (w.q.astype(np.float64) - 8).reshape(w.n, -1, G.INT4_BLOCK) * s[:, :, None]
+    return run.reshape(w.n, w.k) - w.dequantize().astype(np.float64)
+
+
+def expected_hybrid_nmse(graph, x) -> float:
+    x = x.astype(np.float64)
+    if isinstance(graph, G.LinearGraph):
+        W = graph.w.dequantize().astype(np.float64)
+        var = _row_var(x)[:, None] * (W ** 2).sum(1) + (x @ _weight_error(graph.w).T) ** 2
+        return float(var.sum() / np.sum(G.reference(graph, x) ** 2))
+    Wgu = graph.gate_up.dequantize().astype(np.float64)
+    Wd = graph.down.dequantize().astype(np.float64)
+    ff = Wgu.shape[0] // 2
+    v1 = _row_var(x)[:, None] * (Wgu ** 2).sum(1) + (x @ _weight_error(graph.gate_up).T) ** 2
+    gu = x @ Wgu.T
+    g, u = gu[:, :ff], gu[:, ff:]
+    sig = 1.0 / (1.0 + np.exp(-g))
+    silu, dsilu = g * sig, sig * (1.0 + g * (1.0 - sig))
+    h = silu * u
+    vh = (dsilu * u) ** 2 * v1[:, :ff] + silu ** 2 * v1[:, ff:] + _row_var(h)[:, None]
+    vy = vh @ (Wd ** 2).T + (h @ _weight_error(graph.down).T) ** 2
+    return float(vy.sum() / np.sum((h @ Wd.T) ** 2))
+
+
+# Float paths: both sides are f32 dot products of length K (numpy's reference and the kernel's,
+# in other summation orders), so the difference is rounding only: a random walk of ~K roundings
+# of relative size u = 2^-24, NMSE ~ K u^2 ~ 2e-12 at K=576 (measured ~2e-14 at K=64). fp16
+# weights are dequantized exactly (every f16 is an f32), so the same bound holds; 1e-10 is 50x
+# the estimate, and an fp16 rounding of weights or activations anywhere (~1e-7) fails it.
+FLOAT_BOUND = 1e-10
+
+
+def _check(graph, y, x, label):
+    got = nmse(y, G.reference(graph, x))
+    fmt = graph.w.fmt if isinstance(graph, G.LinearGraph) else graph.gate_up.fmt
+    if fmt in ("fp32", "fp16"):
+        print(f"{label}: NMSE {got:.3g} (bound {FLOAT_BOUND:g})")
+        assert got <= FLOAT_BOUND, f"{label}: NMSE {got:.3g} > {FLOAT_BOUND:g}"
+    else:
+        want = expected_hybrid_nmse(graph, x)
+        print(f"{label}: NMSE {got:.3g}, expected {want:.3g} (ratio {got / want:.3f})")
+        assert 0.5 * want <= got <= 2.0 * want, f"{label}: NMSE {got:.3g}, expected {want:.3g}"
+
+
+# -- conformance ---------------------------------------------------------------------------------
+@needs_runtime
+@pytest.mark.parametrize("tokens", BUCKETS)
+@pytest.mark.parametrize("kind", ["linear", "linear+bias", "ffn"])
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int4"])
+def test_subgraph_matches_reference(tmp_path, fmt, kind, tokens):
+    graph = _ffn(fmt, K, FF, tokens) if kind == "ffn" else _linear(fmt, K, N, tokens, kind == "linear+bias")
+    sub = T.compile(graph, cache_dir=tmp_path)
+    x = _x(graph)
+    y = sub.run(x)
+    assert y.shape == sub.output_shape and y.dtype == np.float32
+    _check(graph, y, x, f"{fmt} {kind} T={tokens}")
+
+
+@needs_runtime
+@pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int4"])
+def test_smollm2_qkv_shape(tmp_path, fmt):
+    graph = _linear(fmt, 576, 960, 32, bias=False, name="blk.0.attn_qkv")
+    x = _x(graph)
+    _check(graph, T.compile(graph, cache_dir=tmp_path).run(x), x, f"{fmt} 576->960 T=32")
+
+
+def _emulate_hybrid(graph, x, int4_scale_round):
+    """The hybrid FC exactly: each row of x quantized to int8, asymmetric, then exact products
+    with the weights as the kernel holds them (int4 scales rounded as `int4_scale_round`)."""
+    x = x.astype(np.float64)
+    lo, hi = np.minimum(x.min(1), 0), np.maximum(x.max(1), 0)
+    s = (hi - lo) / 255.0
+    zp = np.rint(-128.0 - lo / s)
+    xq = (np.clip(np.rint(x / s[:, None]) + zp[:, None], -128, 127) - zp[:, None]) * s[:, None]
+    w = graph.w
+    if w.fmt == "int4":
+        sc = int4_scale_round(w.scale).astype(np.float64)
+        W = ((w.q.astype(np.float64) - 8).reshape(w.n, -1, G.INT4_BLOCK) * sc[:, :, None]).reshape(w.n, w.k)
+    else:
+        W = w.q.astype(np.float64) * w.scale.astype(np.float64)[:, None]
+    return xq @ W.T + (0.0 if w.bias is None else w.bias)
+
+
+@needs_runtime
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_hybrid_path_is_exactly_per_row_asymmetric_int8(tmp_path, fmt):
+    """The scheme the NMSE derivation assumes, checked directly: the output equals an emulation
+    of per-row asymmetric int8 input quantization to f32 rounding (int4: scales as f16, which
+    the builtin kernel uses, or rounded again to bf16 as XNNPACK does)."""
+    graph = _linear(fmt, 576, 960, 32, bias=True)
+    x = _x(graph) + 0.5                          # one-sided-ish rows: the zero point matters
+    y = T.compile(graph, cache_dir=tmp_path).run(x)
+    rounds = [lambda s: s.astype(np.float16).astype(np.float32),
+              lambda s: _bf16(s.astype(np.float16).astype(np.float32))]
+    got = min(nmse(y, _emulate_hybrid(graph, x, r)) for r in rounds)
+    print(f"{fmt}: NMSE against the emulated hybrid kernel {got:.3g}")
+    assert got <= FLOAT_BOUND
+
+
+@needs_runtime
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_all_zero_rows_and_blocks(tmp_path, fmt):
+    """quantize() gives a zero row (int8) or block (int4) scale 0, which XNNPACK refuses: the
+    writer rewrites those weights (still exactly 0) so the model loads and matches."""
+    w = np.random.default_rng(3).standard_normal((N, K)).astype(np.float32)
+    w[5] = 0.0
+    w[7, :G.INT4_BLOCK] = 0.0
+    graph = G.LinearGraph("zeros", G.quantize(w, fmt), 32)
+    assert (graph.w.scale == 0).any()
+    x = _x(graph)
+    y = T.compile(graph, cache_dir=tmp_path).run(x)
+    assert np.all(y[:, 5] == 0.0)
+    _check(graph, y, x, f"{fmt} zero rows")
+
+
+@needs_runtime
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_padded_rows_give_the_same_real_rows(tmp_path, fmt):
+    """20 real rows padded to the 32 bucket: what the padding holds changes none of them."""
+    graph = _ffn(fmt, K, FF, 32)
+    sub = T.compile(graph, cache_dir=tmp_path)
+    real = _x(graph)[:20]
+    zeros = np.zeros((32, K), np.float32)
+    zeros[:20] = real
+    junk = np.random.default_rng(9).standard_normal((32, K)).astype(np.float32) * 100
+    junk[:20] = real
+    a, b = sub.run(zeros)[:20], sub.run(junk)[:20]
+    assert np.array_equal(a, b)          # rows are independent, per-row input quantization too
+    ref20 = G.FfnGraph(graph.name, graph.gate_up, graph.down, 20)
+    _check(ref20, a, real, f"{fmt} 20 of 32 rows")
+
+
+@needs_runtime
+def test_run_accepts_strided_input_and_out_buffer(tmp_path):
+    graph = _linear("fp32", K, N, 32, bias=True)
+    sub = T.compile(graph, cache_dir=tmp_path)
+    x = _x(graph)
+    wide = np.zeros((32, 2 * K), np.float32)
+    wide[:, ::2] = x
+    out = np.empty(sub.output_shape, np.float32)
+    assert sub.run(wide[:, ::2], out=out) is out
+    np.testing.assert_array_equal(out, sub.run(x))
+
+
+# -- typed errors ----------------------------------------------------------------------------------
+@needs_runtime
+@pytest.mark.parametrize("bad", [
+    np.zeros((31, K), np.float32),            # not the bucket
+    np.zeros((32, K + 1), np.float32),
+    np.zeros((32, K), np.float64),            # not float32
+    [[0.0] * K] * 32,                         # not an array
+])
+def test_wrong_input_is_a_typed_error(tmp_path, bad):
+    sub = T.compile(_linear("fp32", K, N, 32, bias=False), cache_dir=tmp_path)
+    with pytest.raises(T.NpuInputError, match=r"float32 \(32, 64\)"):
+        sub.run(bad)
+    with pytest.raises(T.NpuInputError):
+        sub.run(np.zeros((32, K), np.float32), out=np.zeros((32, N), np.float64))
+
+
+@needs_runtime
+def test_missing_delegate_is_a_typed_error_naming_it(tmp_path):
+    path = str(tmp_path / "no_such_dir" / "libvendor_npu_delegate.so")
+    with pytest.raises(T.TfliteDelegateError) as e:
+        T.compile(_linear("int8", K, N, 32, bias=False), delegate=path, cache_dir=tmp_path)
+    assert e.value.delegate == path and path in str(e.value)
+    with pytest.raises(T.TfliteDelegateError, match="libnot_a_delegate_anywhere.so"):
+        T.compile(_linear("int8", K, N, 32, bias=False), delegate="libnot_a_delegate_anywhere.so",
+                  cache_dir=tmp_path)
+
+
+# A minimal external delegate (the tflite_plugin_* interface load_delegate calls): it claims no
+# node, so the CPU runs everything; option mode=fail_create / fail_prepare makes it fail there.
+_NOOP_DELEGATE_C = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+typedef struct TfLiteDelegate {
+  void *data_;
+  int (*Prepare)(void *context, struct TfLiteDelegate *delegate);
+  void *CopyFromBufferHandle, *CopyToBufferHandle, *FreeBufferHandle;
+  int64_t flags;
+  void *opaque_delegate_builder;
+} TfLiteDelegate;
+static int prepare_ok(void *c, TfLiteDelegate *d) { (void)c; (void)d; return 0; }
+static int prepare_fail(void *c, TfLiteDelegate *d) { (void)c; (void)d; return 1; }
+TfLiteDelegate *tflite_plugin_create_delegate(char **keys, char **values, size_t n,
+                                              void (*report)(const char *)) {
+  int fail_prepare = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (!strcmp(keys[i], "mode") && !strcmp(values[i], "fail_create")) { report("asked to fail"); return NULL; }
+    if (!strcmp(keys[i], "mode") && !strcmp(values[i], "fail_prepare")) fail_prepare = 1;
+  }
+  TfLiteDelegate *d = calloc(1, sizeof(TfLiteDelegate));
+  d->Prepare = fail_prepare ? prepare_fail : prepare_ok;
+  return d;
+}
+void tflite_plugin_destroy_delegate(TfLiteDelegate *d) { free(d); }
+"""
+
+
+@pytest.fixture(scope="module")
+def noop_delegate(tmp_path_factory):
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler to build the test delegate")
+    d = tmp_path_factory.mktemp("delegate")
+    (d / "noop_delegate.c").write_text(_NOOP_DELEGATE_C)
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(d / "libnoop_delegate.so"),
+                    str(d / "noop_delegate.c")], check=True)
+    return str(d / "libnoop_delegate.so")
+
+
+@needs_runtime
+def test_an_external_delegate_is_loaded_with_its_options(tmp_path, noop_delegate):
+    graph = _linear("int8", K, N, 32, bias=True)
+    sub = T.compile(graph, delegate=noop_delegate, delegate_options={"mode": "ok"}, cache_dir=tmp_path)
+    assert sub.delegate == noop_delegate
+    x = _x(graph)
+    np.testing.assert_array_equal(sub.run(x), T.compile(graph, cache_dir=tmp_path).run(x))
+    with pytest.raises(T.TfliteDelegateError, match="asked to fail") as e:
+        T.compile(graph, delegate=noop_delegate, delegate_options={"mode": "fail_create"}, cache_dir=tmp_path)
+    assert e.value.delegate == noop_delegate
+    with pytest.raises(T.TfliteDelegateError, match="refused subgraph 'blk.0.qkv'"):
+        T.compile(graph, delegate=noop_delegate, delegate_options={"mode": "fail_prepare"}, cache_dir=tmp_path)
+    with pytest.raises(ConfigError, match="delegate_options"):
+        T.compile(graph, delegate=noop_delegate, delegate_options={"mode": ["ok"]}, cache_dir=tmp_path)
+
+
+@needs_runtime
+def test_a_library_that_is_not_a_delegate_is_refused(tmp_path):
+    libm = ctypes.util.find_library("m")
+    if libm is None:
+        pytest.skip("no libm to load")
+    with pytest.raises(T.TfliteDelegateError, match="not a TFLite external delegate"):
+        T.compile(_linear("fp32", K, N, 32, bias=False), delegate=libm, cache_dir=tmp_path)
+
+
+def test_rejected_graphs_name_the_graph():
+    rng = np.random.default_rng(0)
+    gu = G.quantize(rng.standard_normal((2 * FF, K)).astype(np.float32), "fp32")
+    dn = G.quantize(rng.standard_normal((K + 1, FF)).astype(np.float32), "fp32")   # d mismatch
+    with pytest.raises(T.NpuGraphError, match="'blk.9.ffn'.*gate_up"):
+        T.build_flatbuffer(G.FfnGraph("blk.9.ffn", gu, dn, 32))
+    with pytest.raises(T.NpuGraphError, match="tokens"):
+        T.build_flatbuffer(_linear("fp32", K, N, 0, bias=False))
+    w = G.quantize(rng.standard_normal((N, K)).astype(np.float32), "int4")
+    huge = G.QLinear("int4", N, K, w.q, w.scale * 1e6)          # scales past float16
+    ok, why = T.supports(G.LinearGraph("big", huge, 32))
+    assert not ok and "float16" in why
+    wide = G.QLinear("int4", N, K, w.q + 16, w.scale)          # not 4-bit values
+    ok, why = T.supports(G.LinearGraph("wide", wide, 32))
+    assert not ok and "0..15" in why
+
+
+@needs_runtime
+def test_int4_where_the_runtime_cannot_is_a_typed_error(tmp_path, monkeypatch):
+    assert T.int4_supported() == (True, "")        # this runtime runs blockwise INT4
+    monkeypatch.setattr(T, "_int4_state", (False, "int4 weights are not supported by this runtime"))
+    with pytest.raises(T.NpuGraphError, match="'blk.0.qkv'.*int4"):
+        T.compile(_linear("int4", K, N, 32, bias=False), cache_dir=tmp_path)
+
+
+def test_a_runtime_that_fails_under_numpy_2_is_reported(monkeypatch):
+    """tflite_runtime 2.14 imports under numpy 2, then fails at Interpreter(): available() says so."""
+    fake = types.ModuleType("fake_tflite_runtime_interpreter")
+
+    def interpreter(**_):
+        raise AttributeError("_ARRAY_API not found")
+
+    fake.Interpreter, fake.load_delegate = interpreter, None
+    monkeypatch.setitem(sys.modules, "fake_tflite_runtime_interpreter", fake)
+    monkeypatch.setattr(T, "_RUNTIMES", (("tflite_runtime", "fake_tflite_runtime_interpreter"),))
+    monkeypatch.setattr(T, "_runtime_state", None)
+    ok, why = T.available()
+    assert not ok
+    assert "tflite_runtime" in why and "_ARRAY_API" in why and f"numpy {np.__version__}" in why
+    with pytest.raises(T.TfliteUnavailable):
+        T.compile(_linear("fp32", K, N, 32, bias=False))
+
+
+# -- the cache -------------------------------------------------------------------------------------
+@needs_runtime
+def test_second_compile_loads_from_the_cache(tmp_path):
+    graph = _ffn("int8", K, FF, 64)
+    before = (T.stats.built, T.stats.loaded, T.stats.interpreters)
+    y1 = T.compile(graph, cache_dir=tmp_path).run(_x(graph))
+    y2 = T.compile(graph, cache_dir=tmp_path).run(_x(graph))
+    after = (T.stats.built, T.stats.loaded, T.stats.interpreters)
+    assert tuple(a - b for a, b in zip(after, before)) == (1, 1, 2)
+    np.testing.assert_array_equal(y1, y2)
+    (path,) = tmp_path.glob("*.tflc")
+    assert path == T.cache_path(graph, tmp_path) and path.read_bytes()[:8] == b"ELTFLC01"
+    # other weights, another bucket: other files
+    T.compile(_ffn("int8", K, FF, 64, seed=5), cache_dir=tmp_path)
+    T.compile(_ffn("int8", K, FF, 32), cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.tflc"))) == 3
+
+
+def test_default_cache_dir_is_under_edgellm_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
+    graph = _linear("fp16", K, N, 32, bias=False)
+    assert T.cache_path(graph).parent == tmp_path / "cache" / "npu" / "tflite"
+    T.load_or_build(graph)
+    assert T.cache_path(graph).is_file()
+
+
+def _damage(path, how):
+    data = bytearray(path.read_bytes())
+    hdr = T._HEADER.size
+    if how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "payload-bit":
+        data[hdr + (len(data) - hdr) // 2] ^= 0x10
+    elif how == "empty":
+        data = bytearray()
+    elif how == "stale-writer":
+        struct.pack_into("<I", data, 12, T.WRITER_VERSION + 1)
+    elif how == "valid-checksum-bad-model":     # a consistent header around a broken flatbuffer
+        payload = bytearray(data[hdr:])
+        payload[4:8] = b"XXXX"
+        import hashlib
+        struct.pack_into("<32s", data, 24, hashlib.sha256(bytes(payload)).digest())
+        data[hdr:] = payload
+    path.write_bytes(bytes(data))
+
+
+@needs_runtime
+@pytest.mark.parametrize("how", ["truncated", "payload-bit", "empty", "stale-writer",
+                                 "valid-checksum-bad-model"])
+def test_a_damaged_cache_file_is_rebuilt_with_one_warning(tmp_path, caplog, how):
+    graph = _linear("int8", K, N, 32, bias=True)
+    x = _x(graph)
+    good = T.compile(graph, cache_dir=tmp_path).run(x)
+    path = T.cache_path(graph, tmp_path)
+    _damage(path, how)
+    before = (T.stats.built, T.stats.loaded, T.stats.rebuilt)
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        y = T.compile(graph, cache_dir=tmp_path).run(x)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "rebuilding" in warnings[0].getMessage()
+    assert str(path) in warnings[0].getMessage()
+    after = (T.stats.built, T.stats.loaded, T.stats.rebuilt)
+    assert tuple(a - b for a, b in zip(after, before)) == (1, 0, 1)
+    np.testing.assert_array_equal(y, good)
+    caplog.clear()                                 # rewritten: the next compile loads it quietly
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        T.compile(graph, cache_dir=tmp_path)
+    assert not caplog.records and T.stats.loaded == after[1] + 1
+
+
+# -- the validator ---------------------------------------------------------------------------------
+def test_schema_constants_match_the_package():
+    op = importlib.import_module("tflite.BuiltinOperator").BuiltinOperator
+    opt = importlib.import_module("tflite.BuiltinOptions").BuiltinOptions
+    tt = importlib.import_module("tflite.TensorType").TensorType
+    assert (T._FC, T._DEQ, T._SPLIT, T._LOGISTIC, T._MUL) == (
+        op.FULLY_CONNECTED, op.DEQUANTIZE, op.SPLIT, op.LOGISTIC, op.MUL)
+    assert (T._Opt.FullyConnectedOptions, T._Opt.MulOptions, T._Opt.SplitOptions,
+            T._Opt.DequantizeOptions) == (opt.FullyConnectedOptions, opt.MulOptions,
+                                          opt.SplitOptions, opt.DequantizeOptions)
+    assert (T._TT.FLOAT32, T._TT.FLOAT16, T._TT.INT32, T._TT.INT8, T._TT.INT4) == (
+        tt.FLOAT32, tt.FLOAT16, tt.INT32, tt.INT8, tt.INT4)
+
+
+def _model(buf):
+    return importlib.import_module("tflite.Model").Model.GetRootAs(buf, 0)
+
+
+def _patch_i32(buf: bytes, pos: int, value: int) -> bytes:
+    b = bytearray(buf)
+    struct.pack_into("<i", b, pos, value)
+    return bytes(b)
+
+
+def _op_input_pos(buf, op, j):
+    o = _model(buf).Subgraphs(0).Operators(op)
+    return o._tab.Vector(o._tab.Offset(6)) + 4 * j
+
+
+def _field_pos(table, slot):
+    off = table._tab.Offset(4 + 2 * slot)
+    assert off, f"slot {slot} absent"
+    return table._tab.Pos + off
+
+
+def _corruptions(buf):
+    """(what, corrupted bytes, expected field substring), built on a valid FFN model."""
+    m = _model(buf)
+    sg = m.Subgraphs(0)
+    out = [
+        ("empty", b"", "header"),
+        ("truncated header", buf[:6], "header"),
+        ("file identifier", buf[:4] + b"TFL2" + buf[8:], "file_identifier"),
+        ("op input index", _patch_i32(buf, _op_input_pos(buf, 0, 1), 99), "operators[0].inputs[1]"),
+        ("op reads a later tensor", _patch_i32(buf, _op_input_pos(buf, 2, 0), 10), "operators[2].inputs[0]"),
+        ("tensor buffer index", _patch_i32(buf, _field_pos(sg.Tensors(1), 2), 99), "tensors[1].buffer"),
+        ("opcode index", _patch_i32(buf, _field_pos(sg.Operators(1), 0), 7), "operators[1].opcode_index"),
+        ("builtin code", _patch_i32(buf, _field_pos(m.OperatorCodes(0), 3), 116),
+         "operator_codes[0].builtin_code"),
+        ("tensor type", buf[:_field_pos(sg.Tensors(1), 1)] + bytes([5])       # INT8 -> STRING
+         + buf[_field_pos(sg.Tensors(1), 1) + 1:], "tensors[1].type"),
+    ]
+    t2 = sg.Tensors(2)                                   # gate_up.out (T, 2 ff)
+    shape_at = t2._tab.Vector(t2._tab.Offset(4))
+    out.append(("activation shape", _patch_i32(buf, shape_at + 4, 2 * FF + 2), "operators[0].outputs[0]"))
+    t1 = sg.Tensors(1)                                   # gate_up.weight: its data no longer fits
+    out.append(("weight shape", _patch_i32(buf, t1._tab.Vector(t1._tab.Offset(4)), 2 * FF + 1),
+                "tensors[1].buffer"))
+    return out
+
+
+def test_validator_accepts_what_the_writer_builds():
+    for fmt in ("fp32", "fp16", "int8", "int4"):
+        for graph in (_linear(fmt, K, N, 32, True), _linear(fmt, K, N, 32, False), _ffn(fmt, K, FF, 32)):
+            T.validate(T.build_flatbuffer(graph))
+
+
+@pytest.mark.parametrize("case", range(11))
+def test_validator_names_what_is_wrong(case):
+    graph = _ffn("int8", K, FF, 32)
+    buf = T.build_flatbuffer(graph)
+    what, bad, field = _corruptions(buf)[case]
+    with pytest.raises(T.TfliteModelError) as e:
+        T.validate(bad, source="fixture.tflite")
+    assert field in e.value.field, f"{what}: {e.value}"
+    assert "fixture.tflite" in str(e.value)
+    if _OK:                   # and no interpreter ever sees it
+        before = T.stats.interpreters
+        with pytest.raises(T.TfliteModelError):
+            T.TfliteSubgraph(graph, bad)
+        assert T.stats.interpreters == before
+
+
+def test_validator_rejects_non_bytes():
+    with pytest.raises(T.TfliteModelError, match="expected bytes"):
+        T.validate(None)
+
+
+@needs_runtime
+def test_random_corruption_never_crashes(tmp_path):
+    """A few hundred mutations of small valid models (truncation, byte flips mostly in the
+    flatbuffer structure rather than the weights, interesting 32-bit values): validate() either
+    rejects with TfliteModelError, or the model loads and runs; any error is a typed one."""
+    rng = np.random.default_rng(2024)
+    graphs = []
+    for fmt in ("fp32", "fp16", "int8", "int4"):
+        graphs += [_linear(fmt, 32, 8, 4, True), _ffn(fmt, 32, 32, 4)]
+    models = []
+    for g in graphs:
+        buf = T.build_flatbuffer(g)
+        m, data = _model(buf), np.zeros(len(buf), bool)
+        for i in range(m.BuffersLength()):
+            b = m.Buffers(i)
+            if b._tab.Offset(4):
+                v = b._tab.Vector(b._tab.Offset(4))
+                data[v:v + b.DataLength()] = True
+        models.append((g, buf, np.nonzero(~data)[0]))    # positions outside the weight data
+    rejected = ran = typed_at_load = 0
+    for _ in range(400):
+        g, buf, structure = models[rng.integers(len(models))]
+        b = bytearray(buf)
+        how = rng.integers(4)
+        if how == 0:
+            b = b[: rng.integers(len(b))]
+        elif how == 1:
+            for _ in range(rng.integers(1, 4)):
+                b[structure[rng.integers(len(structure))]] = rng.integers(256)
+        elif how == 2:
+            at = int(structure[rng.integers(len(structure))]) & ~3
+            value = [0, 1, 2, 4, 8, 0x7FFFFFFF, 0xFFFFFFFF, len(b), int(rng.integers(64))][rng.integers(9)]
+            b[at:at + 4] = int(value).to_bytes(4, "little")
+        else:
+            b[rng.integers(len(b))] ^= 1 << int(rng.integers(8))
+        b = bytes(b)
+        try:
+            T.validate(b)
+        except T.TfliteModelError:
+            rejected += 1
+            continue
+        try:
+            sub = T.TfliteSubgraph(g, b)
+            sub.run(np.random.default_rng(1).standard_normal(sub.input_shape).astype(np.float32))
+            ran += 1
+        except EdgeLLMError:
+            typed_at_load += 1
+    print(f"400 mutants: {rejected} rejected by validate(), {ran} ran, {typed_at_load} typed errors at load")
+    assert rejected >= 200 and ran >= 20
