@@ -31,6 +31,10 @@ BLAS_ROWS_EFFICIENCY = ((1, 0.16), (8, 0.35), (16, 0.53), (32, 0.54), (64, 0.84)
                         (256, 0.92), (512, 0.95), (1024, 1.0))
 
 
+# op kinds an NPU runs only inside its fused FFN subgraph, between two projections it also runs
+FFN_INNER_KINDS = frozenset({"swiglu"})
+
+
 @dataclass(frozen=True)
 class Unit:
     name: str                                  # backend name: reference, neon, opencl, npu
@@ -110,6 +114,11 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
     prec, fmt = unit.precision_for(op, weight_format)
     t = unit.padded(tokens)
     cost = op_cost(op, cfg, t, context, fmt, kv_bytes, prefill)
+    if unit.kind == "npu" and op.kind in FFN_INNER_KINDS:
+        # inside the FFN subgraph (gate/up, swiglu, down in one graph): no call of its own, and
+        # its intermediate stays in the accelerator's memory; booked as one pass over it
+        ms = cost.bytes / unit.bandwidth * 1e3
+        return Estimate(ms, prec, fmt, cost, "memory", 0.0)
     peak = unit.attainable(prec, 1 if (op.last_row_only and prefill) else t)
     if peak <= 0:
         return None

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 from . import backends
 from .chunking import ChunkChoice, choose_chunk
-from .costmodel import FUSED_OP_S, Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
+from .costmodel import FFN_INNER_KINDS, FUSED_OP_S, Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
 from .device.profile import DeviceProfile
 from .errors import ConfigError
 from .model.config import ModelConfig
@@ -159,7 +159,9 @@ def _probe(name: str, profile: DeviceProfile) -> tuple[bool, str]:
 
 def _supports(u: Unit, op: OpSpec, precision: str, probe: bool) -> tuple[bool, str]:
     if u.op_kinds is not None:
-        kinds = u.op_kinds | ({"lm_head"} if "matmul" in u.op_kinds else set())
+        # a unit that runs matmuls runs the head; an NPU also the FFN's swiglu, inside its FFN subgraph
+        kinds = u.op_kinds | ({"lm_head"} if "matmul" in u.op_kinds else set()) \
+            | (FFN_INNER_KINDS if u.kind == "npu" and "matmul" in u.op_kinds else set())
         if op.kind not in kinds:
             return False, f"{u.name} runs only {', '.join(sorted(u.op_kinds))}"
     if probe:

@@ -133,6 +133,9 @@ class ModelRunner:
         q_end, k_end = cfg.q_dim, cfg.q_dim + cfg.kv_dim
         (norm1, wn1), (mqkv, wqkv), (mrope, _), (matt, _), (mo, wo), (madd1, _), (norm2, wn2), \
             (mgu, wgu), (mswi, _), (mdown, wdown), (madd2, _) = (P[op] for op in _LAYER_OPS)
+        # a unit that holds the FFN's three ops and has a fused FFN call (an NPU subgraph) runs them
+        # in one call: the intermediate never comes back to the host
+        ffn_fused = mgu is mswi is mdown and hasattr(mgu, "ffn")
         # a unit that reads the KV pool's blocks itself skips the gather into fp32 buffers
         from_pool = (not seq.rotate_on_read and hasattr(matt, "attention_pool") and matt.can_read_pool(seq.pool))
         table = np.asarray(seq.block_table, dtype=np.int32) if from_pool else None
@@ -159,7 +162,11 @@ class ModelRunner:
                 att = matt.attention(q, kc, vc, start)                        # (T, q_dim)
             x = madd1.add(x, mo.matmul(att, wo.layers[li].wo))
             h = norm2.rmsnorm(x, wn2.layers[li].ffn_norm, cfg.norm_eps)
-            x = madd2.add(x, mdown.matmul(mswi.swiglu(mgu.matmul(h, wgu.layers[li].w_gate_up)), wdown.layers[li].w_down))
+            if ffn_fused:
+                x = madd2.add(x, mgu.ffn(h, wgu.layers[li]))
+            else:
+                x = madd2.add(x, mdown.matmul(mswi.swiglu(mgu.matmul(h, wgu.layers[li].w_gate_up)),
+                                              wdown.layers[li].w_down))
         return x
 
     def _fusable(self, seq) -> bool:

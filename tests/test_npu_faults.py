@@ -95,14 +95,14 @@ def test_subgraph_rejected_at_load_replans_to_the_cpu(tmp_path, monkeypatch, tin
     real = npu_onnx.compile
 
     def picky(g, **kw):
-        if g.name == "blk.1.ffn_down":
+        if g.name == "blk.1.ffn":
             raise npu_onnx.NpuGraphError(g.name, "the provider rejected MatMulInteger (injected)")
         return real(g, **kw)
     monkeypatch.setattr(npu_onnx, "compile", picky)
     with caplog.at_level(logging.WARNING, logger="edgellm"):
         eng = edgellm.load(path, n_ctx=128, units=["npu", "reference"])
     assert "npu" not in eng.plan.units_used()
-    assert any("blk.1.ffn_down" in w for w in eng.plan.warnings)
+    assert any("blk.1.ffn" in w for w in eng.plan.warnings)
     assert "rejected" in caplog.text
     assert eng.generate("hello", max_tokens=6, temperature=0) == cpu_text
 
@@ -116,7 +116,10 @@ def test_healthy_unit_runs_the_projections(tmp_path, monkeypatch, tiny, runtime)
     assert ok, why
     eng = edgellm.load(path, n_ctx=128, units=["npu", "reference"])
     used = {p.op: p.unit for p in eng.plan.prefill.placements}
-    assert {used[op] for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down")} == {"npu"}, used
+    assert {used[op] for op in ("qkv", "attn_out", "ffn_gate_up", "swiglu", "ffn_down")} == {"npu"}, used
+    # the FFN runs as one subgraph per bucket; its projections were not compiled separately
+    layer = eng.runner._ops["prefill"]["ffn_gate_up"][1].layers[0]
+    assert layer.ffn is not None and layer.ffn.graphs and not layer.w_gate_up.graphs
     ref = edgellm.load(path, n_ctx=128, units=["reference"])
     ids = ref.tokenize("hello there, a test of the npu")
     got, want = eng.logits(ids), ref.logits(ids)

@@ -156,6 +156,8 @@ def _probe() -> tuple[bool, str]:
 
 
 def supports(op: str, precision: str = "int8") -> tuple[bool, str]:
+    if op == "swiglu":
+        return True, "inside the FFN subgraph (gate/up, swiglu and down in one graph per bucket)"
     if op not in ("matmul", "lm_head"):
         return False, "the NPU takes only the projections (static-shape matmul subgraphs)"
     if precision not in ("int8", "fp16", "fp32"):
@@ -167,12 +169,15 @@ def supports(op: str, precision: str = "int8") -> tuple[bool, str]:
 
 @dataclass(frozen=True, eq=False)
 class NpuMatrix:
-    """One projection compiled for every bucket: bucket -> subgraph with .run((bucket, K) f32)."""
+    """One projection (or the fused FFN) compiled for every bucket: bucket -> subgraph with
+    .run((bucket, K) f32) -> (bucket, N). `make(bucket)` builds the graph spec; a bucket whose
+    subgraph was not compiled at load (an FFN projection the plan normally runs inside the fused
+    FFN) is compiled on first use, and logged."""
     name: str
     n: int
     k: int
     graphs: dict
-    bias: np.ndarray | None
+    make: object            # bucket -> LinearGraph | FfnGraph
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,7 @@ class LayerWeights:
     ffn_norm: np.ndarray
     w_gate_up: NpuMatrix | None
     w_down: NpuMatrix | None
+    ffn: NpuMatrix | None    # gate/up, swiglu and down in one subgraph, when this unit runs all three
 
 
 @dataclass(frozen=True)
@@ -213,19 +219,25 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
     def f32(name, shape):
         return quant.dequantize(model.raw(name), model.tensor_type(name), shape)
 
-    def mat(op: str, label: str, *parts: tuple[str, int], k: int, bias=None) -> NpuMatrix | None:
-        if not need(op):
-            return None
+    fused_ffn = need("swiglu") and need("ffn_gate_up") and need("ffn_down")
+
+    def qlin(*parts: tuple[str, int], k: int, bias=None):
         w = np.concatenate([f32(n, (r, k)) for n, r in parts]) if len(parts) > 1 else f32(parts[0][0], (parts[0][1], k))
         q = npu_graphs.quantize(w, weight_format(mod), bias)
         total[0] += q.q.nbytes + (q.scale.nbytes if q.scale is not None else 0)
-        graphs = {}
-        for b in buckets():
-            try:
-                graphs[b] = _compile(mod, npu_graphs.LinearGraph(label, q, b))
-            except Exception as e:   # a rejected subgraph: the unit re-plans away, with the reason
-                raise UnitFailed(NAME, f"subgraph {label} (bucket {b}) rejected: {type(e).__name__}: {e}") from e
-        return NpuMatrix(label, q.n, q.k, graphs, None)
+        return q
+
+    def compiled(label: str, n: int, k: int, make, eager: bool = True) -> NpuMatrix:
+        m = NpuMatrix(label, n, k, {}, make)
+        for b in buckets() if eager else ():
+            _graph(m, b)
+        return m
+
+    def mat(op: str, label: str, *parts: tuple[str, int], k: int, bias=None, eager=True) -> NpuMatrix | None:
+        if not need(op):
+            return None
+        q = qlin(*parts, k=k, bias=bias)
+        return compiled(label, q.n, q.k, lambda b, q=q: npu_graphs.LinearGraph(label, q, b), eager)
 
     layers = []
     for i in range(cfg.n_layers):
@@ -241,8 +253,9 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
             bqkv=None, wo=mat("attn_out", p + "attn_out", (p + "attn_output.weight", d), k=cfg.q_dim),
             ffn_norm=f32(p + "ffn_norm.weight", (d,)),
             w_gate_up=mat("ffn_gate_up", p + "ffn_gate_up", (p + "ffn_gate.weight", cfg.d_ff),
-                          (p + "ffn_up.weight", cfg.d_ff), k=d),
-            w_down=mat("ffn_down", p + "ffn_down", (p + "ffn_down.weight", d), k=cfg.d_ff)))
+                          (p + "ffn_up.weight", cfg.d_ff), k=d, eager=not fused_ffn),
+            w_down=mat("ffn_down", p + "ffn_down", (p + "ffn_down.weight", d), k=cfg.d_ff, eager=not fused_ffn),
+            ffn=_ffn(p, qlin, compiled, cfg) if fused_ffn else None))
         if progress:
             progress(i + 1, steps)
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
@@ -252,6 +265,25 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
     return PreparedWeights(
         embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
         layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm, nbytes=total[0])
+
+
+def _ffn(p: str, qlin, compiled, cfg: ModelConfig) -> NpuMatrix:
+    gu = qlin((p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), k=cfg.d_model)
+    down = qlin((p + "ffn_down.weight", cfg.d_model), k=cfg.d_ff)
+    label = p + "ffn"
+    return compiled(label, cfg.d_model, cfg.d_model, lambda b: npu_graphs.FfnGraph(label, gu, down, b))
+
+
+def _graph(m: NpuMatrix, bucket: int):
+    g = m.graphs.get(bucket)
+    if g is None:
+        if _state["runtime"] is None:
+            raise UnitFailed(NAME, "the npu unit is not available")
+        try:
+            g = m.graphs[bucket] = _compile(_state["runtime"], m.make(bucket))
+        except Exception as e:   # a rejected subgraph: the unit re-plans away, with the reason
+            raise UnitFailed(NAME, f"subgraph {m.name} (bucket {bucket}) rejected: {type(e).__name__}: {e}") from e
+    return g
 
 
 def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
@@ -273,18 +305,20 @@ def _run(w: NpuMatrix, x: np.ndarray) -> np.ndarray:
     that holds it."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     T = x.shape[0]
-    sizes = sorted(w.graphs)
+    if not w.graphs:
+        log.info("npu: compiling %s now (its FFN normally runs as one fused subgraph)", w.name)
+    sizes = sorted(buckets())
     top = sizes[-1]
     out = np.empty((T, w.n), np.float32)
     for s in range(0, T, top):
         rows = min(top, T - s)
         b = next(b for b in sizes if b >= rows)
         if rows == b:
-            out[s:s + rows] = w.graphs[b].run(x[s:s + rows])
+            out[s:s + rows] = _graph(w, b).run(x[s:s + rows])
         else:
             xp = np.zeros((b, w.k), np.float32)
             xp[:rows] = x[s:s + rows]
-            out[s:s + rows] = w.graphs[b].run(xp)[:rows]
+            out[s:s + rows] = _graph(w, b).run(xp)[:rows]
     return out
 
 
@@ -297,4 +331,23 @@ def matmul(x: np.ndarray, w: NpuMatrix, b: np.ndarray | None = None) -> np.ndarr
 
 def lm_head(x: np.ndarray, w: NpuMatrix) -> np.ndarray:
     return _run(w, x)
+
+
+def ffn(h: np.ndarray, layer: LayerWeights) -> np.ndarray:
+    """down(silu(gate(h)) * up(h)) in the layer's fused FFN subgraph: (T, d) -> (T, d)."""
+    return _run(layer.ffn, h)
+
+
+_warned_split = []
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """Reached only when a plan puts swiglu on the npu without both FFN projections (the fused
+    subgraph needs all three): computed on the host, said once."""
+    from . import reference
+
+    if not _warned_split:
+        _warned_split.append(True)
+        log.warning("npu: swiglu placed without its FFN projections; computing it on the host")
+    return reference.swiglu(gate_up)
 
