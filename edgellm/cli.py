@@ -428,6 +428,33 @@ def build(
     typer.echo(str(path))
 
 
+@app.command()
+@friendly
+def quantize(
+    model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
+    plan: str = typer.Option(..., "--plan", help="Precision plan: a preset (quality, balanced, fast) or a "
+                             "plan YAML (schema: edgellm/precision_presets/README.md)"),
+    out: Path = typer.Option(..., "-o", "--out", help="The GGUF file to write"),
+):
+    """Write a copy of MODEL whose weights are in the formats the precision PLAN names, as a GGUF
+    that llama.cpp and the gguf package read. Formats GGUF has no type for are written as the
+    nearest GGUF block type (int8 per channel -> Q8_0, int4 groups -> Q4_0), and said so. Prints
+    each conversion's SQNR and the file size predicted from the plan beside the size written."""
+    from .model.loader import open_model
+    from .model.registry import resolve_model
+    from .precision import load_plan
+    from .requant import format_report, plan_formats, requantize_gguf
+
+    src = resolve_model(model, progress=lambda d, t: Progress()("pull", d, t))
+    p = load_plan(plan)
+    mf = open_model(src)
+    n = mf.config.n_layers
+    formats = plan_formats(mf, lambda layer, op: p.weight_format(layer, op, n))
+    prog = Progress()
+    report = requantize_gguf(src, out, formats, progress=lambda d, t: prog("requantizing", d, t))
+    typer.echo(format_report(report))
+
+
 cache_app = typer.Typer(help="The on-disk session / prefix cache (EDGELLM_HOME/cache).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
