@@ -455,6 +455,55 @@ def quantize(
     typer.echo(format_report(report))
 
 
+precision_app = typer.Typer(help="Per-layer mixed precision: measure sensitivities (plans: edgellm quantize --plan).",
+                            no_args_is_help=True)
+app.add_typer(precision_app, name="precision")
+
+
+@precision_app.command("analyze")
+@friendly
+def precision_analyze(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    calib: str = typer.Option("builtin", "--calib", help="Calibration text: builtin (English prose and code "
+                              "written for edgellm) or a UTF-8 file"),
+    formats: str = typer.Option("q8_0,int8,q4_0,int4-32", "--formats", help="Candidate weight formats, comma-separated"),
+    ops: str = typer.Option("qkv,attn_out,ffn_gate_up,ffn_down,lm_head", "--ops", help="Ops to measure"),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="Calibration tokens per forward pass"),
+    top: int = typer.Option(10, "--top", help="Print the N most sensitive entries"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every entry as JSON here"),
+):
+    """Quantize one layer's op at a time to each candidate format (and its input activations to
+    int8) and measure the mean KL of the next-token distribution against the unquantized model on
+    calibration text. One forward pass per (layer, op, format); cached per model and settings."""
+    import edgellm
+
+    from .calibration import load_calibration
+    from .sensitivity import analyze, forward_passes
+
+    fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
+    op_list = tuple(o.strip() for o in ops.split(",") if o.strip())
+    text = load_calibration(calib)
+    eng = edgellm.load(model, n_ctx=max(max_tokens + 1, 256), units=["reference"], progress=Progress())
+    n = forward_passes(eng.config.n_layers, op_list, fmts, ("int8",))
+    typer.echo(f"measuring {n} forward passes of up to {max_tokens} tokens (cached afterwards)", err=True)
+    prog = Progress()
+    res = analyze(eng, text, formats=fmts, ops=op_list, max_tokens=max_tokens,
+                  progress=lambda d, t: prog("analyzing", d, t))
+    if res.from_cache:
+        typer.echo(f"{len(res.entries)} entries over {res.n_tokens} tokens, read from the cache (measured with "
+                   f"{res.forward_passes} forward passes in {res.seconds:.1f} s)")
+    else:
+        typer.echo(f"{len(res.entries)} entries over {res.n_tokens} tokens, {res.forward_passes} forward passes "
+                   f"in {res.seconds:.1f} s")
+    for e in res.ranked("weights")[:top]:
+        layer = "head" if e.layer is None else f"blk.{e.layer}"
+        typer.echo(f"  {layer:>8} {e.op:12} {e.format:8} KL {e.kl:.3e}  SQNR {e.sqnr_db:.1f} dB")
+    for sk in res.skipped:
+        typer.echo(f"  skipped: {'head' if sk.layer is None else f'blk.{sk.layer}'} {sk.op} {sk.format}: {sk.reason}")
+    if json_out:
+        json_out.write_text(res.to_json())
+
+
 cache_app = typer.Typer(help="The on-disk session / prefix cache (EDGELLM_HOME/cache).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
