@@ -61,15 +61,16 @@ def tune_for_default_model(rt, sizes: ProbeSizes, progress=None) -> int:
     return n
 
 
-def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | None:
-    """None when the opencl unit is not available here."""
+def probe(sizes: ProbeSizes, threads: int, progress=None, *, tune: bool = True) -> UnitMeasurement | None:
+    """None when the opencl unit is not available here. tune=False skips the tile search (tests)."""
     from . import opencl, opencl_elementwise, opencl_matmul
 
     ok, _ = opencl.available()
     if not ok:
         return None
     rt = opencl.runtime()
-    tune_for_default_model(rt, sizes, progress)
+    if tune:
+        tune_for_default_model(rt, sizes, progress)
     K, N = sizes.gemm_k, sizes.gemm_n
     rng = np.random.default_rng(0)
     raw = quant.quantize(rng.standard_normal((N, K)).astype(np.float32), quant.T.Q4_1)
