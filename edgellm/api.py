@@ -307,23 +307,33 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         mod, _ = backends.get(name)
         if hasattr(mod, "configure"):      # native units run their own pools on the big cores
             mod.configure(threads=threads, cores=big)
+    exclude: dict[tuple[str, str], str] = {}
     while True:
         try:
             runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement,
                                  progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
             break
         except backends.UnitFailed as e:
-            # the unit passed its probe but cannot run this model: plan again without it
-            log.warning("%s; its ops move to the next best unit", e)
-            units_now = tuple(replace(u, available=False, reason=f"failed at load: {e.reason}")
-                              if u.name == e.unit else u for u in dispatcher.units)
-            if e.unit == "reference":
+            # the unit passed its probe but cannot run (part of) this model: plan again without it
+            units_now = dispatcher.units
+            if e.unit == "reference" or (e.ops and all((e.unit, op) in exclude for op in e.ops)):
                 raise
+            if e.ops:
+                log.warning("%s; these ops move to the next best unit", e)
+                exclude.update({(e.unit, op): e.reason for op in e.ops})
+                note = f"unit {e.unit} rejected {', '.join(e.ops)} at load: {e.reason}"
+            else:
+                log.warning("%s; its ops move to the next best unit", e)
+                units_now = tuple(replace(u, available=False, reason=f"failed at load: {e.reason}")
+                                  if u.name == e.unit else u for u in units_now)
+                note = f"unit {e.unit} unavailable: failed at load: {e.reason}"
             dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
-                                    kv_bytes=kv_cfg.bytes_per_elem, threads=threads, units=units_now)
+                                    kv_bytes=kv_cfg.bytes_per_elem, threads=threads, units=units_now,
+                                    exclude=exclude)
+            warnings = plan.warnings + (note,)
             plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
                                    memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
-            plan = replace(plan, warnings=plan.warnings + (f"unit {e.unit} unavailable: failed at load: {e.reason}",))
+            plan = replace(plan, warnings=warnings + tuple(w for w in plan.warnings if w not in warnings))
             placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning

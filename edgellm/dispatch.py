@@ -181,8 +181,11 @@ class Dispatcher:
 
     def __init__(self, profile: DeviceProfile, cfg: ModelConfig, formats: Mapping[str, str], *,
                  probe: bool, units: Sequence[Unit] | None = None, override: Sequence[str] | None = None,
-                 kv_bytes: float = 2.0, threads: int | None = None):
+                 kv_bytes: float = 2.0, threads: int | None = None,
+                 exclude: Mapping[tuple[str, str], str] | None = None):
+        """exclude: (unit, op name) -> why that unit may not take that op (it failed at load)."""
         self.profile, self.cfg, self.formats = profile, cfg, dict(formats)
+        self.exclude = dict(exclude or {})
         self.probe, self.kv_bytes = probe, kv_bytes
         self.units = tuple(units) if units is not None else build_units(profile, probe=probe, threads=threads)
         names = [u.name for u in self.units]
@@ -206,6 +209,9 @@ class Dispatcher:
         for u in self.units:
             if not u.available:
                 no[u.name] = f"unavailable: {u.reason}"
+                continue
+            if (u.name, op.name) in self.exclude:
+                no[u.name] = f"rejected at load: {self.exclude[(u.name, op.name)]}"
                 continue
             prec, _ = u.precision_for(op, self.formats.get(op.name, "f32"))
             sup, why = _supports(u, op, prec, self.probe)

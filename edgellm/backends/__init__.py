@@ -18,11 +18,13 @@ _REGISTERED: dict[str, ModuleType] = {}
 
 class UnitFailed(EdgeLLMError):
     """A unit whose probe passed failed while preparing this model (a model-specific kernel that
-    does not build, a weight format it cannot pack). The engine re-plans without it."""
+    does not build, a subgraph its runtime rejects). `ops`: the engine ops concerned, when only
+    they are affected (the engine re-plans them elsewhere); empty: the whole unit is out."""
 
-    def __init__(self, unit: str, reason: str):
-        self.unit, self.reason = unit, reason
-        super().__init__(f"unit {unit}: {reason}")
+    def __init__(self, unit: str, reason: str, ops: tuple[str, ...] = ()):
+        self.unit, self.reason, self.ops = unit, reason, tuple(ops)
+        where = f" ({', '.join(self.ops)})" if self.ops else ""
+        super().__init__(f"unit {unit}{where}: {reason}")
 
 
 def register(module) -> None:

@@ -178,6 +178,7 @@ class NpuMatrix:
     k: int
     graphs: dict
     make: object            # bucket -> LinearGraph | FfnGraph
+    ops: tuple[str, ...]    # the engine ops it serves (a rejection re-plans exactly these)
 
 
 @dataclass(frozen=True)
@@ -227,8 +228,8 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
         total[0] += q.q.nbytes + (q.scale.nbytes if q.scale is not None else 0)
         return q
 
-    def compiled(label: str, n: int, k: int, make, eager: bool = True) -> NpuMatrix:
-        m = NpuMatrix(label, n, k, {}, make)
+    def compiled(label: str, n: int, k: int, make, eager: bool = True, ops: tuple[str, ...] = ()) -> NpuMatrix:
+        m = NpuMatrix(label, n, k, {}, make, ops)
         for b in buckets() if eager else ():
             _graph(m, b)
         return m
@@ -237,7 +238,7 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
         if not need(op):
             return None
         q = qlin(*parts, k=k, bias=bias)
-        return compiled(label, q.n, q.k, lambda b, q=q: npu_graphs.LinearGraph(label, q, b), eager)
+        return compiled(label, q.n, q.k, lambda b, q=q: npu_graphs.LinearGraph(label, q, b), eager, (op,))
 
     layers = []
     for i in range(cfg.n_layers):
@@ -271,7 +272,8 @@ def _ffn(p: str, qlin, compiled, cfg: ModelConfig) -> NpuMatrix:
     gu = qlin((p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), k=cfg.d_model)
     down = qlin((p + "ffn_down.weight", cfg.d_model), k=cfg.d_ff)
     label = p + "ffn"
-    return compiled(label, cfg.d_model, cfg.d_model, lambda b: npu_graphs.FfnGraph(label, gu, down, b))
+    return compiled(label, cfg.d_model, cfg.d_model, lambda b: npu_graphs.FfnGraph(label, gu, down, b),
+                    ops=("ffn_gate_up", "swiglu", "ffn_down"))
 
 
 def _graph(m: NpuMatrix, bucket: int):
@@ -282,7 +284,8 @@ def _graph(m: NpuMatrix, bucket: int):
         try:
             g = m.graphs[bucket] = _compile(_state["runtime"], m.make(bucket))
         except Exception as e:   # a rejected subgraph: the unit re-plans away, with the reason
-            raise UnitFailed(NAME, f"subgraph {m.name} (bucket {bucket}) rejected: {type(e).__name__}: {e}") from e
+            raise UnitFailed(NAME, f"subgraph {m.name} (bucket {bucket}) rejected: {type(e).__name__}: {e}",
+                             m.ops) from e
     return g
 
 
