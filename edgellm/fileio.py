@@ -2,7 +2,27 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so that a reader sees the old file or the whole new one, never a
+    part: a temp file in the same directory, fsync, rename, fsync the directory. The directory is
+    made if missing; on any failure the temp file is removed and the error raised."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 def fsync_dir(d: str | os.PathLike) -> None:

@@ -24,8 +24,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +34,7 @@ import numpy as np
 from . import requant
 from .backends import reference
 from .errors import ConfigError
-from .fileio import fsync_dir
+from .fileio import write_atomic
 
 __all__ = ["analyze", "Sensitivity", "Entry", "Skipped", "cache_dir", "cache_path", "forward_passes",
            "fake_quant_int8", "ANALYZED_OPS", "ACTIVATION_FORMATS", "DEFAULT_FORMATS", "DEFAULT_OPS"]
@@ -239,21 +237,7 @@ def _write_cache(path: Path, s: Sensitivity) -> None:
     """Atomic: a reader sees the old file or the whole new one. A failure to write is logged and
     ignored (the result is still returned; the cache only saves time)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(s.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        fsync_dir(path.parent)
+        write_atomic(path, s.to_json().encode("utf-8"))
     except OSError as e:
         log.warning("sensitivity cache not written: %s: %s", path, e)
 

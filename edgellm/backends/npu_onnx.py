@@ -27,14 +27,13 @@ import hashlib
 import logging
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError, EdgeLLMError
-from ..fileio import fsync_dir
+from ..fileio import write_atomic
 from .npu_graphs import FORMATS, INT4_BLOCK, FfnGraph, LinearGraph, NpuGraphError, NpuInputError, QLinear
 
 log = logging.getLogger("edgellm")
@@ -345,24 +344,6 @@ def _read_cached(path: Path, graph) -> str | None:
     return None
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".onnx")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
-
-
 def cached_model(graph, cache_dir: str | os.PathLike | None = None) -> Path | bytes:
     """The model of `graph` from the cache, else built and cached. A path (what a session should
     load), or the serialized bytes when the cache cannot be written (one warning)."""
@@ -377,7 +358,7 @@ def cached_model(graph, cache_dir: str | os.PathLike | None = None) -> Path | by
     data = build_model(graph).SerializeToString()
     stats.built += 1
     try:
-        _write_atomic(path, data)
+        write_atomic(path, data)
     except OSError as e:
         log.warning("npu model cache %s cannot be written (%s); the session loads from memory", path, e)
         return data

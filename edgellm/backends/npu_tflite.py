@@ -21,7 +21,6 @@ import logging
 import os
 import re
 import struct
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, EdgeLLMError
-from ..fileio import fsync_dir
+from ..fileio import write_atomic
 from .npu_graphs import LinearGraph, NpuGraphError, NpuInputError, reference
 from .npu_tflite_validate import TfliteModelError, validate
 from .npu_tflite_writer import (WRITER_VERSION, _DEQ, _FC, _LOGISTIC, _MUL, _SPLIT, _TT, TfliteUnavailable,
@@ -143,21 +142,8 @@ def _reject(path: Path, why: str) -> None:
 
 
 def _write_cache(path: Path, payload: bytes, key_digest: bytes) -> None:
-    """Atomic: a temp file in the same directory, fsync, rename, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".tflc")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, _CACHE_FORMAT, WRITER_VERSION, len(payload),
-                                 hashlib.sha256(payload).digest(), key_digest))
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, _HEADER.pack(_MAGIC, _CACHE_FORMAT, WRITER_VERSION, len(payload),
+                                    hashlib.sha256(payload).digest(), key_digest) + payload)
 
 
 # -- the runtime -------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import hashlib
 import logging
 import os
 import struct
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import EdgeLLMError
-from ..fileio import fsync_dir
+from ..fileio import write_atomic
 
 log = logging.getLogger("edgellm")
 
@@ -331,16 +330,4 @@ def _read_binary(path: Path) -> bytes | None:
 
 
 def _write_binary(path: Path, payload: bytes) -> None:
-    """Atomic: a temp file in the same directory, fsync, rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".bin")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, hashlib.sha256(payload).digest(), len(payload)) + payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, _HEADER.pack(_MAGIC, hashlib.sha256(payload).digest(), len(payload)) + payload)

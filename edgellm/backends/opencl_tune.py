@@ -25,8 +25,6 @@ import hashlib
 import json
 import logging
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import numpy as np
 
 from .. import quant
 from ..errors import EdgeLLMError
+from ..fileio import write_atomic
 from . import opencl_matmul as mm
 from .opencl_matmul import TileConfig
 from .opencl_runtime import ClRuntime, KernelBuildError, cache_root, sources_hash
@@ -151,17 +150,7 @@ def _save(rt: ClRuntime, entries: dict) -> None:
     raw = {k: {**e, "config": e["config"].as_dict()} for k, e in entries.items()}
     doc = {"schema": SCHEMA, "identity": rt.identity(), "sources": sources_hash(), "entries": raw,
            "sha256": _digest(raw)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, json.dumps(doc, indent=1, sort_keys=True).encode())
     _memo.pop(str(path), None)
 
 
