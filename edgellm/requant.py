@@ -36,6 +36,7 @@ from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as T
 
 from . import quant
+from .model import layout
 from .errors import ConfigError, UnsupportedModelError
 from .fileio import fsync_dir
 
@@ -480,8 +481,7 @@ def plan_formats(model: Any, weight_format: Callable[[int | None, str], str]) ->
 
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        for op, names in (("qkv", ("attn_q", "attn_k", "attn_v")), ("attn_out", ("attn_output",)),
-                          ("ffn_gate_up", ("ffn_gate", "ffn_up")), ("ffn_down", ("ffn_down",))):
+        for op, names in layout.SEGMENTS.items():
             fmt = ask(i, op)
             if fmt != KEEP:
                 out.update({f"{p}{n}.weight": fmt for n in names})

@@ -33,3 +33,16 @@ def cl_runtime(tmp_path_factory):
     from edgellm.backends.opencl_runtime import ClRuntime
 
     return ClRuntime.create(cache_dir=tmp_path_factory.mktemp("cl_cache"))
+
+
+@pytest.fixture
+def kernels(tmp_path, monkeypatch):
+    """A private copy of opencl_kernels/ the test may break (EDGELLM_OPENCL_KERNELS)."""
+    import shutil
+
+    from edgellm.backends import opencl_runtime
+
+    d = tmp_path / "kernels"
+    shutil.copytree(opencl_runtime.kernel_dir(), d)
+    monkeypatch.setenv("EDGELLM_OPENCL_KERNELS", str(d))
+    return d

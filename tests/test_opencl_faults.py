@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 from dataclasses import replace
 
 import pytest
@@ -33,14 +32,6 @@ def home(tmp_path, monkeypatch):
     opencl.reset()
     yield tmp_path
     opencl.reset()
-
-
-@pytest.fixture
-def kernels(tmp_path, monkeypatch):
-    d = tmp_path / "kernels"
-    shutil.copytree(opencl_runtime.kernel_dir(), d)
-    monkeypatch.setenv("EDGELLM_OPENCL_KERNELS", str(d))
-    return d
 
 
 @pytest.fixture(scope="module")

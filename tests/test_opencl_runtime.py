@@ -3,22 +3,11 @@ failures with their log. Runs on whatever OpenCL device this machine has (PoCL i
 from __future__ import annotations
 
 import logging
-import shutil
 
 import numpy as np
 import pytest
 
-from edgellm.backends import opencl_runtime
 from edgellm.backends.opencl_runtime import ClRuntime, KernelBuildError, OpenCLUnavailable
-
-
-@pytest.fixture
-def kernels(tmp_path, monkeypatch):
-    """A private copy of opencl_kernels/ the test may break (EDGELLM_OPENCL_KERNELS)."""
-    d = tmp_path / "kernels"
-    shutil.copytree(opencl_runtime.kernel_dir(), d)
-    monkeypatch.setenv("EDGELLM_OPENCL_KERNELS", str(d))
-    return d
 
 
 def _fill(rt: ClRuntime, value: float) -> np.ndarray:

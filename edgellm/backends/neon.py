@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import quant
+from ..model import layout
 from ..model.config import ModelConfig
 from . import neon_lib
 from .neon_lib import fptr
@@ -182,24 +183,20 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
             raise ValueError(f"{[n for n, _ in parts]} mix weight types {sorted(types)}")
         return QMatrix.from_arrays(types.pop(), [model.raw(n) for n, _ in parts], [r for _, r in parts], k)
 
+    def proj(i: int, op: str) -> QMatrix:
+        parts, k = layout.projection(cfg, i, op)
+        return mat(*parts, k=k)
+
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        bqkv = None
-        if cfg.qkv_bias:
-            bqkv = np.concatenate([f32(p + "attn_q.bias", (cfg.q_dim,)), f32(p + "attn_k.bias", (cfg.kv_dim,)),
-                                   f32(p + "attn_v.bias", (cfg.kv_dim,))])
         layers.append(LayerWeights(
-            attn_norm=f32(p + "attn_norm.weight", (d,)),
-            wqkv=mat((p + "attn_q.weight", cfg.q_dim), (p + "attn_k.weight", cfg.kv_dim),
-                     (p + "attn_v.weight", cfg.kv_dim), k=d),
-            bqkv=bqkv, wo=mat((p + "attn_output.weight", d), k=cfg.q_dim),
-            ffn_norm=f32(p + "ffn_norm.weight", (d,)),
-            w_gate_up=mat((p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), k=d),
-            w_down=mat((p + "ffn_down.weight", d), k=cfg.d_ff)))
+            attn_norm=f32(p + "attn_norm.weight", (d,)), wqkv=proj(i, "qkv"), bqkv=layout.qkv_bias(model, i),
+            wo=proj(i, "attn_out"), ffn_norm=f32(p + "ffn_norm.weight", (d,)),
+            w_gate_up=proj(i, "ffn_gate_up"), w_down=proj(i, "ffn_down")))
         if progress:
             progress(i + 1, cfg.n_layers + 1)
-    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
+    head = layout.head_tensor(cfg)
     if progress:
         progress(cfg.n_layers + 1, cfg.n_layers + 1)
     return PreparedWeights(

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import quant
+from ..model import layout
 from ..model.config import ModelConfig
 from . import UnitFailed, npu_graphs
 
@@ -234,33 +235,34 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
             _graph(m, b)
         return m
 
-    def mat(op: str, label: str, *parts: tuple[str, int], k: int, bias=None, eager=True) -> NpuMatrix | None:
+    def linear(op: str, label: str, q, eager: bool = True) -> NpuMatrix:
+        return compiled(label, q.n, q.k, lambda b: npu_graphs.LinearGraph(label, q, b), eager, (op,))
+
+    def proj(i: int, op: str, bias=None):
+        """The projection's requantized weights, or None when this unit does not run it."""
         if not need(op):
             return None
-        q = qlin(*parts, k=k, bias=bias)
-        return compiled(label, q.n, q.k, lambda b, q=q: npu_graphs.LinearGraph(label, q, b), eager, (op,))
+        parts, k = layout.projection(cfg, i, op)
+        return qlin(*parts, k=k, bias=bias)
 
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        bqkv = None
-        if cfg.qkv_bias:
-            bqkv = np.concatenate([f32(p + "attn_q.bias", (cfg.q_dim,)), f32(p + "attn_k.bias", (cfg.kv_dim,)),
-                                   f32(p + "attn_v.bias", (cfg.kv_dim,))])
+        qkv, wo = proj(i, "qkv", layout.qkv_bias(model, i)), proj(i, "attn_out")
+        gu, down = proj(i, "ffn_gate_up"), proj(i, "ffn_down")
+        # a fused FFN's projections compile alone only if a plan ever needs them so (lazily)
         layers.append(LayerWeights(
             attn_norm=f32(p + "attn_norm.weight", (d,)),
-            wqkv=mat("qkv", p + "qkv", (p + "attn_q.weight", cfg.q_dim), (p + "attn_k.weight", cfg.kv_dim),
-                     (p + "attn_v.weight", cfg.kv_dim), k=d, bias=bqkv),
-            bqkv=None, wo=mat("attn_out", p + "attn_out", (p + "attn_output.weight", d), k=cfg.q_dim),
-            ffn_norm=f32(p + "ffn_norm.weight", (d,)),
-            w_gate_up=mat("ffn_gate_up", p + "ffn_gate_up", (p + "ffn_gate.weight", cfg.d_ff),
-                          (p + "ffn_up.weight", cfg.d_ff), k=d, eager=not fused_ffn),
-            w_down=mat("ffn_down", p + "ffn_down", (p + "ffn_down.weight", d), k=cfg.d_ff, eager=not fused_ffn),
-            ffn=_ffn(p, qlin, compiled, cfg) if fused_ffn else None))
+            wqkv=qkv and linear("qkv", p + "qkv", qkv), bqkv=None,      # the bias is in the subgraph
+            wo=wo and linear("attn_out", p + "attn_out", wo), ffn_norm=f32(p + "ffn_norm.weight", (d,)),
+            w_gate_up=gu and linear("ffn_gate_up", p + "ffn_gate_up", gu, eager=not fused_ffn),
+            w_down=down and linear("ffn_down", p + "ffn_down", down, eager=not fused_ffn),
+            ffn=_ffn(p + "ffn", gu, down, compiled, d) if fused_ffn else None))
         if progress:
             progress(i + 1, steps)
-    head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-    lm = mat("lm_head", "lm_head", (head, cfg.vocab_size), k=d)
+    lm = None
+    if need("lm_head"):
+        lm = linear("lm_head", "lm_head", qlin((layout.head_tensor(cfg), cfg.vocab_size), k=d))
     if progress:
         progress(steps, steps)
     return PreparedWeights(
@@ -268,11 +270,9 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
         layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm, nbytes=total[0])
 
 
-def _ffn(p: str, qlin, compiled, cfg: ModelConfig) -> NpuMatrix:
-    gu = qlin((p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), k=cfg.d_model)
-    down = qlin((p + "ffn_down.weight", cfg.d_model), k=cfg.d_ff)
-    label = p + "ffn"
-    return compiled(label, cfg.d_model, cfg.d_model, lambda b: npu_graphs.FfnGraph(label, gu, down, b),
+def _ffn(label: str, gu, down, compiled, d: int) -> NpuMatrix:
+    """gate/up, swiglu and down as one subgraph per bucket, on the projections' own weights."""
+    return compiled(label, d, d, lambda b: npu_graphs.FfnGraph(label, gu, down, b),
                     ops=("ffn_gate_up", "swiglu", "ffn_down"))
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import quant
+from ..model import layout
 from ..model.config import ModelConfig
 
 NAME = "reference"
@@ -210,28 +211,21 @@ def prepare(model, precision: str = "fp32", progress=None, ops: set[str] | None 
             row += rows
         return buf
 
+    def mat(i: int, op: str) -> np.ndarray | None:
+        parts, k = layout.projection(cfg, i, op)
+        return fused(*parts, cols=k) if need(op) else None
+
     d = cfg.d_model
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
-        wqkv = fused((p + "attn_q.weight", cfg.q_dim), (p + "attn_k.weight", cfg.kv_dim),
-                     (p + "attn_v.weight", cfg.kv_dim), cols=d) if need("qkv") else None
-        bqkv = None
-        if cfg.qkv_bias:
-            bqkv = np.concatenate([f32(p + "attn_q.bias", (cfg.q_dim,)), f32(p + "attn_k.bias", (cfg.kv_dim,)),
-                                   f32(p + "attn_v.bias", (cfg.kv_dim,))])
         layers.append(LayerWeights(
-            attn_norm=f32(p + "attn_norm.weight", (d,)), wqkv=wqkv, bqkv=bqkv,
-            wo=f32(p + "attn_output.weight", (d, cfg.q_dim)) if need("attn_out") else None,
-            ffn_norm=f32(p + "ffn_norm.weight", (d,)),
-            w_gate_up=fused((p + "ffn_gate.weight", cfg.d_ff), (p + "ffn_up.weight", cfg.d_ff), cols=d)
-            if need("ffn_gate_up") else None,
-            w_down=f32(p + "ffn_down.weight", (d, cfg.d_ff)) if need("ffn_down") else None,
-        ))
+            attn_norm=f32(p + "attn_norm.weight", (d,)), wqkv=mat(i, "qkv"), bqkv=layout.qkv_bias(model, i),
+            wo=mat(i, "attn_out"), ffn_norm=f32(p + "ffn_norm.weight", (d,)),
+            w_gate_up=mat(i, "ffn_gate_up"), w_down=mat(i, "ffn_down")))
         if progress:
             progress(i + 1, cfg.n_layers + 1)
-    head_name = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-    lm = f32(head_name, (cfg.vocab_size, d)) if need("lm_head") else None
+    lm = f32(layout.head_tensor(cfg), (cfg.vocab_size, d)) if need("lm_head") else None
     if progress:
         progress(cfg.n_layers + 1, cfg.n_layers + 1)
     return PreparedWeights(

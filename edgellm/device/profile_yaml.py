@@ -10,7 +10,6 @@ import datetime
 import math
 import os
 import re
-import tempfile
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +20,7 @@ from edgellm.device.profile import (
     PRECISIONS, CpuCluster, DeviceProfile, GemmFigure, Gpu, Measured, Npu, UnitMeasurement,
 )
 from edgellm.errors import ConfigError
-from edgellm.fileio import fsync_dir
+from edgellm.fileio import write_atomic
 
 __all__ = ["parse_quantity", "format_quantity", "load_profile", "list_profiles", "dump_profile",
            "write_profile", "shipped_profiles_dir", "user_profiles_dir", "SCHEMA_VERSION"]
@@ -490,17 +489,6 @@ def write_profile(profile: DeviceProfile, path: str | os.PathLike) -> Path:
     path = Path(path).expanduser()
     text = dump_profile(profile)
     _profile_from_text(text, path.stem, str(path))  # never leave a file load_profile rejects
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    write_atomic(path, text.encode("utf-8"))
     return path
 
