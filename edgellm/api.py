@@ -26,6 +26,7 @@ from .kv.store import KVConfig, make_store
 from .model.loader import ModelFile, open_model
 from .model.registry import resolve_model
 from .model.chat_template import ChatTemplate
+from .quality_guard import QualityGuard
 from .sampling import SamplingConfig
 
 DEFAULT_CTX = 2048
@@ -71,6 +72,8 @@ class Engine:
         self.plan = None        # the dispatcher's Plan (set by load): units, placement, chunk, reasons
         self.profile = None     # the DeviceProfile it planned with
         self.pinning = None     # device.topology.PinResult of the compute threads
+        self.precision_plan = None  # the PrecisionPlan loaded (None: each unit's own precision)
+        self.quality_guard = None   # a QualityGuard, or None (off)
 
     # -- text <-> ids --------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -244,8 +247,9 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None,
 
 
 def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_CTX,
-         threads: int | None = None, prefill_chunk: int | None = None, kv: str = "pool", kv_precision: str = "f16",
-         window: int = 1024, sinks: int = 4, units: Sequence[str] | None = None,
+         threads: int | None = None, prefill_chunk: int | None = None, kv: str = "pool",
+         kv_precision: str | None = None, window: int = 1024, sinks: int = 4, units: Sequence[str] | None = None,
+         precision=None, quality_guard=None,
          progress: Callable[[str, int, int], None] | None = None) -> Engine:
     """Load a model (a GGUF path, a registry name, or None for the default, pulled when missing).
 
@@ -256,13 +260,36 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     prefill_chunk: tokens per prefill step; None lets the roofline model choose.
     kv: "pool" (block pool of n_ctx tokens with a prefix cache) or "ring" (a sliding window of
     `window` tokens keeping the first `sinks`, for chats of any length in constant memory).
-    kv_precision: "f16" (default), "f32", or "int8" (pool only).
+    kv_precision: "f16", "f32", or "int8" (pool only); None: the precision plan's kv_cache, else f16.
+    precision: a precision plan: a preset name ("quality", "balanced", "fast"), a plan YAML path or
+    a PrecisionPlan (edgellm/precision_presets/README.md). Its weight formats are applied once, into
+    a requantized copy of the model cached under $EDGELLM_HOME/cache/precision/models; each op
+    computes at the plan's precision or the nearest higher one its unit has (`edgellm plan` shows
+    both). None: the file's weights, each unit's own precision (int8 activations on neon's layer
+    matmuls, fp32 elsewhere: the `balanced` preset's choices).
+    quality_guard: None/False (off), True (default thresholds) or a QualityGuard: in decode, a step
+    whose next-token entropy or top-1 probability crosses a threshold switches the next steps'
+    compute to the `quality` plan's (fp32), with one log line per switch.
     threads: compute threads; default one per big core. Threads are pinned to the big cores.
     progress(stage, done, total) is called while pulling and while preparing weights.
     """
     from .device.topology import detect_clusters, pin_threads, select_big
 
+    from .precision import load_plan
+    from .precision_runtime import ComputeTable, plan_model
+
+    plan_notes: list[str] = []
+    pplan = load_plan(precision) if precision is not None else None
+    if kv_precision is None:
+        kv_precision = pplan.kv_precision if pplan is not None else "f16"
+        if kv == "ring" and kv_precision == "int8":
+            kv_precision = "f16"
+            plan_notes.append(f"precision plan {pplan.name!r} asks an int8 KV cache, which needs kv=pool: "
+                              "the ring buffer keeps f16")
+    elif pplan is not None and kv_precision != pplan.kv_precision:
+        plan_notes.append(f"kv_precision={kv_precision} replaces the precision plan's {pplan.kv_precision}")
     kv_cfg = KVConfig(kind=kv, precision=kv_precision, window=window, sinks=sinks)
+    guard = QualityGuard.from_option(quality_guard)
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
@@ -274,15 +301,24 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     path = resolve_model(None if model is None else os.fspath(model),
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)
     mf = open_model(path)
+    compute = None
+    if pplan is not None:
+        pplan.check_model(mf.config.n_layers)
+        mf, note = plan_model(mf, pplan, progress=(lambda d, t: progress("requantize", d, t)) if progress else None)
+        log.info("%s", note)
+        compute = ComputeTable(pplan, mf.config.n_layers)
     n_ctx = min(int(n_ctx), mf.config.context_length)
     avail = psutil.virtual_memory().available
     big = select_big(detect_clusters())
     threads = threads or len(big)
     dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
-                            kv_bytes=kv_cfg.bytes_per_elem, threads=threads)
+                            kv_bytes=kv_cfg.bytes_per_elem, threads=threads, compute=compute)
     # the chunk's activations may take a quarter of the memory the KV cache leaves free
     plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
                            memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
+    plan = replace(plan, warnings=plan.warnings + tuple(plan_notes))
+    for note in plan_notes:
+        log.warning("%s", note)
     placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
     need = memory_needed(mf, n_ctx, kv_cfg, placement)
     if need > avail:
@@ -310,7 +346,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     exclude: dict[tuple[str, str], str] = {}
     while True:
         try:
-            runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement,
+            runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement, compute=compute,
                                  progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
             break
         except backends.UnitFailed as e:
@@ -329,7 +365,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
                 note = f"unit {e.unit} unavailable: failed at load: {e.reason}"
             dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
                                     kv_bytes=kv_cfg.bytes_per_elem, threads=threads, units=units_now,
-                                    exclude=exclude)
+                                    exclude=exclude, compute=compute)
             warnings = plan.warnings + (note,)
             plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
                                    memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
@@ -337,6 +373,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
             placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
+    eng.precision_plan, eng.quality_guard = pplan, guard
     return eng
 
 

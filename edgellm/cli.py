@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import signal
 import sys
 from pathlib import Path
@@ -57,11 +58,13 @@ class Progress:
         sys.stderr.flush()
 
 
-def _load(model, ctx, threads, kv="pool", kv_precision="f16", window=1024, sinks=4, device=None, units=None):
+def _load(model, ctx, threads, kv="pool", kv_precision=None, window=1024, sinks=4, device=None, units=None,
+          precision=None, quality_guard=False):
     from .api import load
 
     eng = load(model, device, n_ctx=ctx, threads=threads, kv=kv, kv_precision=kv_precision, window=window,
-               sinks=sinks, units=_units(units), progress=Progress())
+               sinks=sinks, units=_units(units), precision=precision, quality_guard=quality_guard,
+               progress=Progress())
     for w in eng.plan.warnings:
         typer.echo(f"edgellm: warning: {w}", err=True)
     return eng
@@ -71,6 +74,10 @@ def _units(text: str | None) -> list[str] | None:
     return [u.strip() for u in text.split(",") if u.strip()] if text else None
 
 
+PRECISION_HELP = ("Precision plan: quality, balanced, fast (edgellm/precision_presets) or a plan YAML "
+                  "(`edgellm precision plan` writes one); default: the file's weights, each unit's own precision")
+GUARD_HELP = ("Quality guard: a decode step with next-token entropy > 4 nats or top-1 p < 0.1 switches the "
+              "next 16 steps to fp32 compute (the quality plan's), logged")
 DEVICE_HELP = ("Device profile the dispatcher plans with: host (default: measured by `edgellm profile`, else "
                "estimated), a shipped name (exynos2100, tensor-g1, rk3588, raspberry-pi-5) or a YAML path")
 UNITS_HELP = ("Restrict placement to these units, in preference order, e.g. opencl,neon (units: neon, opencl, "
@@ -116,18 +123,22 @@ def run(
                                           "name (in the cache, see `edgellm cache`) or in this file (a path), when "
                                           "it matches the model, and save it back afterwards"),
     kv: str = typer.Option("pool", "--kv", help=KV_HELP),
-    kv_precision: str = typer.Option("f16", "--kv-precision", help="KV storage: f16, f32, or int8 (pool)"),
+    kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8 "
+                                               "(pool); default: the precision plan's, else f16"),
     window: int = typer.Option(1024, help="--kv ring: window in tokens, sinks included"),
     sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
+    quality_guard: bool = typer.Option(False, "--quality-guard/--no-quality-guard", help=GUARD_HELP),
 ):
     """Generate text from a prompt, streamed to stdout."""
     from .api import generation_config
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
-    eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units)  # after validating the options
+    eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units,  # after validating the options
+                precision, quality_guard)
     # a session file carries the conversation so far (chat messages or plain text) beside its KV
     if session is not None:
         session = _session_path(eng, session)
@@ -177,13 +188,15 @@ def chat(
     sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
+    quality_guard: bool = typer.Option(False, "--quality-guard/--no-quality-guard", help=GUARD_HELP),
 ):
     """Interactive chat. Ctrl-C stops the current answer; Ctrl-D or /exit quits; /reset forgets.
     Earlier turns stay in the KV cache, so each answer starts after computing only the new turn."""
     from .api import generation_config
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    eng = _load(model, ctx, threads, kv, "f16", window, sinks, device, units)
+    eng = _load(model, ctx, threads, kv, None, window, sinks, device, units, precision, quality_guard)
     messages = [{"role": "system", "content": system}] if system else []
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D quits, /reset clears", err=True)
     while True:
@@ -280,6 +293,7 @@ def bench(
     delay_ms: float = typer.Option(50.0, help="--concurrent: the short request arrives this long after the long one"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
 ):
     """Measure TTFT (median, p95), prefill and decode tok/s, peak RSS."""
     from . import bench as b
@@ -294,9 +308,11 @@ def bench(
     if shared_prefix < 0:
         raise ConfigError("--shared-prefix must be >= 0")
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
-    eng = _load(model, max(2048, need), threads, device=device, units=units)
+    eng = _load(model, max(2048, need), threads, device=device, units=units, precision=precision)
+    plan_name = eng.precision_plan.name if eng.precision_plan is not None else "none"
     typer.echo(f"model {eng.config.name}, threads {eng.threads}, load {eng.load_ms:.0f} ms, profile "
-               f"{eng.profile.name}, units {','.join(eng.plan.units_used())}, chunk {eng.plan.chunk.tokens}", err=True)
+               f"{eng.profile.name}, units {','.join(eng.plan.units_used())}, chunk {eng.plan.chunk.tokens}, "
+               f"precision plan {plan_name}", err=True)
     if shared_prefix:
         recs = b.run_shared_prefix(
             eng, shared_prefix, lengths, gen_tokens, runs,
@@ -336,7 +352,9 @@ def plan(
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length the TTFT prediction is for"),
     ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens"),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
-    kv_precision: str = typer.Option("f16", "--kv-precision", help="KV storage: f16, f32, or int8"),
+    kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8; "
+                                               "default: the precision plan's, else f16"),
+    precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object"),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw each unit's roofline with the ops as "
                                              "points into this PNG (needs matplotlib: edgellm[plot])"),
@@ -354,21 +372,32 @@ def plan(
     from .model.registry import resolve_model
     from .ops import layer_ops, model_ops, weight_formats
 
-    kv_cfg = KVConfig(precision=kv_precision)         # validates the precision
+    from .precision import load_plan
+    from .precision_runtime import ComputeTable, planned_formats
+
+    pplan = load_plan(precision) if precision is not None else None
+    kv_cfg = KVConfig(precision=kv_precision or (pplan.kv_precision if pplan else "f16"))  # validates it
     profile = device_profile(device)
     mf = open_model(resolve_model(model, progress=lambda d, t: Progress()("pull", d, t)))
+    formats, compute = weight_formats(mf), None
+    if pplan is not None:
+        pplan.check_model(mf.config.n_layers)
+        formats, compute = planned_formats(mf, pplan), ComputeTable(pplan, mf.config.n_layers)
     n_ctx = max(ctx, prompt_tokens)
     if prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    disp = Dispatcher(profile, mf.config, weight_formats(mf), probe=device in (None, "host"),
-                      override=_units(units), kv_bytes=kv_cfg.bytes_per_elem)
+    disp = Dispatcher(profile, mf.config, formats, probe=device in (None, "host"),
+                      override=_units(units), kv_bytes=kv_cfg.bytes_per_elem, compute=compute)
     # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves
     spare = profile.memory_total_bytes / 2 - memory_needed(mf, n_ctx, kv_cfg)
     p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=max(spare / 4, 16 * 2**20))
     if as_json:
-        typer.echo(json.dumps({"model": mf.config.name, "soc": profile.soc, **p.to_json()}, indent=1))
+        typer.echo(json.dumps({"model": mf.config.name, "soc": profile.soc,
+                               "precision_plan": pplan.name if pplan else None, **p.to_json()}, indent=1))
     else:
         ops = {o.name: o for o in (*layer_ops(mf.config), *model_ops(mf.config))}
+        if pplan is not None:
+            typer.echo(f"precision plan: {pplan.name} ({pplan.description}); KV {kv_cfg.precision}")
         typer.echo(plan_report.render(p, model_name=mf.config.name, soc=profile.soc, ops_by_name=ops))
     if plot_path is not None:
         plan_report.plot(p, str(plot_path), title=f"{mf.config.name} on {profile.name} ({profile.soc})")
@@ -455,7 +484,8 @@ def quantize(
     typer.echo(format_report(report))
 
 
-precision_app = typer.Typer(help="Per-layer mixed precision: measure sensitivities (plans: edgellm quantize --plan).",
+precision_app = typer.Typer(help="Per-layer mixed precision: measure sensitivities, search a plan under a KL budget "
+                            "(use a plan with --precision; write its weights with edgellm quantize --plan).",
                             no_args_is_help=True)
 app.add_typer(precision_app, name="precision")
 
@@ -548,3 +578,93 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@precision_app.command("plan")
+@friendly
+def precision_plan(
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    budget_kl: float = typer.Option(0.02, "--budget-kl", help="Summed measured KL the plan may add against the "
+                                    "quality plan (nats, mean over calibration positions)"),
+    objective: str = typer.Option("ttft", "--objective", help="What to minimise: ttft (prefill) or decode"),
+    model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
+    calib: str = typer.Option("builtin", "--calib", help="Calibration text: builtin or a UTF-8 file"),
+    formats: str = typer.Option("q4_0", "--formats", help="Candidate weight formats, comma-separated (each "
+                                "measured once per layer and op by the sensitivity analysis, then cached)"),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="Calibration tokens per forward pass"),
+    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length TTFT is predicted for "
+                                      "(decode: the context length)"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Plan YAML to write (default: "
+                                       "EDGELLM_HOME/plans/<model>-<device>-<objective>-kl<budget>.yaml)"),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Measure the plan's KL end to end on this "
+                                "machine (the objective's phase, teacher-forced on the calibration text)"),
+):
+    """Choose per layer and op the weight format and compute precision that minimise the device's
+    predicted TTFT (or decode time) while the summed measured KL stays within the budget; write
+    the plan, and print predicted vs verified KL and the predicted speed-up over `quality`."""
+    import edgellm
+
+    from .api import device_profile
+    from .calibration import load_calibration
+    from .dispatch import Dispatcher
+    from .errors import ConfigError
+    from .fileio import write_atomic
+    from .model.registry import edgellm_home
+    from .ops import weight_formats
+    from .precision import dump_plan, load_plan
+    from .precision_runtime import ComputeTable, planned_formats
+    from .precision_search import SEARCH_OPS, op_times, search, teacher_forced_logits, mean_kl
+    from .sensitivity import analyze, forward_passes
+
+    if objective not in ("ttft", "decode"):
+        raise ConfigError(f"--objective must be ttft or decode, got {objective!r}")
+    fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
+    text = load_calibration(calib)
+    ref = edgellm.load(model, n_ctx=max(max_tokens + 1, 256), units=["reference"], progress=Progress())
+    mf, cfg = ref.model, ref.config
+    n = forward_passes(cfg.n_layers, SEARCH_OPS, fmts, ("int8",))
+    typer.echo(f"sensitivities: {n} forward passes of up to {max_tokens} tokens (cached after the first run)", err=True)
+    prog = Progress()
+    sens = analyze(ref, text, formats=fmts, ops=SEARCH_OPS, max_tokens=max_tokens,
+                   progress=lambda d, t: prog("analyzing", d, t))
+    ids = ref.tokenize(text)[: sens.n_tokens]
+    del ref
+    profile = device_profile(device)
+    host = device in (None, "host")
+    files = weight_formats(mf)
+    disp = Dispatcher(profile, cfg, files, probe=host)
+    times = op_times(disp, objective, prompt_tokens, files, fmts)
+    res = search(sens, times, budget_kl, objective, cfg.n_layers, fmts)
+    name = Path(mf.path).name.removesuffix(".gguf")
+    path = out or edgellm_home() / "plans" / f"{name}-{profile.name}-{objective}-kl{budget_kl:g}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, dump_plan(res.plan).encode())
+
+    def predicted(plan):
+        d = Dispatcher(profile, cfg, planned_formats(mf, plan), probe=host, compute=ComputeTable(plan, cfg.n_layers),
+                       kv_bytes=2.0 if plan.kv_precision == "f16" else (4.0 if plan.kv_precision == "f32" else 1.0))
+        p = d.plan(prompt_tokens=prompt_tokens, n_ctx=max(prompt_tokens + 1, 2048), memory_budget=1 << 30)
+        return p.predicted_ttft_ms if objective == "ttft" else 1e3 / p.predicted_decode_tps
+
+    q_ms, s_ms = predicted(load_plan("quality")), predicted(res.plan)
+    by_kind: dict[str, int] = {}
+    for c in res.changes:
+        by_kind[f"{c.kind} {c.format}"] = by_kind.get(f"{c.kind} {c.format}", 0) + 1
+    typer.echo(f"plan written to {path}")
+    typer.echo(f"  {len(res.changes)} changes from quality: "
+               + (", ".join(f"{v} x {k}" for k, v in sorted(by_kind.items())) or "none"))
+    what = "TTFT" if objective == "ttft" else "decode time per token"
+    typer.echo(f"  predicted {what} on {profile.name}: {s_ms:.2f} ms vs {q_ms:.2f} ms for quality "
+               f"(speed-up {q_ms / s_ms:.3f}x)")
+    typer.echo(f"  predicted KL (sum of measured sensitivities): {res.predicted_kl:.5f} of the {budget_kl:g} budget")
+    if verify:
+        phase = "prefill" if objective == "ttft" else "decode"
+
+        def logits(plan):
+            e = edgellm.load(mf.path, n_ctx=max(len(ids) + 1, 256), precision=plan)
+            return teacher_forced_logits(e, ids, phase)
+
+        kl = mean_kl(logits(load_plan("quality")), logits(res.plan))
+        ratio = kl / res.predicted_kl if res.predicted_kl > 0 else math.inf
+        typer.echo(f"  verified KL on this machine ({phase}, {len(ids)} calibration tokens): {kl:.5f} "
+                   f"(verified / predicted = {ratio:.2f}); {'within' if kl <= budget_kl else 'OVER'} the budget")

@@ -50,6 +50,8 @@ class Unit:
     curve_precision: str = "fp32"              # ...at this precision
     cache_bytes: int = 0                       # last-level cache the GEMM working set should fit in
     quant_precision: str = "fp32"              # compute precision for GGUF-quantized weights
+    quant_precisions: tuple[str, ...] = ()     # every precision it computes quantized weights in
+                                               # (a precision plan picks among them); () = quant_precision
     stores_quantized: bool = False             # keeps GGUF block formats resident (else dequantizes)
     head_precision: str | None = None          # compute precision of lm_head, when not quant_precision
     fused_decode_s: float | None = None        # cost of one call running a whole decode step's
@@ -75,16 +77,45 @@ class Unit:
             return _interpolate(self.gemm_curve, tokens)
         return self.peak.get(precision, 0.0)
 
-    def precision_for(self, op: OpSpec, weight_format: str) -> tuple[str, str]:
-        """(compute precision, resident weight format) of `op` on this unit."""
+    def precision_for(self, op: OpSpec, weight_format: str, asked: str | None = None) -> tuple[str | None, str]:
+        """(compute precision, resident weight format) of `op` on this unit. asked: what a
+        precision plan asks for (None: the unit's own choice); the answer is then `asked` or the
+        nearest higher precision the unit has a kernel for, or None when it has none."""
+        from .precision_runtime import effective
+
+        fmt = self._resident_format(op, weight_format)
+        own = self._own_precision(op, weight_format)
+        if asked is None:
+            return own, fmt
+        return effective(asked, self.computes(op, weight_format)), fmt
+
+    def computes(self, op: OpSpec, weight_format: str) -> tuple[str, ...]:
+        """The compute precisions this unit has kernels for, for `op` with weights in `weight_format`."""
         if op.kind not in MATMUL_KINDS:
-            return "fp32", "f32" if op.kind != "embedding" else weight_format
+            return ("fp32",)
+        own = self._own_precision(op, weight_format)
+        if weight_format in ("f32", "f16") or not self.stores_quantized:
+            return (own,)
+        return tuple(dict.fromkeys((own,) + (self.quant_precisions or (self.quant_precision,))))
+
+    def _own_precision(self, op: OpSpec, weight_format: str) -> str:
+        if op.kind not in MATMUL_KINDS:
+            return "fp32"
         if op.kind == "lm_head" and self.head_precision and self.stores_quantized:
-            return self.head_precision, weight_format
+            return self.head_precision
         if weight_format in ("f32", "f16") or not self.stores_quantized:
             fmt = weight_format if self.stores_quantized else "f32"
-            return ("fp16" if fmt == "f16" and "fp16" in self.peak else "fp32"), fmt
-        return self.quant_precision, ("int8" if self.kind == "npu" else weight_format)
+            return "fp16" if fmt == "f16" and "fp16" in self.peak else "fp32"
+        return self.quant_precision
+
+    def _resident_format(self, op: OpSpec, weight_format: str) -> str:
+        if op.kind not in MATMUL_KINDS:
+            return "f32" if op.kind != "embedding" else weight_format
+        if op.kind == "lm_head" and self.head_precision and self.stores_quantized:
+            return weight_format
+        if weight_format in ("f32", "f16") or not self.stores_quantized:
+            return weight_format if self.stores_quantized else "f32"
+        return "int8" if self.kind == "npu" else weight_format
 
 
 def _interpolate(curve: tuple[tuple[int, float], ...], tokens: int) -> float:
@@ -109,9 +140,12 @@ class Estimate:
 
 
 def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int, weight_format: str,
-             kv_bytes: float, prefill: bool) -> Estimate | None:
-    """Predicted time of `op` on `unit`; None when the unit has no figure for its precision."""
-    prec, fmt = unit.precision_for(op, weight_format)
+             kv_bytes: float, prefill: bool, asked: str | None = None) -> Estimate | None:
+    """Predicted time of `op` on `unit` (at the precision a plan `asked` for, if given); None when
+    the unit has no figure for its precision or cannot compute at or above `asked`."""
+    prec, fmt = unit.precision_for(op, weight_format, asked)
+    if prec is None:
+        return None
     t = unit.padded(tokens)
     cost = op_cost(op, cfg, t, context, fmt, kv_bytes, prefill)
     if unit.kind == "npu" and op.kind in FFN_INNER_KINDS:
@@ -191,6 +225,8 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     qprec = "int8" if name == "neon" else "fp32"
     return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, curve_precision=qprec, cache_bytes=llc,
                 quant_precision=qprec, stores_quantized=(name != "reference"),
+                # neon also keeps activations fp32 against quantized weights (el_matmul_f32act)
+                quant_precisions=("int8", "fp32") if name == "neon" else (),
                 # neon's head keeps fp32 activations against its quantized weights (accuracy of
                 # the near-ties that pick the token; memory-bound either way)
                 head_precision="fp32" if name == "neon" else None,

@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 
 from . import backends
 from .chunking import ChunkChoice, choose_chunk
+from .precision_runtime import ComputeTable
 from .costmodel import FFN_INNER_KINDS, FUSED_OP_S, Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
 from .device.profile import DeviceProfile
 from .errors import ConfigError
@@ -182,9 +183,12 @@ class Dispatcher:
     def __init__(self, profile: DeviceProfile, cfg: ModelConfig, formats: Mapping[str, str], *,
                  probe: bool, units: Sequence[Unit] | None = None, override: Sequence[str] | None = None,
                  kv_bytes: float = 2.0, threads: int | None = None,
-                 exclude: Mapping[tuple[str, str], str] | None = None):
-        """exclude: (unit, op name) -> why that unit may not take that op (it failed at load)."""
+                 exclude: Mapping[tuple[str, str], str] | None = None, compute: ComputeTable | None = None):
+        """exclude: (unit, op name) -> why that unit may not take that op (it failed at load).
+        compute: what a precision plan asks each op to compute in (None: each unit's own choice);
+        a unit runs an op at that precision or higher, and cannot take it otherwise."""
         self.profile, self.cfg, self.formats = profile, cfg, dict(formats)
+        self.compute = compute
         self.exclude = dict(exclude or {})
         self.probe, self.kv_bytes = probe, kv_bytes
         self.units = tuple(units) if units is not None else build_units(profile, probe=probe, threads=threads)
@@ -213,18 +217,44 @@ class Dispatcher:
             if (u.name, op.name) in self.exclude:
                 no[u.name] = f"rejected at load: {self.exclude[(u.name, op.name)]}"
                 continue
-            prec, _ = u.precision_for(op, self.formats.get(op.name, "f32"))
-            sup, why = _supports(u, op, prec, self.probe)
-            if not sup:
-                no[u.name] = f"does not run {op.kind} in {prec}: {why}" if why else f"does not run {op.kind}"
-                continue
-            est = estimate(u, op, self.cfg, tokens, context, self.formats.get(op.name, "f32"),
-                           self.kv_bytes, phase == "prefill")
+            est, why = self._estimate(u, op, phase, tokens, context)
             if est is None:
-                no[u.name] = f"no {prec} throughput figure in the profile"
+                no[u.name] = why
                 continue
             ok[u.name] = est
         return ok, no
+
+    def _asks(self, op: OpSpec, phase: str, tokens: int) -> list[tuple[str | None, int]]:
+        """(asked compute precision, layers asking it) for op; [(None, 1)] without a plan."""
+        if self.compute is None:
+            return [(None, 1)]
+        asks = self.compute.asked(phase, op.name, tokens)
+        return [(a, asks.count(a)) for a in dict.fromkeys(asks)]
+
+    def _estimate(self, u: Unit, op: OpSpec, phase: str, tokens: int, context: int,
+                  unit_for_cost: Unit | None = None) -> tuple[Estimate | None, str]:
+        """u's estimate for op (layers asking different precisions: their mean), or (None, why not)."""
+        fmt = self.formats.get(op.name, "f32")
+        parts = []
+        for ask, count in self._asks(op, phase, context + tokens):
+            prec, _ = u.precision_for(op, fmt, ask)
+            if prec is None:
+                return None, (f"the precision plan asks {ask} compute; {u.name} computes {op.kind} with {fmt} "
+                               f"weights in {', '.join(u.computes(op, fmt))} only")
+            sup, why = _supports(u, op, prec, self.probe)
+            if not sup:
+                return None, f"does not run {op.kind} in {prec}: {why}" if why else f"does not run {op.kind}"
+            est = estimate(unit_for_cost or u, op, self.cfg, tokens, context, fmt, self.kv_bytes,
+                           phase == "prefill", ask)
+            if est is None:
+                return None, f"no {prec} throughput figure in the profile"
+            parts.append((est, count))
+        if len(parts) == 1:
+            return parts[0][0], ""
+        n = sum(c for _, c in parts)
+        precs = "+".join(dict.fromkeys(e.precision for e, _ in parts))
+        est = max(parts, key=lambda p: p[1])[0]
+        return replace(est, ms=sum(e.ms * c for e, c in parts) / n, precision=precs), ""
 
     def _forced(self, op: OpSpec, ok: Mapping[str, Estimate]) -> str:
         """--units: the first listed unit that can run op; else reference, with one warning."""
@@ -326,10 +356,9 @@ class Dispatcher:
             opts, ms = [], 0.0
             for op in lops:
                 ok, no = self._options(op, phase, tokens, context)
-                if u.name not in ok:
+                if u.name not in ok or not self._native_precision(u, op, phase, context + tokens):
                     break
-                e = estimate(fast, op, self.cfg, tokens, context, self.formats.get(op.name, "f32"),
-                             self.kv_bytes, False)
+                e, _ = self._estimate(u, op, phase, tokens, context, unit_for_cost=fast)
                 if not opts:
                     e = replace(e, ms=e.ms + share)
                 ok = {**ok, u.name: e}
@@ -339,6 +368,13 @@ class Dispatcher:
                 if best is None or ms < best[0]:
                     best = (ms, [u.name] * len(lops), opts, u.name)
         return best
+
+    def _native_precision(self, u: Unit, op: OpSpec, phase: str, tokens: int) -> bool:
+        """Whether every layer's ask for op runs at u's own precision: the fused decode step
+        has one kernel per op (int8 activations for the quantized matmuls)."""
+        fmt = self.formats.get(op.name, "f32")
+        own, _ = u.precision_for(op, fmt)
+        return all(u.precision_for(op, fmt, a)[0] == own for a, _ in self._asks(op, phase, tokens) if a)
 
     def _cpu_home(self) -> str:
         return next(u.name for u in self.units if u.available and u.kind == "cpu")
@@ -360,6 +396,11 @@ class Dispatcher:
         else:
             reason = (f"{fastest} alone would take {ok[fastest].ms:.3f} ms, but handing data across units "
                       f"costs more than the {est.ms - ok[fastest].ms:.3f} ms it saves; {u} {est.ms:.3f} ms")
+        if self.compute is not None:
+            asked = "+".join(a for a, _ in self._asks(op, phase, tokens))
+            if asked != est.precision:
+                reason = (f"{reason.rstrip('; ')}; the precision plan asks {asked}: {u} computes it in "
+                          f"{est.precision}, its nearest kernel at or above")
         return Placement("model" if op.scope == "model" else "layer", op.name, op.kind, phase, u, est.precision,
                          est.weight_format, est.cost.flops, est.cost.bytes, est.cost.intensity, est.bound,
                          est.ms + moved, moved, reason.rstrip("; "), alts)
@@ -394,13 +435,12 @@ class Dispatcher:
         """Predicted time of one step of `tokens` at `context` with plan's placement."""
         lops, (emb, onorm, head_op) = layer_ops(self.cfg), model_ops(self.cfg)
         by_op = {p.op: p.unit for p in plan.placements}
-        prefill = plan.phase == "prefill"
 
         def chain(ops, start, end=None):
             ms, prev = 0.0, start
             for op in ops:
                 u = self.unit(by_op[op.name])
-                e = estimate(u, op, self.cfg, tokens, context, self.formats.get(op.name, "f32"), self.kv_bytes, prefill)
+                e, _ = self._estimate(u, op, plan.phase, tokens, context)
                 ms += e.ms + handoff_ms(self.unit(prev), u, self._in_bytes(op, tokens, plan.phase))
                 prev = u.name
             if end is not None:

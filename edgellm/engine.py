@@ -39,9 +39,12 @@ class ModelRunner:
     limit) and rotate_on_read."""
 
     def __init__(self, model: ModelFile, max_positions: int, prefill_chunk: int = 512, progress=None,
-                 placement: dict[str, dict[str, str]] | None = None):
+                 placement: dict[str, dict[str, str]] | None = None, compute=None):
         """placement: phase ("prefill" | "decode") -> op name -> unit name, from the dispatcher's
-        plan; None runs every op on the reference backend."""
+        plan; None runs every op on the reference backend. compute: a precision_runtime.ComputeTable
+        (what the precision plan asks each op to compute in); None: each unit's own precision."""
+        self.compute = compute
+        self.decode_override = None   # a ComputeTable replacing `compute` in decode (quality guard)
         cfg = model.config
         if max_positions < 1:
             raise ConfigError(f"the context must hold >= 1 token, got {max_positions}")
@@ -68,7 +71,7 @@ class ModelRunner:
         dec = {self.placement["decode"][op] for op in _LAYER_OPS}
         unit = dec.pop() if len(dec) == 1 else None
         self._fused = None
-        if unit is not None and hasattr(mods[unit], "fused_decode"):
+        if unit is not None and hasattr(mods[unit], "fused_decode") and self._native(mods[unit], "decode"):
             self._fused = mods[unit].fused_decode(weights[unit], cfg)
             self._fused_mod = mods[unit]
         rope_freqs = reference.prepare_rope_freqs(model)
@@ -100,7 +103,8 @@ class ModelRunner:
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled("cancelled between prefill chunks")
                 seq.reserve(len(part))
-                if phase == "decode" and self._fused is not None and self._fusable(seq):
+                if phase == "decode" and self._fused is not None and self.decode_override is None \
+                        and self._fusable(seq):
                     h = self._fused_step(seq, part)
                 else:
                     h = self._layers(seq, part, cancel, phase)
@@ -127,6 +131,7 @@ class ModelRunner:
         P = self._ops[phase]
         start = seq.chunk_start(T) if seq.rotate_on_read else seq.n_tokens
         n = start + T                                                         # keys visible to the chunk
+        kw = self._precision_kwargs(phase, n)                                 # op -> per-layer kwargs
         cos, sin = self.cos[start:n], self.sin[start:n]
         be, w = P["embedding"]
         x = be.embedding(w.embedding, ids)                                   # (T, d)
@@ -144,7 +149,7 @@ class ModelRunner:
                 raise Cancelled("cancelled during prefill")
             h = norm1.rmsnorm(x, wn1.layers[li].attn_norm, cfg.norm_eps)
             lq = wqkv.layers[li]
-            qkv = mqkv.matmul(h, lq.wqkv, lq.bqkv)                            # (T, q_dim + 2 kv_dim)
+            qkv = mqkv.matmul(h, lq.wqkv, lq.bqkv, **kw["qkv"][li])           # (T, q_dim + 2 kv_dim)
             q = mrope.rope(qkv[:, :q_end].reshape(T, cfg.n_heads, cfg.head_dim), cos, sin, cfg.rope_style)
             k = qkv[:, q_end:k_end].reshape(T, cfg.n_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].reshape(T, cfg.n_kv_heads, cfg.head_dim)
@@ -160,13 +165,14 @@ class ModelRunner:
                 if not seq.rotate_on_read:
                     kc, vc = seq.read(li, n, out=self._kv_bufs)               # (KVH, n, hd) views
                 att = matt.attention(q, kc, vc, start)                        # (T, q_dim)
-            x = madd1.add(x, mo.matmul(att, wo.layers[li].wo))
+            x = madd1.add(x, mo.matmul(att, wo.layers[li].wo, **kw["attn_out"][li]))
             h = norm2.rmsnorm(x, wn2.layers[li].ffn_norm, cfg.norm_eps)
             if ffn_fused:
                 x = madd2.add(x, mgu.ffn(h, wgu.layers[li]))
             else:
-                x = madd2.add(x, mdown.matmul(mswi.swiglu(mgu.matmul(h, wgu.layers[li].w_gate_up)),
-                                              wdown.layers[li].w_down))
+                x = madd2.add(x, mdown.matmul(mswi.swiglu(mgu.matmul(h, wgu.layers[li].w_gate_up,
+                                                                     **kw["ffn_gate_up"][li])),
+                                              wdown.layers[li].w_down, **kw["ffn_down"][li]))
         return x
 
     def _fusable(self, seq) -> bool:
@@ -182,10 +188,46 @@ class ModelRunner:
     def _head(self, x: np.ndarray, phase: str) -> np.ndarray:
         P = self._ops[phase]
         (mn, wn), (mh, wh) = P["output_norm"], P["lm_head"]
-        return mh.lm_head(mn.rmsnorm(x, wn.output_norm, self.cfg.norm_eps), wh.lm_head)
+        kw = self._precision_kwargs(phase, 0)["lm_head"][0]
+        return mh.lm_head(mn.rmsnorm(x, wn.output_norm, self.cfg.norm_eps), wh.lm_head, **kw)
+
+    def _table(self, phase: str):
+        return self.decode_override if (phase == "decode" and self.decode_override is not None) else self.compute
+
+    def _precision_kwargs(self, phase: str, tokens: int) -> dict[str, list[dict]]:
+        """matmul op -> per-layer keyword arguments: {"precision": p} for a unit with a choice of
+        kernels (QUANT_COMPUTE), the plan's ask or the nearest above it; {} otherwise."""
+        from .precision_runtime import effective
+
+        table = self._table(phase)
+        key = (phase, id(table), table and sum(tokens >= s.min_tokens for s in table.plan.sequence))
+        cache = self.__dict__.setdefault("_kw_cache", {})
+        if key in cache:
+            return cache[key]
+        n = self.cfg.n_layers
+        out = cache[key] = {}
+        for op in _MATMUL_OPS:
+            mod = self._ops[phase][op][0]
+            choices = getattr(mod, "QUANT_COMPUTE", None)
+            if table is None or choices is None:
+                out[op] = [{}] * (n if op != "lm_head" else 1)
+                continue
+            out[op] = [{"precision": effective(a, choices) or choices[0]} for a in table.asked(phase, op, tokens)]
+        return out
+
+    def _native(self, mod, phase: str) -> bool:
+        """Whether the plan lets `mod`'s fused step (int8 activations in every layer matmul) run."""
+        from .precision_runtime import effective
+
+        choices = getattr(mod, "QUANT_COMPUTE", None)
+        if self.compute is None or choices is None:
+            return True
+        return all(effective(a, choices) == choices[0] for op in _MATMUL_OPS if op != "lm_head"
+                   for a in self.compute.asked(phase, op))
 
 
 # the engine's op sequence; the names are ops.layer_ops / ops.model_ops names
 _LAYER_OPS = ("attn_norm", "qkv", "rope", "attention", "attn_out", "attn_add", "ffn_norm", "ffn_gate_up",
               "swiglu", "ffn_down", "ffn_add")
 _OP_NAMES = ("embedding", *_LAYER_OPS, "output_norm", "lm_head")
+_MATMUL_OPS = ("qkv", "attn_out", "ffn_gate_up", "ffn_down", "lm_head")

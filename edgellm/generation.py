@@ -11,6 +11,7 @@ import numpy as np
 
 from .engine import CancelToken
 from .errors import Cancelled, ConfigError, ContextFull
+from .quality_guard import GuardState
 from .sampling import Sampler, StopChecker
 
 
@@ -25,6 +26,7 @@ class GenerationStats:
     decode_ms: float = 0.0                 # after the first token, until the last
     decode_tps: float = 0.0                # (generated - 1) / decode time
     peak_rss_mb: float = 0.0               # process peak resident memory so far
+    guard_switches: int = 0                # quality guard: times decode switched to the quality precision
     stop_reason: str = ""                  # eos | stop | max_tokens | context_full | cancelled
 
     def summary(self) -> str:
@@ -63,6 +65,8 @@ class Generation:
         self.last_tok: int | None = None
         self.t_first: float | None = None
         self.done = False
+        guard = getattr(engine, "quality_guard", None)
+        self.guard = GuardState(guard, engine.runner) if guard is not None else None
 
     @property
     def in_prefill(self) -> bool:
@@ -97,6 +101,8 @@ class Generation:
 
     def _emit(self, logits: np.ndarray) -> str:
         st = self.stats
+        if self.guard is not None:
+            self.guard.observe(logits)
         tok = self.sampler.sample(logits, self.history)
         if self.t_first is None:
             self.t_first = time.perf_counter()
@@ -120,6 +126,9 @@ class Generation:
         st = self.stats
         st.stop_reason = reason
         self.done = True
+        if self.guard is not None:
+            self.guard.close()
+            st.guard_switches = self.guard.switches
         rest = ""
         if reason != "stop":
             hit, rest = self.stopper.feed(self.decoder.flush())  # bytes of an unfinished UTF-8 character

@@ -79,18 +79,20 @@ def model_ops(cfg: ModelConfig) -> tuple[OpSpec, ...]:
     )
 
 
-# op name -> the GGUF tensor (of layer 0) whose type is the op's weight format
-_WEIGHT_TENSORS = {"qkv": "blk.0.attn_q.weight", "attn_out": "blk.0.attn_output.weight",
-                   "ffn_gate_up": "blk.0.ffn_gate.weight", "ffn_down": "blk.0.ffn_down.weight"}
+# op name -> the GGUF tensor (of each layer: "blk.{i}.") whose type is the op's weight format
+_WEIGHT_TENSORS = {"qkv": "attn_q.weight", "attn_out": "attn_output.weight",
+                   "ffn_gate_up": "ffn_gate.weight", "ffn_down": "ffn_down.weight"}
 
 
 def weight_formats(model) -> dict[str, str]:
     """op name -> the model file's storage format of its weights ("q4_1", "f32", ...); ops
-    without a weight matrix read fp32 norms or nothing: "f32"."""
+    without a weight matrix read fp32 norms or nothing: "f32". A layer op whose layers differ
+    (a mixed-precision file) gets the format most layers have: placement is per op, for all layers."""
     cfg = model.config
     fmt = {op.name: "f32" for op in (*layer_ops(cfg), *model_ops(cfg))}
     for op, tensor in _WEIGHT_TENSORS.items():
-        fmt[op] = model.tensor_type(tensor).name.lower()
+        types = [model.tensor_type(f"blk.{i}.{tensor}").name.lower() for i in range(cfg.n_layers)]
+        fmt[op] = max(dict.fromkeys(types), key=types.count)
     fmt["embedding"] = model.tensor_type("token_embd.weight").name.lower()
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     fmt["lm_head"] = model.tensor_type(head).name.lower()

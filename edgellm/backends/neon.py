@@ -228,12 +228,23 @@ def embedding(table, ids: np.ndarray) -> np.ndarray:
     return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids)
 
 
-def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None) -> np.ndarray:
-    """x (T, K) @ w^T (+ b) -> (T, N)."""
+# compute precisions a precision plan may ask of a matmul with block-quantized weights: int8
+# activations (el_matmul, the default) or fp32 ones (el_matmul_f32act); float weights ignore it
+QUANT_COMPUTE = ("int8", "fp32")
+
+
+def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None, precision: str = "int8") -> np.ndarray:
+    """x (T, K) @ w^T (+ b) -> (T, N); precision: "int8" or "fp32" activations (QUANT_COMPUTE)."""
     lib = _lib()
     x = _f32(x)
     T, K = x.shape
     y = np.empty((T, w.n), dtype=np.float32)
+    if precision == "fp32":
+        _check(lib.el_matmul_f32act(_pool(), w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K,
+                                    fptr(_f32(b)) if b is not None else None), "matmul")
+        return y
+    if precision != "int8":
+        raise ValueError(f"neon matmul computes in {' or '.join(QUANT_COMPUTE)}, not {precision!r}")
     need = _scratch["sizes"].get((T, K))
     if need is None:   # a ctypes call per matmul would cost as much as a small decode GEMV
         need = _scratch["sizes"][(T, K)] = lib.el_matmul_scratch(T, K)
@@ -245,20 +256,15 @@ def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None) -> np.ndarray
     return y
 
 
-def lm_head(x: np.ndarray, w: QMatrix) -> np.ndarray:
+def lm_head(x: np.ndarray, w: QMatrix, precision: str = "fp32") -> np.ndarray:
     """x (T, d) @ w^T -> logits (T, vocab), with x kept in fp32 (el_matmul_f32act).
 
     The head's near-tied logits decide the token, and x's int8 rounding (el_matmul) flips
     enough of them to matter: with a Q8_0 head (49152 x 576, tied to token_embd) top-1 agreed
     with llama.cpp's fp32 reference on 97.45% of tokens with int8 activations, 98.55% with fp32
     ones (target 98%). It is one memory-bound GEMV per token, so fp32 costs little there;
-    `matmul` stays on the int8 path."""
-    x = _f32(x)
-    T, K = x.shape
-    y = np.empty((T, w.n), dtype=np.float32)
-    _check(_lib().el_matmul_f32act(_pool(), w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K, None),
-           "lm_head")
-    return y
+    `matmul` stays on the int8 path. A precision plan may still ask int8 for the head."""
+    return matmul(x, w, precision=precision)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:

@@ -1,0 +1,158 @@
+"""A precision plan at run time: the plan's weights as a (cached) requantized model file, and the
+compute precision each engine op asks for, per phase, layer and step length.
+
+Weights: a plan that stores any tensor in another format than the file is served from a GGUF
+written once by requant.requantize_gguf into $EDGELLM_HOME/cache/precision/models/ and memory-mapped
+like any model, so every backend reads the plan's formats through the ModelFile it already
+knows, weights stay quantized and a second start costs nothing. The runtime formats (int8,
+int4-G) are stored as the nearest GGUF block type (requant.GGUF_TYPE_FOR: Q8_0, Q4_0).
+
+Compute: a unit computes an op at the precision the plan asks when it has a kernel for it, and at
+a higher one when it has not (never lower: a plan is a bound on the error it accepts); units
+without a precision high enough cannot take the op. `effective` is that rule, used by both the
+dispatcher (placement and its reasons) and the engine (which kernel each call uses).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from .errors import ConfigError, EdgeLLMError
+from .precision import LAYER_OPS as PLAN_LAYER_OPS
+from .precision import PrecisionPlan
+
+log = logging.getLogger("edgellm")
+
+# engine op name -> the plan op whose compute precision it runs at. The IR's fused attention is
+# the plan's attn_scores (QK^T and P*V); rope, swiglu and the adds are elementwise and fp32.
+ENGINE_TO_PLAN = {"embedding": "embedding", "attn_norm": "attn_norm", "qkv": "qkv", "attention": "attn_scores",
+                  "attn_out": "attn_out", "ffn_norm": "ffn_norm", "ffn_gate_up": "ffn_gate_up",
+                  "ffn_down": "ffn_down", "output_norm": "output_norm", "lm_head": "lm_head"}
+# higher precision first: a unit may run an op above what the plan asks, never below
+PRECISION_ORDER = ("fp32", "fp16", "int8")
+CACHE_SCHEMA = 1
+
+
+def effective(asked: str, supported: tuple[str, ...]) -> str | None:
+    """The precision a unit with kernels for `supported` runs an op the plan asks `asked` for:
+    `asked` itself, else the lowest supported precision above it, else None (it cannot)."""
+    if asked in supported:
+        return asked
+    above = [p for p in PRECISION_ORDER[: PRECISION_ORDER.index(asked)] if p in supported]
+    return above[-1] if above else None
+
+
+@dataclass(frozen=True)
+class ComputeTable:
+    """What the plan asks each engine op to compute in: per phase, a tuple over layers for layer
+    ops (one entry for model ops). Sequence policies are resolved per step length by `at`."""
+    plan: PrecisionPlan
+    n_layers: int
+
+    def at(self, phase: str, tokens: int = 0) -> dict[str, tuple[str, ...]]:
+        """engine op -> asked compute per layer (model ops: a 1-tuple) for a step of `tokens`
+        (prefill: the prompt's uncached length; decode: the context length)."""
+        key = (phase, sum(tokens >= s.min_tokens for s in self.plan.sequence))
+        cache = self.__dict__.setdefault("_cache", {})
+        if key not in cache:
+            out = {}
+            for eop, pop in ENGINE_TO_PLAN.items():
+                layers = range(self.n_layers) if pop in PLAN_LAYER_OPS else (None,)
+                out[eop] = tuple(self.plan.resolve(i, pop, phase, self.n_layers, tokens).compute for i in layers)
+            cache[key] = out
+        return cache[key]
+
+    def asked(self, phase: str, op: str, tokens: int = 0) -> tuple[str, ...]:
+        """The per-layer asks of one engine op (fp32 for ops outside the plan: rope, swiglu, adds)."""
+        return self.at(phase, tokens).get(op, ("fp32",))
+
+
+def all_fp32(n_layers: int) -> "ComputeTable":
+    """The table of a plan that asks fp32 everywhere (the `quality` preset's compute)."""
+    from .precision import load_plan
+
+    return ComputeTable(load_plan("quality"), n_layers)
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    from .model.registry import edgellm_home
+
+    return edgellm_home() / "cache" / "precision" / "models"
+
+
+def _cache_key(src: str, formats: Mapping[str, str]) -> str:
+    st = os.stat(src)
+    desc = json.dumps({"schema": CACHE_SCHEMA, "src": os.path.abspath(src), "size": st.st_size,
+                       "mtime_ns": st.st_mtime_ns, "formats": sorted(formats.items())})
+    return hashlib.sha256(desc.encode()).hexdigest()
+
+
+def _matches(mf, formats: Mapping[str, str]) -> bool:
+    from .requant import GGUF_TYPE_FOR
+
+    return all(mf.tensor_type(name) == GGUF_TYPE_FOR[fmt] for name, fmt in formats.items())
+
+
+def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | None = None):
+    """(the ModelFile to run, a one-line note) for `plan` on `mf`. The file itself when the plan
+    keeps every tensor's format; else a requantized copy from the cache, written on first use.
+    A damaged or stale cache file is rewritten with one warning."""
+    from .model.loader import open_model
+    from .requant import GGUF_TYPE_FOR, plan_formats, requantize_gguf
+
+    cfg = mf.config
+    formats = plan_formats(mf, lambda layer, op: plan.weight_format(layer, op, cfg.n_layers))
+    # a tensor the plan sets to the type the file already has needs no conversion
+    formats = {n: f for n, f in formats.items() if mf.tensor_type(n) != GGUF_TYPE_FOR[f]}
+    if not formats:
+        return mf, f"precision plan {plan.name!r}: weights as the file stores them"
+    key = _cache_key(mf.path, formats)
+    stem = Path(mf.path).name.removesuffix(".gguf")
+    path = cache_dir() / f"{stem}-{plan.name or 'plan'}-{key[:16]}.gguf"
+    if path.exists():
+        try:
+            cached = open_model(path)
+            if _matches(cached, formats):
+                return cached, (f"precision plan {plan.name!r}: {len(formats)} tensors requantized "
+                                f"(cached: {path})")
+            why = "its tensor types differ from the plan's"
+        except EdgeLLMError as e:
+            why = str(e)
+        log.warning("requantized model cache %s is unusable (%s); writing it again", path, why)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        report = requantize_gguf(mf.path, path, formats, progress=progress)
+    except OSError as e:
+        raise ConfigError(f"precision plan {plan.name!r}: cannot write the requantized model to {path}: {e}") from e
+    log.info("precision plan %r: %d tensors requantized into %s (%d -> %d bytes of tensor data)",
+             plan.name, len(formats), path, report.bytes_before, report.bytes_after)
+    return open_model(path), f"precision plan {plan.name!r}: {len(formats)} tensors requantized (written: {path})"
+
+
+def planned_formats(mf, plan: PrecisionPlan) -> dict[str, str]:
+    """ops.weight_formats of the model `plan` would make of `mf`, without writing it (for
+    `edgellm plan --precision`, which may plan for another device)."""
+    from .ops import weight_formats
+    from .requant import GGUF_TYPE_FOR
+
+    cfg = mf.config
+    out = weight_formats(mf)
+    file_fmt = dict(out)
+
+    def fmt(layer, op, eop):
+        f = plan.weight_format(layer, op, cfg.n_layers)
+        return file_fmt[eop] if f == "gguf" else GGUF_TYPE_FOR[f].name.lower()
+
+    for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down"):
+        per_layer = [fmt(i, op, op) for i in range(cfg.n_layers)]
+        out[op] = max(dict.fromkeys(per_layer), key=per_layer.count)
+    out["lm_head"] = fmt(None, "lm_head", "lm_head")
+    out["embedding"] = out["lm_head"] if cfg.tied_embeddings else fmt(None, "embedding", "embedding")
+    return out
