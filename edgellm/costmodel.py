@@ -54,6 +54,8 @@ class Unit:
                                                # (a precision plan picks among them); () = quant_precision
     stores_quantized: bool = False             # keeps GGUF block formats resident (else dequantizes)
     head_precision: str | None = None          # compute precision of lm_head, when not quant_precision
+    quant_fp32_slowdown: float | None = None   # fp32 activations against block weights (a plan's ask) run
+                                               # at curve / this; None: at the unit's fp32 peak
     fused_decode_s: float | None = None        # cost of one call running a whole decode step's
                                                # layers natively (None: the unit has no such call)
     available: bool = True
@@ -153,7 +155,10 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
         # its intermediate stays in the accelerator's memory; booked as one pass over it
         ms = cost.bytes / unit.bandwidth * 1e3
         return Estimate(ms, prec, fmt, cost, "memory", 0.0)
-    peak = unit.attainable(prec, 1 if (op.last_row_only and prefill) else t)
+    rows = 1 if (op.last_row_only and prefill) else t
+    peak = unit.attainable(prec, rows)
+    if prec == "fp32" and unit.quant_fp32_slowdown and fmt not in ("f32", "f16"):
+        peak = unit.attainable(unit.curve_precision, rows) / unit.quant_fp32_slowdown
     if peak <= 0:
         return None
     compute_s, memory_s = cost.flops / peak, cost.bytes / unit.bandwidth
@@ -225,8 +230,12 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     qprec = "int8" if name == "neon" else "fp32"
     return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, curve_precision=qprec, cache_bytes=llc,
                 quant_precision=qprec, stores_quantized=(name != "reference"),
-                # neon also keeps activations fp32 against quantized weights (el_matmul_f32act)
+                # neon also keeps activations fp32 against quantized weights (el_matmul_f32act),
+                # which dequantizes each weight block per row of x: measured on this project's x86
+                # host (SIMDe, 2 threads, Q4_0/Q4_1 576x3072 and 1536x576, 2026-11-21) at 1.2-1.5x
+                # the int8 path's time at 256 rows and 1.6-4.9x at 1-32 rows; 2x is the middle
                 quant_precisions=("int8", "fp32") if name == "neon" else (),
+                quant_fp32_slowdown=2.0 if name == "neon" else None,
                 # neon's head keeps fp32 activations against its quantized weights (accuracy of
                 # the near-ties that pick the token; memory-bound either way)
                 head_precision="fp32" if name == "neon" else None,
