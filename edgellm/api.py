@@ -343,6 +343,8 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         mod, _ = backends.get(name)
         if hasattr(mod, "configure"):      # native units run their own pools on the big cores
             mod.configure(threads=threads, cores=big)
+        if hasattr(mod, "use_plan"):       # a unit whose weight form follows the precision plan
+            mod.use_plan(pplan)
     exclude: dict[tuple[str, str], str] = {}
     while True:
         try:

@@ -35,7 +35,7 @@ SELF_CHECK_NMSE = 5e-4
 _MATMUL_OPS = {"qkv": "attn", "attn_out": "attn_out", "ffn_gate_up": "ffn", "ffn_down": "ffn_down",
                "lm_head": "head"}
 
-_state: dict = {"profile_npu": None, "probe": None, "runtime": None, "threads": None}
+_state: dict = {"profile_npu": None, "probe": None, "runtime": None, "threads": None, "plan": None}
 _lock = threading.Lock()
 
 
@@ -45,6 +45,12 @@ def use_profile(profile) -> None:
     with _lock:
         if npu != _state["profile_npu"]:
             _state.update(profile_npu=npu, probe=None, runtime=None)
+
+
+def use_plan(plan) -> None:
+    """The engine's precision plan (None: none). A projection the plan stores in a float format
+    (f16, f32) runs as an fp16-weights subgraph; every other one in the runtime's int8 form."""
+    _state["plan"] = plan
 
 
 def configure(threads: int | None = None, cores=None) -> None:
@@ -223,9 +229,19 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
 
     fused_ffn = need("swiglu") and need("ffn_gate_up") and need("ffn_down")
 
-    def qlin(*parts: tuple[str, int], k: int, bias=None):
+    plan = _state.get("plan")
+
+    def planned(layer: int | None, op: str) -> str:
+        """fp16 where the precision plan keeps this projection in a float format (its most
+        sensitive ones, typically), else the runtime's int8 form."""
+        if plan is not None and not os.environ.get("EDGELLM_NPU_FORMAT", "").strip() \
+                and plan.weight_format(layer, op, cfg.n_layers) in ("f16", "f32"):
+            return "fp16"
+        return weight_format(mod)
+
+    def qlin(*parts: tuple[str, int], k: int, bias=None, fmt: str | None = None):
         w = np.concatenate([f32(n, (r, k)) for n, r in parts]) if len(parts) > 1 else f32(parts[0][0], (parts[0][1], k))
-        q = npu_graphs.quantize(w, weight_format(mod), bias)
+        q = npu_graphs.quantize(w, fmt or weight_format(mod), bias)
         total[0] += q.q.nbytes + (q.scale.nbytes if q.scale is not None else 0)
         return q
 
@@ -243,7 +259,7 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
         if not need(op):
             return None
         parts, k = layout.projection(cfg, i, op)
-        return qlin(*parts, k=k, bias=bias)
+        return qlin(*parts, k=k, bias=bias, fmt=planned(i, op))
 
     layers = []
     for i in range(cfg.n_layers):
@@ -262,7 +278,8 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
             progress(i + 1, steps)
     lm = None
     if need("lm_head"):
-        lm = linear("lm_head", "lm_head", qlin((layout.head_tensor(cfg), cfg.vocab_size), k=d))
+        lm = linear("lm_head", "lm_head", qlin((layout.head_tensor(cfg), cfg.vocab_size), k=d,
+                                               fmt=planned(None, "lm_head")))
     if progress:
         progress(steps, steps)
     return PreparedWeights(
