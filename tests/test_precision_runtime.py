@@ -210,3 +210,15 @@ def _decode_logits(eng, ids):
     from edgellm.precision_search import teacher_forced_logits
 
     return teacher_forced_logits(eng, ids, "decode")
+
+
+def test_requantizing_4_bit_weights_into_4_bits_is_warned(home, tiny, caplog):
+    mf = open_model(tiny.path)                                           # Q4_1
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        plan_model(mf, load_plan("fast"))                                # FFN int4-32 -> Q4_0
+    assert "already stores in 4 bits (Q4_1)" in caplog.text
+    caplog.clear()
+    q8 = write_tiny_model(tiny.path.replace("m.gguf", "q8.gguf"), tensor_type=QT.Q8_0, n_layers=5, seed=3)
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        plan_model(open_model(q8.path), load_plan("fast"))
+    assert "4 bits" not in caplog.text
