@@ -214,8 +214,7 @@ class PrecisionPlan:
                 tokens: int = 1) -> OpPrecision:
         """The precision of `op` in `layer` (None for the model ops: embedding, output_norm,
         lm_head) during `phase` ("prefill" or "decode"). `tokens` is what sequence policies compare
-        with min_tokens: in prefill the prompt's uncached length (so every chunk of one prompt gets
-        the same precision), in decode the context length."""
+        with min_tokens: the sequence's length at the end of the step (prefill chunk or decode token)."""
         self._check_query(layer, op, n_layers)
         if phase not in PHASES:
             raise PrecisionPlanError(self._file, "", f"phase must be one of {', '.join(PHASES)}, got {phase!r}")
