@@ -222,3 +222,22 @@ def test_requantizing_4_bit_weights_into_4_bits_is_warned(home, tiny, caplog):
     with caplog.at_level(logging.WARNING, logger="edgellm"):
         plan_model(open_model(q8.path), load_plan("fast"))
     assert "4 bits" not in caplog.text
+
+
+def test_layers_asking_different_precisions(tmp_path):
+    """Layers 0-1 int8, the rest fp32: neon runs both, the estimate is their mean, and the fused
+    decode step (int8 in every layer) is not chosen. (Wide enough not to be launch-bound.)"""
+    tiny = write_tiny_model(tmp_path / "w.gguf", tensor_type=QT.Q4_1, n_layers=5, d_model=1024, d_ff=4096,
+                            n_heads=8, n_kv_heads=4, seed=3)
+
+    def placed(text):
+        plan = parse_plan("schema: 1\nkv_cache: f16\n" + text, name="p")
+        p = _disp("rk3588", tiny, plan).plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
+        return {x.op: x for x in p.prefill.placements}, {x.op: x for x in p.decode.placements}
+
+    pre, dec = placed("layers:\n" + "".join(f"  {i}: {{ffn_down: {{compute: int8}}}}\n" for i in (0, 1)))
+    assert dec["ffn_down"].precision == "int8+fp32" and "fused decode step" not in dec["ffn_down"].reason
+    all8, _ = placed("defaults:\n  ffn_down: {compute: int8}\n")
+    none, _ = placed("")
+    neon_ms = lambda p: float(dict(p["ffn_down"].alternatives)["neon"].split()[0])     # noqa: E731
+    assert neon_ms(all8) < neon_ms(pre) < neon_ms(none)
