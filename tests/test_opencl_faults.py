@@ -8,6 +8,7 @@ import logging
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 from typer.testing import CliRunner
@@ -126,3 +127,18 @@ def test_a_model_specific_kernel_failure_at_load_replans_without_the_unit(home, 
     assert any("failed at load" in w for w in eng.plan.warnings)
     assert "injected" in caplog.text
     assert eng.generate("hello", max_tokens=6, temperature=0) == cpu_text
+
+
+def test_norms_and_qkv_bias_are_resident_and_correct(home):
+    """The norm gains and the QKV bias are device buffers made once at prepare() (not uploaded per
+    call), and a qwen2-style model (QKV bias) gives the reference's logits with every op on OpenCL."""
+    tm = write_tiny_model(home / "q.gguf", arch="qwen2", tensor_type=QT.Q8_0, n_layers=2, seed=7)
+    ids = list(range(3, 30))
+    ref = edgellm.load(tm.path, n_ctx=128, units=["reference"]).logits(ids)
+    eng = edgellm.load(tm.path, n_ctx=128, units=["opencl"])
+    mod, w = eng.runner._ops["prefill"]["qkv"]
+    assert mod is opencl
+    lw = w.layers[0]
+    assert isinstance(lw.attn_norm, opencl.ResidentVector) and isinstance(lw.bqkv, opencl.ResidentVector)
+    got = eng.logits(ids)
+    assert float(np.abs(got - ref).max()) < 1e-3 * float(np.abs(ref).max())

@@ -128,12 +128,24 @@ def supports(op: str, precision: str = "fp32") -> tuple[bool, str]:
 # ---- resident weights ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class ResidentVector:
+    """A small constant (norm gain, QKV bias) uploaded once at prepare(): the ops take it as it is
+    instead of copying it to the device on every call."""
+    host: np.ndarray        # float32 (n,), for shape checks
+    buf: object             # the device buffer (ClRuntime.resident)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.host.shape
+
+
+@dataclass(frozen=True)
 class LayerWeights:
-    attn_norm: np.ndarray
+    attn_norm: ResidentVector
     wqkv: object            # opencl_matmul.ClMatrix, or None when this unit does not run qkv
-    bqkv: np.ndarray | None
+    bqkv: ResidentVector | None
     wo: object
-    ffn_norm: np.ndarray
+    ffn_norm: ResidentVector
     w_gate_up: object
     w_down: object
 
@@ -142,7 +154,7 @@ class LayerWeights:
 class PreparedWeights:
     embedding: object       # reference.EmbeddingTable
     layers: tuple[LayerWeights, ...]
-    output_norm: np.ndarray
+    output_norm: ResidentVector
     lm_head: object
     nbytes: int             # device bytes of the packed matrices
 
@@ -160,6 +172,15 @@ def prepare(model, precision: str = "fp32", progress=None, ops=None) -> Prepared
 
     def f32(name, shape):
         return quant.dequantize(model.raw(name), model.tensor_type(name), shape)
+
+    def vec(a: np.ndarray | None) -> ResidentVector | None:
+        if a is None:
+            return None
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        try:
+            return ResidentVector(a, rt.resident(a))
+        except OpenCLUnavailable as e:
+            raise UnitFailed(NAME, str(e)) from e
 
     def mat(op: str, *parts: tuple[str, int], k: int):
         if not need(op):
@@ -183,8 +204,9 @@ def prepare(model, precision: str = "fp32", progress=None, ops=None) -> Prepared
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         layers.append(LayerWeights(
-            attn_norm=f32(p + "attn_norm.weight", (d,)), wqkv=proj(i, "qkv"), bqkv=layout.qkv_bias(model, i),
-            wo=proj(i, "attn_out"), ffn_norm=f32(p + "ffn_norm.weight", (d,)),
+            attn_norm=vec(f32(p + "attn_norm.weight", (d,))), wqkv=proj(i, "qkv"),
+            bqkv=vec(layout.qkv_bias(model, i)),
+            wo=proj(i, "attn_out"), ffn_norm=vec(f32(p + "ffn_norm.weight", (d,))),
             w_gate_up=proj(i, "ffn_gate_up"), w_down=proj(i, "ffn_down")))
         if progress:
             progress(i + 1, cfg.n_layers + 1)
@@ -194,7 +216,7 @@ def prepare(model, precision: str = "fp32", progress=None, ops=None) -> Prepared
     _warm_up(rt, cfg, ops)
     return PreparedWeights(
         embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
-        layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm, nbytes=total[0])
+        layers=tuple(layers), output_norm=vec(f32("output_norm.weight", (d,))), lm_head=lm, nbytes=total[0])
 
 
 def _warm_up(rt: ClRuntime, cfg: ModelConfig, ops) -> None:

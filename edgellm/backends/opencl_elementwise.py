@@ -38,10 +38,11 @@ def _map_launch(rt: ClRuntime, name: str, n_items: int, *args) -> None:
     rt.launch(k, (round_up(n_items, MAP_WG),), (MAP_WG,), *args, np.int32(n_items), name=name)
 
 
-def rmsnorm(rt: ClRuntime, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x (T, d), w (d,) -> x / sqrt(mean(x^2) + eps) * w, (T, d)."""
+def rmsnorm(rt: ClRuntime, x: np.ndarray, w, eps: float) -> np.ndarray:
+    """x (T, d), w (d,) (an array, or an opencl.ResidentVector) -> x / sqrt(mean(x^2) + eps) * w."""
     x = _f32("x", x, 2)
-    w = _f32("w", w, 1)
+    wbuf = getattr(w, "buf", None)           # a vector made resident at prepare()
+    w = _f32("w", w.host if wbuf is not None else w, 1)
     T, d = x.shape
     if d == 0:
         raise ValueError("x has rows of width 0: rmsnorm of an empty row is undefined")
@@ -53,7 +54,8 @@ def rmsnorm(rt: ClRuntime, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarr
         return np.empty((0, d), np.float32)
     y = rt.empty(x.nbytes)
     k = rt.kernel(FAMILY, "el_rmsnorm", _DEFINES)
-    rt.launch(k, (T * RED_WG,), (RED_WG,), rt.upload(x), rt.upload(w), y, np.int32(d), np.float32(eps),
+    rt.launch(k, (T * RED_WG,), (RED_WG,), rt.upload(x), wbuf if wbuf is not None else rt.upload(w), y,
+              np.int32(d), np.float32(eps),
               name="el_rmsnorm")
     return rt.read(y, x.shape)
 

@@ -287,9 +287,9 @@ def _dummy(rt: ClRuntime):
 
 # ---- products -------------------------------------------------------------------------------------
 
-def matmul(rt: ClRuntime, x: np.ndarray, w: ClMatrix, b: np.ndarray | None = None, *,
+def matmul(rt: ClRuntime, x: np.ndarray, w: ClMatrix, b=None, *,
            int8: bool | None = None, tune: TileConfig | None = None) -> np.ndarray:
-    """x (T, K) float32 @ W^T [+ b (N,)] -> (T, N) float32.
+    """x (T, K) float32 @ W^T [+ b (N,): an array or an opencl.ResidentVector] -> (T, N) float32.
 
     int8: None uses the int8-dot variant iff the device has an int8 dot product (block types
     only); True forces it (the plain-C twin of arm_dot where the device lacks it), False never.
@@ -317,10 +317,12 @@ def matmul(rt: ClRuntime, x: np.ndarray, w: ClMatrix, b: np.ndarray | None = Non
     xargs = quantize_x(rt, qx, xbuf, T, K) if int8 else (xbuf,)
     y = rt.empty(4 * T * N)
     if b is not None:
-        b = np.asarray(b)
+        if not hasattr(b, "buf"):
+            b = np.asarray(b, dtype=np.float32)
         if b.shape != (N,):
             raise ClMatmulError(f"{w.type_name} matmul: bias must be ({N},), found {b.shape}")
-        bbuf = rt.upload(b.astype(np.float32, copy=False))
+        # a bias made resident at prepare() (opencl.ResidentVector) is used in place
+        bbuf = b.buf if hasattr(b, "buf") else rt.upload(b)
     else:
         bbuf = xbuf               # never read: has_bias = 0
     enqueue(rt, main, cfg, w, xargs, bbuf, b is not None, y, T)
