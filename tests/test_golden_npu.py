@@ -1,18 +1,20 @@
 """The real model with its projections (QKV, attention output, FFN gate/up and down, head) on the
 npu unit with int8 weights, through both runtimes (ONNX Runtime's CPU provider and LiteRT here),
 against llama.cpp's goldens. Issue 7 asks top-1 >= 95% and mean KL <= 0.05 against llama.cpp;
-both goldens are reported and checked at that bound. The int8 form is each runtime's default
-(npu.weight_format): ONNX Runtime int8 weight blocks of 32 with float activations; LiteRT int8
-per output channel with the input rows quantized to int8 by its kernel.
+both goldens are reported and checked. The int8 form is each runtime's default
+(npu.weight_format): ONNX Runtime int8 weight blocks of 32 with float activations (int8b);
+LiteRT int8s, one int8 FULLY_CONNECTED per 64-column slice of K, each with its own per-output-
+channel scales and its own int8 rounding of the input rows by the kernel, the slices summed.
 
 The FFN runs as one subgraph (gate/up, swiglu, down) per bucket. Measured (2026-11-21), top-1 /
 mean KL against the F32 and Q4_1 goldens:
-  onnx   int8 blocks, float activations   98.55% / 0.0011    96.36% / 0.0036
-  tflite int8 per channel, int8 rows      93.09% / 0.0213    93.82% / 0.0231
-The LiteRT path misses the issue's 95% (its KL is within 0.05): TFLite's int8 FULLY_CONNECTED has
-one scale per output row, whose rounding of the Q4_1 weights alone costs ~3 points (94.2% with
-float activations, measured through the ONNX path), and its kernel rounds each input row to int8.
-Its bound below is the measured level, so a regression still fails; the gap is reported."""
+  onnx   int8b: int8 blocks, float activations       98.55% / 0.0011    96.36% / 0.0036
+  tflite int8:  per channel, int8 rows (before)      93.09% / 0.0213    93.82% / 0.0231
+  tflite int8s: per channel per 64-column slice      98.55% / 0.0038    96.36% / 0.0060
+LiteRT's unsliced int8 missed the issue's 95%: one scale per output row over the whole of K, and
+one int8 step per input row, cost it 2.5-5.5 points; per 64-column slice both are set by 64 values
+(see npu_graphs.INT8S_SLICE). Its bound below is the measured level less one position of the 275
+(top-1) and under 2x the measured KL, so a regression fails."""
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from tests.test_golden_smollm2 import CASES, agreement
 pytestmark = pytest.mark.model
 RUNTIMES = ("onnx", "tflite")
 # runtime -> (min top-1, max mean KL) on either golden
-BOUNDS = {"onnx": (0.95, 0.05), "tflite": (0.91, 0.05)}
+BOUNDS = {"onnx": (0.95, 0.05), "tflite": (0.96, 0.01)}
 
 
 def npu_profile(path: Path, buckets=(32, 128)) -> Path:

@@ -62,7 +62,34 @@ def test_npu_takes_the_plans_float_layers(setup):
     int8 = npu.weight_format()
     assert _formats(eng, 1) == ("fp16", "fp16")
     assert _formats(eng, 0) == (int8, int8) == _formats(base, 1)
-    # fp16 weights are closer to the fp32 reference than int8 ones: the plan made a difference
+    # fp16 weights are closer to the fp32 reference than int8 ones: the plan made a difference.
+    # RMS over all logits: on LiteRT the int8 input rounding of the other layers dominates both
+    # engines' error, and its largest logit error is noise (int8s: max 0.0077 with the plan vs
+    # 0.0073 without, RMS 0.00145 vs 0.00179).
     ref = edgellm.load(path, n_ctx=128, units=["reference"], precision=plan).logits(list(range(3, 40)))
     ids = list(range(3, 40))
-    assert np.abs(eng.logits(ids) - ref).max() < np.abs(base.logits(ids) - ref).max()
+
+    def rms(e):
+        return float(np.sqrt(np.mean((e.logits(ids) - ref).astype(np.float64) ** 2)))
+
+    assert rms(eng) < rms(base)
+
+
+def test_int8s_falls_back_to_int8_where_the_slices_do_not_divide_k(tmp_path, monkeypatch):
+    """d = 96: LiteRT's 64-column slices do not divide K, so those projections load as int8 per
+    channel (logged) instead of failing the unit."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", "tflite")
+    n = Npu("test npu", {"int8": 4e12}, ("CPUExecutionProvider",), None, True, (32,), frozenset({"matmul"}),
+            300e-6, 100e-6)
+    prof = write_profile(replace(estimate_host_profile(), name="host-npu", npu=n), tmp_path / "host-npu.yaml")
+    npu.reset()
+    try:
+        tm = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.Q8_0, n_layers=2, d_model=96, d_ff=128,
+                              n_heads=4, n_kv_heads=2, seed=5)
+        eng = edgellm.load(tm.path, device=str(prof), n_ctx=128, units=["npu", "reference"])
+        assert "npu" in eng.plan.units_used()
+        fmts = _formats(eng, 0)
+        assert fmts == ("int8", "int8s")          # qkv: K = 96 -> int8; ffn_down: K = 128 -> int8s
+    finally:
+        npu.reset()

@@ -1,8 +1,9 @@
 """The npu unit: the prefill projections of each layer as static-shape subgraphs, one per token
 bucket, run through ONNX Runtime execution providers (npu_onnx.py) or a LiteRT/TFLite delegate
 (npu_tflite.py). NPUs compile for fixed shapes and want int8 weights: each matrix the plan gives
-this unit is requantized at load to int8 per output channel (npu_graphs.py) and compiled once per
-bucket; a chunk is split into bucket-sized pieces, the last one padded (its padded rows are
+this unit is requantized at load to the runtime's int8 form (weight_format(): int8 blocks of 32
+on ONNX Runtime, int8 per output channel per 64-column slice on LiteRT; fp16 where the precision
+plan keeps a projection in a float format; npu_graphs.py) and compiled once per bucket; a chunk is split into bucket-sized pieces, the last one padded (its padded rows are
 computed and dropped: the cost model counts that waste).
 
 Runtime choice: EDGELLM_NPU_RUNTIME=onnx|tflite, else ONNX Runtime when one of the profile's
@@ -28,9 +29,10 @@ KIND = "npu"
 log = logging.getLogger("edgellm")
 
 DEFAULT_BUCKETS = (32, 64, 128, 256)
-# Self-check bound: int8 weights and per-row int8 activations against the float reference of the
-# same int8 weights: activation rounding alone gives NMSE ~2e-5 on Gaussian data; a broken
-# provider or a wrong packing is off by orders of magnitude.
+# Self-check bound: the runtime's int8 form (int8b: float activations; int8/int8s: activations
+# rounded to int8 per row, or per row and 64-column slice) against the float reference of the
+# same int8 weights: activation rounding alone gives NMSE ~2e-5 on Gaussian data (less per
+# slice); a broken provider or a wrong packing is off by orders of magnitude.
 SELF_CHECK_NMSE = 5e-4
 _MATMUL_OPS = {"qkv": "attn", "attn_out": "attn_out", "ffn_gate_up": "ffn", "ffn_down": "ffn_down",
                "lm_head": "head"}
@@ -116,15 +118,24 @@ def _choose_runtime() -> tuple[object | None, str]:
 
 def weight_format(mod=None) -> str:
     """The NPU weight format per runtime: ONNX Runtime runs int8 weight blocks with float
-    activations (MatMulNBits, W8A16-style); LiteRT's int8 FULLY_CONNECTED is per output channel
-    with the input rows quantized to int8 by the kernel. EDGELLM_NPU_FORMAT overrides."""
+    activations (int8b: MatMulNBits, W8A16-style); LiteRT runs int8s, one int8 FULLY_CONNECTED
+    per 64-column slice of K, each with its own per-output-channel weight scales and its own
+    int8 rounding of the input rows (its kernel quantizes the activations; per slice, the error
+    stays within the issue's accuracy bound, where one FC over the whole of K does not).
+    EDGELLM_NPU_FORMAT overrides; int8s with ONNX Runtime is refused (UnitFailed), as its path
+    has no int8s form."""
+    mod = mod or _state["runtime"]
+    on_onnx = mod is not None and mod.__name__.endswith("npu_onnx")
     env = os.environ.get("EDGELLM_NPU_FORMAT", "").strip()
     if env:
         if env not in npu_graphs.FORMATS:
             raise UnitFailed(NAME, f"EDGELLM_NPU_FORMAT={env!r}: expected one of {npu_graphs.FORMATS}")
+        if env == "int8s" and on_onnx:
+            raise UnitFailed(NAME, "EDGELLM_NPU_FORMAT=int8s is LiteRT's sliced hybrid form; the ONNX "
+                                   "Runtime path does not build it (use int8b or int8 there, or "
+                                   "EDGELLM_NPU_RUNTIME=tflite)")
         return env
-    mod = mod or _state["runtime"]
-    return "int8b" if mod is not None and mod.__name__.endswith("npu_onnx") else "int8"
+    return "int8b" if on_onnx else "int8s"
 
 
 def _compile(mod, graph):
@@ -241,7 +252,13 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
 
     def qlin(*parts: tuple[str, int], k: int, bias=None, fmt: str | None = None):
         w = np.concatenate([f32(n, (r, k)) for n, r in parts]) if len(parts) > 1 else f32(parts[0][0], (parts[0][1], k))
-        q = npu_graphs.quantize(w, fmt or weight_format(mod), bias)
+        fmt = fmt or weight_format(mod)
+        if fmt == "int8s" and k % npu_graphs.INT8S_SLICE:
+            # a width the slices do not divide: one scale per output channel over the whole row
+            log.info("npu: %s has K = %d, not a multiple of %d: int8 per channel instead of int8s",
+                     parts[0][0], k, npu_graphs.INT8S_SLICE)
+            fmt = "int8"
+        q = npu_graphs.quantize(w, fmt, bias)
         total[0] += q.q.nbytes + (q.scale.nbytes if q.scale is not None else 0)
         return q
 
@@ -308,13 +325,25 @@ def _graph(m: NpuMatrix, bucket: int):
 
 def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
     """int8 weights + fp32 scales of the matrices this unit runs, once per bucket: each bucket's
-    compiled subgraph holds its own copy (runtimes do not share constants across sessions)."""
+    compiled subgraph holds its own copy (runtimes do not share constants across sessions).
+    Scales as the weight format holds them: one per row (int8), per row and 64-column slice
+    (int8s) or 32-column block (int8b, int4)."""
+    try:
+        fmt = weight_format()
+    except UnitFailed:                    # a bad EDGELLM_NPU_FORMAT: load() reports it
+        fmt = "int8s"
+    block = {"int8s": npu_graphs.INT8S_SLICE, "int8b": npu_graphs.INT4_BLOCK,
+             "int4": npu_graphs.INT4_BLOCK}.get(fmt)
+
+    def row(c: int) -> int:               # bytes of one weight row of c columns, scales included
+        return c + 4 * (-(-c // block) if block else 1)
+
     d = cfg.d_model
     per_op = {"qkv": (cfg.q_dim + 2 * cfg.kv_dim, d), "attn_out": (d, cfg.q_dim), "ffn_gate_up": (2 * cfg.d_ff, d),
               "ffn_down": (d, cfg.d_ff)}
-    n = sum(cfg.n_layers * (r * (c + 4)) for op, (r, c) in per_op.items() if ops is None or op in ops)
+    n = sum(cfg.n_layers * r * row(c) for op, (r, c) in per_op.items() if ops is None or op in ops)
     if ops is None or "lm_head" in ops:
-        n += cfg.vocab_size * (d + 4)
+        n += cfg.vocab_size * row(d)
     return n * len(buckets()) + 4 * (2 * cfg.n_layers + 1) * d
 
 

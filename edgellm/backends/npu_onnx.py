@@ -101,6 +101,8 @@ def _check_qlinear(graph: str, role: str, w: QLinear, n: int | None = None, k: i
         raise NpuGraphError(graph, f"{role} weights: {what}")
     if w.fmt not in FORMATS:
         bad(f"format {w.fmt!r}, expected one of {FORMATS}")
+    if w.fmt == "int8s":
+        bad("int8s is LiteRT's sliced hybrid form; this path builds int8b (blocks of 32) for int8 weights")
     if n is not None and w.n != n or k is not None and w.k != k:
         bad(f"expected (N, K) = ({n if n is not None else w.n}, {k if k is not None else w.k}), found ({w.n}, {w.k})")
     if w.n < 1 or w.k < 1 or tuple(w.q.shape) != (w.n, w.k):

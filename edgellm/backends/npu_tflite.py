@@ -31,15 +31,15 @@ from ..errors import ConfigError, EdgeLLMError
 from ..fileio import write_atomic
 from .npu_graphs import LinearGraph, NpuGraphError, NpuInputError, reference
 from .npu_tflite_validate import TfliteModelError, validate
-from .npu_tflite_writer import (WRITER_VERSION, _DEQ, _FC, _LOGISTIC, _MUL, _SPLIT, _TT, TfliteUnavailable,
-                                _Opt, _schema, build_flatbuffer, supports)
+from .npu_tflite_writer import (WRITER_VERSION, _ADD, _DEQ, _FC, _LOGISTIC, _MUL, _SPLIT, _TT,
+                                TfliteUnavailable, _Opt, _schema, build_flatbuffer, supports)
 
 # The writer's and validator's names stay importable from here; the enum values too (the tests
 # compare them with the tflite package's).
 __all__ = ["TfliteModelError", "TfliteUnavailable", "TfliteDelegateError", "TfliteStats", "stats",
            "WRITER_VERSION", "supports", "build_flatbuffer", "validate", "cache_root", "cache_path",
            "load_or_build", "available", "int4_supported", "TfliteSubgraph", "compile",
-           "_TT", "_Opt", "_FC", "_DEQ", "_SPLIT", "_LOGISTIC", "_MUL"]
+           "_TT", "_Opt", "_FC", "_DEQ", "_SPLIT", "_LOGISTIC", "_MUL", "_ADD"]
 
 log = logging.getLogger("edgellm")
 

@@ -14,15 +14,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ModelFormatError
-from .npu_graphs import INT4_BLOCK
-from .npu_tflite_writer import (SCHEMA_VERSION, _BLOCKWISE, _DEQ, _FC, _INT4, _LOGISTIC, _MAX_DIM,
-                                _MAX_ELEMENTS, _MUL, _OPTIONS, _SPLIT, _TT, _Opt, _schema)
+from .npu_graphs import INT4_BLOCK, INT8S_SLICE
+from .npu_tflite_writer import (SCHEMA_VERSION, _ADD, _BLOCKWISE, _DEQ, _FC, _INT4, _LOGISTIC,
+                                _MAX_DIM, _MAX_ELEMENTS, _MAX_SLICES, _MUL, _OPTIONS, _SPLIT, _TT,
+                                _Opt, _schema)
 
 _MAX_BYTES = (1 << 31) - 1  # flatbuffers' own limit (uoffset_t); larger models use offset buffers
-_MAX_TENSORS = 64           # caps on counts, checked before anything is iterated
-_MAX_OPS = 32
-_MAX_BUFFERS = 64
+# Caps on counts, checked before anything is iterated: an FFN of two int8s FCs of _MAX_SLICES
+# slices each (4 tensors, 1 buffer, 2 ops a slice), plus the few tensors and ops around them.
+_MAX_TENSORS = 8 * _MAX_SLICES + 64
+_MAX_OPS = 4 * _MAX_SLICES + 32
+_MAX_BUFFERS = 2 * _MAX_SLICES + 64
 _MAX_OPCODES = 8
+_MAX_OP_OUTPUTS = _MAX_SLICES  # a SPLIT writes one output per int8s slice
 _MAX_NAME = 256
 
 
@@ -32,8 +36,8 @@ class TfliteModelError(ModelFormatError):
 
 
 _OP_NAME = {_FC: "FULLY_CONNECTED", _DEQ: "DEQUANTIZE", _SPLIT: "SPLIT", _LOGISTIC: "LOGISTIC",
-            _MUL: "MUL"}
-_MAX_VERSION = {_FC: 12, _DEQ: 3, _SPLIT: 1, _LOGISTIC: 1, _MUL: 1}    # the versions written
+            _MUL: "MUL", _ADD: "ADD"}
+_MAX_VERSION = {_FC: 12, _DEQ: 3, _SPLIT: 1, _LOGISTIC: 1, _MUL: 1, _ADD: 1}   # the versions written
 _BITS = {_TT.FLOAT32: 32, _TT.FLOAT16: 16, _TT.INT8: 8, _TT.INT32: 32, _INT4: 4}
 _TYPE_NAME = {_TT.FLOAT32: "FLOAT32", _TT.FLOAT16: "FLOAT16", _TT.INT8: "INT8", _TT.INT32: "INT32",
               _INT4: "INT4"}
@@ -61,6 +65,7 @@ _FIELDS = {
     "FullyConnectedOptions": {0: _U8, 1: _U8, 2: _U8, 3: _U8},
     "SplitOptions": {0: _I32},
     "MulOptions": {0: _U8},
+    "AddOptions": {0: _U8},                                   # fused activation (pot_scale_int16 never)
     "DequantizeOptions": {},
 }
 
@@ -312,7 +317,7 @@ def _validate(r: _Reader) -> None:
         if not 0 <= ci < len(codes):
             r.fail(f"{f}.opcode_index", f"{ci} is out of range: {len(codes)} operator codes")
         code = codes[ci]
-        op_in, op_out = r.ints(op, 1, 8, f"{f}.inputs"), r.ints(op, 2, 8, f"{f}.outputs")
+        op_in, op_out = r.ints(op, 1, 8, f"{f}.inputs"), r.ints(op, 2, _MAX_OP_OUTPUTS, f"{f}.outputs")
         for j, ti in enumerate(op_in):
             if ti == -1 and code == _FC and j == 2:
                 continue                                     # the optional bias
@@ -364,8 +369,9 @@ def _quantization(r: _Reader, q, info: _TInfo, f: str) -> None:
 
 def _check_op(r: _Reader, op, code: int, ins: list[int], outs: list[int], tensors, f: str) -> None:
     name = _OP_NAME[code]
-    want_in, want_out = {_FC: 3, _DEQ: 1, _SPLIT: 2, _LOGISTIC: 1, _MUL: 2}[code], \
-        {_FC: 1, _DEQ: 1, _SPLIT: 2, _LOGISTIC: 1, _MUL: 1}[code]
+    want_in = {_FC: 3, _DEQ: 1, _SPLIT: 2, _LOGISTIC: 1, _MUL: 2, _ADD: 2}[code]
+    # SPLIT: 2 outputs (the FFN's gate / up) or one per int8s slice, checked with its options
+    want_out = len(outs) if code == _SPLIT else {_FC: 1, _DEQ: 1, _LOGISTIC: 1, _MUL: 1, _ADD: 1}[code]
     if len(ins) != want_in or len(outs) != want_out:
         r.fail(f, f"{name} with {len(ins)} inputs and {len(outs)} outputs, expected {want_in} and {want_out}")
     otype = op.BuiltinOptionsType()
@@ -377,7 +383,7 @@ def _check_op(r: _Reader, op, code: int, ins: list[int], outs: list[int], tensor
     opts = None
     if opos is not None:
         kind = {_FC: "FullyConnectedOptions", _DEQ: "DequantizeOptions", _SPLIT: "SplitOptions",
-                _MUL: "MulOptions"}[code]
+                _MUL: "MulOptions", _ADD: "AddOptions"}[code]
         opts = r.table(getattr(_schema(kind), kind), opos, kind, f"{f}.builtin_options")
     T = [tensors[i] if i >= 0 else None for i in ins]
     O = [tensors[i] for i in outs]
@@ -423,18 +429,23 @@ def _check_op(r: _Reader, op, code: int, ins: list[int], outs: list[int], tensor
         if a not in (1, -1):
             r.fail(f"{f}.inputs[0]", f"SPLIT axis {a}, expected 1")
         t_, c = f32_2d(T[1], "input")
-        if opts.NumSplits() != 2 or c % 2:
-            r.fail(f"{f}.builtin_options", f"num_splits {opts.NumSplits()} on {c} columns, expected 2")
-        for j in range(2):
-            if f32_2d(O[j], "output") != (t_, c // 2):
-                r.fail(f"{f}.outputs[{j}]", f"{O[j].shape}, expected {(t_, c // 2)}")
+        ns = opts.NumSplits()
+        # the FFN's gate / up halves, or an int8s FC's 64-column slices (two or more)
+        if not ((ns == 2 and c % 2 == 0) or (ns >= 2 and c == ns * INT8S_SLICE)):
+            r.fail(f"{f}.builtin_options", f"num_splits {ns} on {c} columns, expected 2 or "
+                                           f"columns / {INT8S_SLICE}")
+        if len(outs) != ns:
+            r.fail(f"{f}.outputs", f"{len(outs)} outputs, num_splits {ns}")
+        for j in range(ns):
+            if f32_2d(O[j], "output") != (t_, c // ns):
+                r.fail(f"{f}.outputs[{j}]", f"{O[j].shape}, expected {(t_, c // ns)}")
     elif code == _LOGISTIC:
         if f32_2d(O[0], "output") != f32_2d(T[0], "input"):
             r.fail(f"{f}.outputs[0]", f"{O[0].shape}, expected {T[0].shape}")
-    else:   # MUL, without broadcasting
+    else:   # MUL and ADD, without broadcasting
         if opts.FusedActivationFunction() != 0:
-            r.fail(f"{f}.builtin_options", "MUL: only no activation is written")
+            r.fail(f"{f}.builtin_options", f"{name}: only no activation is written")
         s = f32_2d(T[0], "input 0")
         if f32_2d(T[1], "input 1") != s or f32_2d(O[0], "output") != s:
-            r.fail(f, f"MUL shapes {T[0].shape} * {T[1].shape} -> {O[0].shape}: expected all equal")
+            r.fail(f, f"{name} shapes {T[0].shape}, {T[1].shape} -> {O[0].shape}: expected all equal")
 

@@ -10,6 +10,13 @@ Flatbuffer forms, per weight format (x is (tokens, K) float32, y float32):
     int8  FULLY_CONNECTED(x f32, W int8 (N, K) with per-output-channel scales (N,), zero points 0,
           quantized_dimension 0, b f32): the "dynamic range" (hybrid) form. The kernel quantizes
           each row of x to int8 on the fly; asymmetric_quantize_inputs is set (see _ASYMMETRIC).
+    int8s SPLIT(axis 1) x into K / 64 slices (tokens, 64); per slice j an int8 FULLY_CONNECTED as
+          above with W[:, 64j:64j+64] INT8 (N, 64) and its own per-channel scales, so the kernel
+          quantizes each row's slice on its own; bias on the first FC only; ADD ops sum the
+          partial (tokens, N) outputs in order. K = 64: the one FC on x, no SPLIT, no ADD.
+          Why 64: npu_graphs.INT8S_SLICE. The cost: SmolLM2's FFN at bucket 128 runs 1.46x the
+          int8 time on XNNPACK (one thread, measured). This runtime's XNNPACK leaves a SPLIT of
+          more than 4 outputs to the builtin kernel: the FFN runs as two XNNPACK partitions.
     int4  FULLY_CONNECTED(x f32, W INT4 (N, K), b f32): W packed two values a byte, low nibble
           first, signed (q - 8); its quantization is BlockwiseQuantization {scales: an f16
           (N, K / 32) constant tensor, zero_points: -1, block_size: 32}. Scales are stored f16 (with
@@ -28,11 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import EdgeLLMError
-from .npu_graphs import INT4_BLOCK, FfnGraph, LinearGraph, NpuGraphError, QLinear
+from .npu_graphs import INT4_BLOCK, INT8S_SLICE, FfnGraph, LinearGraph, NpuGraphError, QLinear
 
-WRITER_VERSION = 1          # bump when build_flatbuffer's output changes: old cache files miss
+WRITER_VERSION = 2          # bump when build_flatbuffer's output changes: old cache files miss
 SCHEMA_VERSION = 3          # the TFLite schema version the file declares ("TFL3")
-FORMATS = ("int8", "int4", "fp16", "fp32")
+FORMATS = ("int8", "int8s", "int4", "fp16", "fp32")
 # Dynamic-range FC quantizes each input row to int8. Asymmetric (scale (max - min) / 255 and a
 # zero point; the range always holds 0) never wastes half the int8 range on a row whose values
 # are one-sided (rows of mean 1.5: NMSE 1.0e-5 against 2.3e-5 symmetric, measured on the builtin
@@ -43,6 +50,9 @@ _ASYMMETRIC = True
 
 _MAX_DIM = 1 << 24          # caps shared with the validator (npu_tflite_validate)
 _MAX_ELEMENTS = 1 << 28     # per tensor: 1 GiB of f32
+# int8s slices per FULLY_CONNECTED (K up to 65536): each slice is 4 tensors, a buffer and 2 ops,
+# and the validator sizes its count caps from this.
+_MAX_SLICES = 1024
 
 
 class TfliteUnavailable(EdgeLLMError):
@@ -67,12 +77,14 @@ class _TT:                  # TensorType values used (schema.fbs; tests compare 
 
 
 class _Opt:                 # BuiltinOptions union tags used
-    NONE, FullyConnectedOptions, MulOptions, SplitOptions, DequantizeOptions = 0, 8, 21, 35, 38
+    NONE, FullyConnectedOptions, AddOptions, MulOptions, SplitOptions, DequantizeOptions = \
+        0, 8, 11, 21, 35, 38
 
 
-_FC, _DEQ, _SPLIT, _LOGISTIC, _MUL = 9, 6, 49, 14, 18          # BuiltinOperator values used
+_FC, _DEQ, _SPLIT, _LOGISTIC, _MUL, _ADD = 9, 6, 49, 14, 18, 0   # BuiltinOperator values used
 _OPTIONS = {_FC: _Opt.FullyConnectedOptions, _DEQ: _Opt.DequantizeOptions,
-            _SPLIT: _Opt.SplitOptions, _LOGISTIC: _Opt.NONE, _MUL: _Opt.MulOptions}
+            _SPLIT: _Opt.SplitOptions, _LOGISTIC: _Opt.NONE, _MUL: _Opt.MulOptions,
+            _ADD: _Opt.AddOptions}
 _INT4 = _TT.INT4
 _BLOCKWISE = 2              # QuantizationDetails.BlockwiseQuantization (newer than tflite 2.18)
 
@@ -111,6 +123,8 @@ class _Graph:
 
     def fully_connected(self, name: str, x: int, w: QLinear, tokens: int) -> int:
         """x (tokens, K) f32 -> (tokens, N) f32 through W in w's format."""
+        if w.fmt == "int8s":
+            return self._sliced_fc(name, x, w, tokens)
         hybrid = w.fmt in ("int8", "int4")
         if w.fmt == "fp32":
             wt = self.tensor(f"{name}.weight", (w.n, w.k), _TT.FLOAT32, _le(w.q, "<f4"))
@@ -138,11 +152,42 @@ class _Graph:
         self.op(_FC, version, [x, wt, b], [y], asymmetric=hybrid and _ASYMMETRIC)
         return y
 
+    def _sliced_fc(self, name: str, x: int, w: QLinear, tokens: int) -> int:
+        """int8s: one hybrid FC per 64-column slice of x, partial outputs summed by ADD."""
+        n_sl = w.k // INT8S_SLICE
+        if n_sl > 1:
+            axis = self.tensor(f"{name}.split_axis", (), _TT.INT32, np.array(1, "<i4").tobytes())
+            xs = [self.tensor(f"{name}.x{j}", (tokens, INT8S_SLICE), _TT.FLOAT32) for j in range(n_sl)]
+            self.op(_SPLIT, 1, [axis, x], xs, num_splits=n_sl)
+        else:
+            xs = [x]
+        acc = -1
+        for j, xj in enumerate(xs):
+            cols = slice(j * INT8S_SLICE, (j + 1) * INT8S_SLICE)
+            q, scale = _nonzero_scales(w.q[:, cols], w.scale[:, j], 0)
+            wt = self.tensor(f"{name}.weight{j}", (w.n, INT8S_SLICE), _TT.INT8, _le(q, "i1"),
+                             scale=np.ascontiguousarray(scale, "<f4"))
+            b = -1
+            if j == 0 and w.bias is not None:
+                b = self.tensor(f"{name}.bias", (w.n,), _TT.FLOAT32, _le(w.bias, "<f4"))
+            last = j == n_sl - 1
+            y = self.tensor(f"{name}.out" if last and n_sl == 1 else f"{name}.part{j}",
+                            (tokens, w.n), _TT.FLOAT32)
+            self.op(_FC, 12, [xj, wt, b], [y], asymmetric=_ASYMMETRIC)
+            if acc < 0:
+                acc = y
+                continue
+            total = self.tensor(f"{name}.out" if last else f"{name}.sum{j}", (tokens, w.n), _TT.FLOAT32)
+            self.op(_ADD, 1, [acc, y], [total])
+            acc = total
+        return acc
+
 
 def _nonzero_scales(q: np.ndarray, scale: np.ndarray, zero_q: int):
     """XNNPACK refuses a quantized tensor with a zero (or subnormal) scale, and quantize() gives
-    an all-zero row (int8) or block (int4) scale 0. Those weights are exactly 0 whatever the
-    scale: write them as q = zero_q with scale 1, the same dequantized values."""
+    an all-zero row (int8, or an int8s row's slice) or block (int4) scale 0. Those weights are
+    exactly 0 whatever the scale: write them as q = zero_q with scale 1, the same dequantized
+    values."""
     scale = np.asarray(scale, np.float32)
     zero = scale == 0
     if not zero.any():
@@ -177,18 +222,22 @@ def supports(graph) -> tuple[bool, str]:
         if w.bias is not None and tuple(np.shape(w.bias)) != (w.n,):
             return False, f"{field}: bias {np.shape(w.bias)}, expected ({w.n},)"
         q = np.asarray(w.q)
-        if w.fmt == "int8" and q.dtype != np.int8:
-            return False, f"{field}: int8 weights stored as {q.dtype}, expected int8"
+        if w.fmt in ("int8", "int8s") and q.dtype != np.int8:
+            return False, f"{field}: {w.fmt} weights stored as {q.dtype}, expected int8"
         if w.fmt == "int4" and (q.dtype != np.uint8 or (q.size and int(q.max()) > 15)):
             return False, f"{field}: int4 weights must be uint8 values in 0..15 (one per byte)"
-        if w.fmt == "int8":
-            if w.scale is None or tuple(np.shape(w.scale)) != (w.n,):
-                return False, f"{field}: int8 needs scale (N,) = ({w.n},), got {np.shape(w.scale)}"
+        if w.fmt == "int8s" and (w.k % INT8S_SLICE or w.k // INT8S_SLICE > _MAX_SLICES):
+            return False, (f"{field}: int8s needs K a multiple of {INT8S_SLICE} and at most "
+                           f"{_MAX_SLICES * INT8S_SLICE}, got (N, K) = ({w.n}, {w.k})")
+        if w.fmt in ("int8", "int8s"):
+            want = (w.n,) if w.fmt == "int8" else (w.n, w.k // INT8S_SLICE)
+            if w.scale is None or tuple(np.shape(w.scale)) != want:
+                return False, f"{field}: {w.fmt} needs scale {want}, got {np.shape(w.scale)}"
             s = np.asarray(w.scale, np.float32)
             # zero is fine (rewritten, see _nonzero_scales); XNNPACK needs the rest normal, > 0
             bad = (s != 0) & ~((s >= np.finfo(np.float32).tiny) & np.isfinite(s))
             if bad.any():
-                return False, (f"{field}: {int(bad.sum())} int8 scales are negative, subnormal "
+                return False, (f"{field}: {int(bad.sum())} {w.fmt} scales are negative, subnormal "
                                f"or not finite (e.g. {float(s[bad][0]):.3g})")
         if w.fmt == "int4":
             if w.k % INT4_BLOCK or w.scale is None or tuple(np.shape(w.scale)) != (w.n, w.k // INT4_BLOCK):
@@ -238,14 +287,15 @@ def build_flatbuffer(graph) -> bytes:
 
 
 def _serialize(g: _Graph, x: int, y: int, description: str) -> bytes:
-    (Buffer, FullyConnectedOptions, Model, MulOptions, Operator, OperatorCode,
+    (AddOptions, Buffer, FullyConnectedOptions, Model, MulOptions, Operator, OperatorCode,
      QuantizationParameters, SplitOptions, SubGraph, Tensor) = map(_schema, (
-        "Buffer", "FullyConnectedOptions", "Model", "MulOptions", "Operator", "OperatorCode",
-        "QuantizationParameters", "SplitOptions", "SubGraph", "Tensor"))
+        "AddOptions", "Buffer", "FullyConnectedOptions", "Model", "MulOptions", "Operator",
+        "OperatorCode", "QuantizationParameters", "SplitOptions", "SubGraph", "Tensor"))
     import flatbuffers
 
     data_bytes = sum(len(t.data) for t in g.tensors if t.data)
-    b = flatbuffers.Builder(data_bytes + 16 * len(g.tensors) + 8192)   # one allocation, no regrowth
+    quant_bytes = sum(12 * len(t.scale) for t in g.tensors if t.scale is not None)   # f32 + i64 each
+    b = flatbuffers.Builder(data_bytes + quant_bytes + 64 * len(g.tensors) + 8192)   # no regrowth
 
     def ivec(values, start):
         start(b, len(values))
@@ -331,6 +381,9 @@ def _serialize(g: _Graph, x: int, y: int, description: str) -> bytes:
         elif n.code == _MUL:
             MulOptions.MulOptionsStart(b)
             opt = MulOptions.MulOptionsEnd(b)
+        elif n.code == _ADD:
+            AddOptions.AddOptionsStart(b)
+            opt = AddOptions.AddOptionsEnd(b)
         elif n.code == _DEQ:
             b.StartObject(0)                           # DequantizeOptions: an empty table
             opt = b.EndObject()
