@@ -319,7 +319,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     plan = replace(plan, warnings=plan.warnings + tuple(plan_notes))
     for note in plan_notes:
         log.warning("%s", note)
-    placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
+    placement = plan.placement()
     need = memory_needed(mf, n_ctx, kv_cfg, placement)
     if need > avail:
         raise ConfigError(f"not enough memory: the model needs {need / 2**20:.0f} MiB at n_ctx={n_ctx} "
@@ -349,6 +349,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     while True:
         try:
             runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement, compute=compute,
+                                 short_max=plan.short_max_tokens,
                                  progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
             break
         except backends.UnitFailed as e:
@@ -372,7 +373,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
             plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
                                    memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
             plan = replace(plan, warnings=warnings + tuple(w for w in plan.warnings if w not in warnings))
-            placement = {ph.phase: {p.op: p.unit for p in ph.placements} for ph in (plan.prefill, plan.decode)}
+            placement = plan.placement()
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
     eng.precision_plan, eng.quality_guard = pplan, guard

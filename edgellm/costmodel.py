@@ -54,8 +54,8 @@ class Unit:
                                                # (a precision plan picks among them); () = quant_precision
     stores_quantized: bool = False             # keeps GGUF block formats resident (else dequantizes)
     head_precision: str | None = None          # compute precision of lm_head, when not quant_precision
-    quant_fp32_slowdown: float | None = None   # fp32 activations against block weights (a plan's ask) run
-                                               # at curve / this; None: at the unit's fp32 peak
+    quant_fp32_slowdown: float | None = None   # fp32 activations against 4-bit block weights (a plan's
+                                               # ask) run at curve / this; None: at the fp32 peak
     fused_decode_s: float | None = None        # cost of one call running a whole decode step's
                                                # layers natively (None: the unit has no such call)
     available: bool = True
@@ -157,7 +157,7 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
         return Estimate(ms, prec, fmt, cost, "memory", 0.0)
     rows = 1 if (op.last_row_only and prefill) else t
     peak = unit.attainable(prec, rows)
-    if prec == "fp32" and unit.quant_fp32_slowdown and fmt not in ("f32", "f16"):
+    if prec == "fp32" and unit.quant_fp32_slowdown and fmt in ("q4_0", "q4_1"):
         peak = unit.attainable(unit.curve_precision, rows) / unit.quant_fp32_slowdown
     if peak <= 0:
         return None
@@ -233,7 +233,8 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
                 # neon also keeps activations fp32 against quantized weights (el_matmul_f32act),
                 # which dequantizes each weight block per row of x: measured on this project's x86
                 # host (SIMDe, 2 threads, Q4_0/Q4_1 576x3072 and 1536x576, 2026-11-21) at 1.2-1.5x
-                # the int8 path's time at 256 rows and 1.6-4.9x at 1-32 rows; 2x is the middle
+                # the int8 path's time at 256 rows and 1.6-4.9x at 1-32 rows; 2x is the middle.
+                # Q8_0 needs no nibble unpacking: its fp32 head GEMV measured no slower than int8
                 quant_precisions=("int8", "fp32") if name == "neon" else (),
                 quant_fp32_slowdown=2.0 if name == "neon" else None,
                 # neon's head keeps fp32 activations against its quantized weights (accuracy of

@@ -24,6 +24,8 @@ from .ops import ACT_BYTES, MATMUL_KINDS, OpSpec, layer_ops, model_ops
 
 log = logging.getLogger("edgellm")
 PHASES = ("prefill", "decode")
+SHORT_STEP = 32                      # the short prefill step planned for: a chat turn's new tokens
+SHORT_STEPS = (8, 16, 32, 64, 128)   # step lengths the short placement is checked at
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,29 @@ class Plan:
     predicted_ttft_ms: float
     predicted_decode_tps: float
     warnings: tuple[str, ...]
+    # a placement for short prefill steps (a chat turn after a cached prefix) where it differs
+    # from the chunk's and is predicted faster; used for steps of <= short_max_tokens tokens
+    prefill_short: PhasePlan | None = None
+    short_max_tokens: int = 0
 
     def phase(self, name: str) -> PhasePlan:
+        if name == "prefill_short" and self.prefill_short is not None:
+            return self.prefill_short
         return self.prefill if name == "prefill" else self.decode
 
+    def phases(self) -> dict[str, PhasePlan]:
+        """Placement key -> PhasePlan: "prefill", "decode" and, when planned, "prefill_short"."""
+        out = {"prefill": self.prefill, "decode": self.decode}
+        if self.prefill_short is not None:
+            out["prefill_short"] = self.prefill_short
+        return out
+
+    def placement(self) -> dict[str, dict[str, str]]:
+        """Placement key -> op -> unit, as the engine's ModelRunner takes it."""
+        return {key: {p.op: p.unit for p in ph.placements} for key, ph in self.phases().items()}
+
     def units_used(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(p.unit for ph in (self.prefill, self.decode) for p in ph.placements))
+        return tuple(dict.fromkeys(p.unit for ph in self.phases().values() for p in ph.placements))
 
     def to_json(self) -> dict:
         return {
@@ -93,12 +112,13 @@ class Plan:
             "units": [{"name": u.name, "kind": u.kind, "available": u.available, "reason": u.reason}
                       for u in self.units],
             "warnings": list(self.warnings),
-            "ops": [{"layer": p.scope, "op": p.op, "phase": p.phase, "unit": p.unit, "precision": p.precision,
+            "short_prefill_max_tokens": self.short_max_tokens,
+            "ops": [{"layer": p.scope, "op": p.op, "phase": key, "unit": p.unit, "precision": p.precision,
                      "weight_format": p.weight_format, "flops": p.flops, "bytes": p.bytes,
                      "intensity": round(p.intensity, 3), "bound": p.bound,
                      "predicted_ms": round(p.predicted_ms, 6), "reason": p.reason,
                      "alternatives": dict(p.alternatives)}
-                    for ph in (self.prefill, self.decode) for p in ph.placements],
+                    for key, ph in self.phases().items() for p in ph.placements],
         }
 
 
@@ -423,13 +443,32 @@ class Dispatcher:
             choice = ChunkChoice(chunk, "", chunk, (f"chunk = {chunk} tokens (set by the caller)",))
         prefill = self.place("prefill", choice.tokens, 0)
         decode = self.place("decode", 1, prompt_tokens)
+        short, short_max = self._short_prefill(prefill, choice.tokens, prompt_tokens)
         ttft = 0.0
         for c0 in range(0, prompt_tokens, choice.tokens):
             t = min(choice.tokens, prompt_tokens - c0)
             ttft += self.step_ms(prefill, t, c0, head=(c0 + t >= prompt_tokens))
         tps = 1e3 / decode.step_ms if decode.step_ms > 0 else math.inf
         return Plan(self.profile.name, self.units, prefill, decode, choice, prompt_tokens, ttft, tps,
-                    tuple(self.warnings))
+                    tuple(self.warnings), short, short_max)
+
+    def _short_prefill(self, prefill: PhasePlan, chunk: int, context: int) -> tuple[PhasePlan | None, int]:
+        """A placement for short prefill steps at `context` (a chat turn after a cached prefix):
+        GEMMs of a few rows favour other units than a chunk's. Kept when its units differ, with
+        the longest step length (of SHORT_STEPS, below the chunk) at which it is still predicted
+        faster than the chunk's placement; (None, 0) otherwise."""
+        short = self.place("prefill", SHORT_STEP, context)
+        if [p.unit for p in short.placements] == [p.unit for p in prefill.placements]:
+            return None, 0
+        best = 0
+        for t in SHORT_STEPS:
+            if t >= chunk:
+                break
+            if self.step_ms(short, t, context) < self.step_ms(prefill, t, context):
+                best = t
+            else:
+                break
+        return (short, best) if best else (None, 0)
 
     def step_ms(self, plan: PhasePlan, tokens: int, context: int, head: bool = True) -> float:
         """Predicted time of one step of `tokens` at `context` with plan's placement."""

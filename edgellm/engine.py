@@ -39,10 +39,11 @@ class ModelRunner:
     limit) and rotate_on_read."""
 
     def __init__(self, model: ModelFile, max_positions: int, prefill_chunk: int = 512, progress=None,
-                 placement: dict[str, dict[str, str]] | None = None, compute=None):
+                 placement: dict[str, dict[str, str]] | None = None, compute=None, short_max: int = 0):
         """placement: phase ("prefill" | "decode") -> op name -> unit name, from the dispatcher's
         plan; None runs every op on the reference backend. compute: a precision_runtime.ComputeTable
-        (what the precision plan asks each op to compute in); None: each unit's own precision."""
+        (what the precision plan asks each op to compute in); None: each unit's own precision.
+        short_max: a call of 2..short_max tokens runs placement["prefill_short"] (when given)."""
         self.compute = compute
         self.decode_override = None   # a ComputeTable replacing `compute` in decode (quality guard)
         cfg = model.config
@@ -53,6 +54,7 @@ class ModelRunner:
         self.cfg = cfg
         self.prefill_chunk = prefill_chunk
         self.placement = placement or {ph: {op: "reference" for op in _OP_NAMES} for ph in ("prefill", "decode")}
+        self.short_max = short_max if "prefill_short" in self.placement else 0
         units = dict.fromkeys(u for ph in self.placement.values() for u in ph.values())
         mods = {}
         for u in units:
@@ -94,7 +96,7 @@ class ModelRunner:
         step = min(chunk or self.prefill_chunk, seq.max_chunk or len(ids))
         # one phase per call: a prompt's chunks (a short last one included) run the prefill
         # placement; a single-token call is a decode step
-        phase = "decode" if len(ids) == 1 else "prefill"
+        phase = "decode" if len(ids) == 1 else ("prefill_short" if len(ids) <= self.short_max else "prefill")
         start0 = seq.n_tokens
         outs = []
         try:
@@ -194,6 +196,10 @@ class ModelRunner:
     def _table(self, phase: str):
         return self.decode_override if (phase == "decode" and self.decode_override is not None) else self.compute
 
+    @staticmethod
+    def _plan_phase(phase: str) -> str:
+        return "prefill" if phase == "prefill_short" else phase
+
     def _precision_kwargs(self, phase: str, tokens: int) -> dict[str, list[dict]]:
         """matmul op -> per-layer keyword arguments: {"precision": p} for a unit with a choice of
         kernels (QUANT_COMPUTE), the plan's ask or the nearest above it; {} otherwise."""
@@ -212,7 +218,8 @@ class ModelRunner:
             if table is None or choices is None:
                 out[op] = [{}] * (n if op != "lm_head" else 1)
                 continue
-            out[op] = [{"precision": effective(a, choices) or choices[0]} for a in table.asked(phase, op, tokens)]
+            out[op] = [{"precision": effective(a, choices) or choices[0]}
+                       for a in table.asked(self._plan_phase(phase), op, tokens)]
         return out
 
     def _native(self, mod, phase: str) -> bool:

@@ -24,10 +24,16 @@ def render(plan: Plan, *, model_name: str, soc: str, ops_by_name) -> str:
             out.append(f"  {'':<10} {'':<12} {note}")
     out.append(f"prefill chunk: {plan.chunk.tokens} tokens")
     out += [f"  {line}" for line in plan.chunk.derivation]
-    for ph in (plan.prefill, plan.decode):
-        what = (f"a chunk of {ph.tokens} tokens at context {ph.context}" if ph.phase == "prefill"
-                else f"one token at context {ph.context}")
-        out.append(f"{ph.phase}: {what}; layer ops run x{ph.n_layers}, predicted {ph.step_ms:.2f} ms per step")
+    for key, ph in plan.phases().items():
+        if key == "prefill_short":
+            what = (f"steps of 2..{plan.short_max_tokens} tokens (a chat turn after a cached prefix), planned "
+                    f"at {ph.tokens} tokens at context {ph.context}, where it is predicted faster than the "
+                    f"chunk's placement")
+        elif ph.phase == "prefill":
+            what = f"a chunk of {ph.tokens} tokens at context {ph.context}"
+        else:
+            what = f"one token at context {ph.context}"
+        out.append(f"{key}: {what}; layer ops run x{ph.n_layers}, predicted {ph.step_ms:.2f} ms per step")
         out.append(_HEAD)
         for p in ph.placements:
             out.append(f"  {p.op:<12} {_shape(p, ph, ops_by_name):>16} {p.flops / 1e6:>9.2f} {p.bytes / 1e6:>8.3f} "

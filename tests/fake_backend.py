@@ -11,7 +11,8 @@ from edgellm.costmodel import Unit
 NAME = "fake"
 KIND = "gpu"
 calls: Counter = Counter()
-state = {"available": (True, "fake unit for tests"), "peak": 1e15, "transfer_s": 1e-7}
+state = {"available": (True, "fake unit for tests"), "peak": 1e15, "transfer_s": 1e-7,
+         "curve": ()}      # (tokens, FLOP/s) GEMM curve; () = the peak at every size
 
 
 def available():
@@ -31,7 +32,8 @@ def prepare(model, precision: str = "fp32", progress=None, ops=None):
 def cost_unit(profile) -> Unit:
     """A unit far faster than the CPU at GEMMs, cheap to hand data to (tests change `state`)."""
     return Unit(NAME, KIND, {"fp32": state["peak"]}, profile.memory_bandwidth * 10, 1e-7,
-                transfer_s=state["transfer_s"], zero_copy=True, op_kinds=frozenset({"matmul", "lm_head"}))
+                transfer_s=state["transfer_s"], zero_copy=True, op_kinds=frozenset({"matmul", "lm_head"}),
+                gemm_curve=tuple(state["curve"]))
 
 
 def matmul(x, w, b=None):

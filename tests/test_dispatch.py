@@ -276,7 +276,7 @@ def fake_unit(monkeypatch):
     monkeypatch.setattr(neon, "available", lambda: (False, "kept out of the fake-unit tests"))
     backends.register(fake_backend)
     fake_backend.calls.clear()
-    fake_backend.state.update(available=(True, "fake unit for tests"), peak=1e15, transfer_s=1e-7)
+    fake_backend.state.update(available=(True, "fake unit for tests"), peak=1e15, transfer_s=1e-7, curve=())
     yield fake_backend
     backends.unregister("fake")
 
@@ -299,6 +299,29 @@ def test_placement_shifts_to_a_second_backend_and_outputs_stay_equal(tmp_path, f
     got = eng.logits(ids)
     assert fake_unit.calls["matmul"] > 0 and fake_unit.calls["lm_head"] > 0
     np.testing.assert_array_equal(got, want)
+
+
+def test_short_prefill_steps_get_their_own_placement(tmp_path, fake_unit):
+    """A unit fast at GEMMs of a few rows and slow at a chunk's: a chat turn's short prefill runs
+    there, a long prompt's chunks on reference; both give the reference's logits."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
+    import edgellm
+    from tests.synthetic import write_tiny_model
+
+    fake_unit.state["curve"] = ((1, 1e15), (32, 1e15), (64, 1e6), (8192, 1e6))
+    tm = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.F32, n_layers=2, seed=5)
+    ref = edgellm.load(tm.path, n_ctx=256, units=["reference"])
+    eng = edgellm.load(tm.path, n_ctx=256)
+    assert eng.plan.prefill.unit("ffn_gate_up") == "reference"
+    assert eng.plan.prefill_short is not None and eng.plan.prefill_short.unit("ffn_gate_up") == "fake"
+    assert 8 <= eng.plan.short_max_tokens < 64
+    short, long_ = list(range(3, 3 + eng.plan.short_max_tokens)), list(range(3, 150))
+    np.testing.assert_array_equal(eng.logits(long_), ref.logits(long_))
+    assert fake_unit.calls["matmul"] == 0
+    np.testing.assert_array_equal(eng.logits(short), ref.logits(short))
+    assert fake_unit.calls["matmul"] > 0
 
 
 def test_an_unavailable_second_backend_is_skipped_with_its_reason(tmp_path, fake_unit):

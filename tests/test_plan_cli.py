@@ -27,7 +27,10 @@ def test_plan_json_for_every_shipped_profile(tiny, device):
     j = json.loads(r.stdout)
     assert j["predicted_ttft_ms"] > 0 and j["predicted_decode_tps"] > 0 and j["chunk_tokens"] >= 1
     ops = j["ops"]
-    assert {o["phase"] for o in ops} == {"prefill", "decode"}
+    phases = {o["phase"] for o in ops}
+    assert {"prefill", "decode"} <= phases <= {"prefill", "decode", "prefill_short"}
+    # a short-prefill placement comes with the step length it serves, and only then
+    assert ("prefill_short" in phases) == (j["short_prefill_max_tokens"] > 0)
     for o in ops:
         assert o["unit"] in ("neon", "opencl", "npu", "reference") and o["reason"]
         assert o["flops"] >= 0 and o["bytes"] > 0 and o["predicted_ms"] > 0
