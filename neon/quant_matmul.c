@@ -15,7 +15,8 @@
  * Inside a task, register tiles of 4 weight rows x up to 4 x rows: every weight block is loaded
  * and unpacked once per x tile, every x block once per 4 weight rows (on AArch64 the 4 x 4 tile
  * needs ~26 of the 32 vector registers). M == 1 (GEMV) is the same code with a 4 x 1 tile, and
- * its chunks cover only W rows: the weights stream once, prefetched.
+ * its chunks cover only W rows: the weights stream once, prefetched. x86 AVX2 builds run the GEMMs
+ * (M > 1) on their own tile instead, from weights repacked per task (el_g_gemm_avx2).
  */
 #include <limits.h>
 #include <stdlib.h>
@@ -94,7 +95,8 @@ static void el_quant_row_generic(const float *x, int8_t *q, float *d, float *s, 
     }
 }
 
-static void el_quant_row_neon(const float *x, int8_t *q, float *d, float *s, int nb) {
+/* (x86 AVX2 builds quantize with el_quant_row_avx2 below; this twin still compiles there) */
+static __attribute__((unused)) void el_quant_row_neon(const float *x, int8_t *q, float *d, float *s, int nb) {
     for (int b = 0; b < nb; b++, x += QK, q += QK) {
         float32x4_t v[8], m = vdupq_n_f32(0.0f);
         for (int i = 0; i < 8; i++) {
@@ -116,6 +118,45 @@ static void el_quant_row_neon(const float *x, int8_t *q, float *d, float *s, int
         s[b] = db * (float)vaddvq_s32(acc);
     }
 }
+
+#if EL_SIMDE && defined(__AVX2__)
+/* x86: the NEON twin through SIMDe took ~1.5 ns per element (an MXCSR read in every vcvtnq,
+ * emulated horizontal max and add), 10-16% of a Q4 GEMM's time once the GEMM tile below was
+ * fast. The same operations in AVX2: exact max, the same scalar d and 1/d, one rounding multiply
+ * and VCVTPS2DQ (nearest even in the default mode, as SIMDe's vcvtnq), int32 sum before the
+ * saturating narrow: bit-identical blocks. A NaN anywhere in the block makes d NaN, as NEON's
+ * FMAXV would (MAXPS alone drops NaNs depending on the operand order). */
+static void el_quant_row_avx2(const float *x, int8_t *q, float *d, float *s, int nb) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int b = 0; b < nb; b++, x += QK, q += QK) {
+        __m256 v[4], m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 8 * i);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[i], abs_mask));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        float amax = _mm_cvtss_f32(h);
+        if (!_mm256_testz_ps(nan, nan)) amax = __builtin_nanf("");
+        float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i n[4];
+        for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+        /* packs work per 128-bit half: dwords come out as 4-element groups 0,2,4,6 | 1,3,5,7 */
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+        _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(p, order));
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        u = _mm_add_epi32(u, _mm_unpackhi_epi64(u, u));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 1));
+        d[b] = db;
+        s[b] = db * (float)_mm_cvtsi128_si32(u);
+    }
+}
+#endif
 
 /* ---- quantized dot products ------------------------------------------------------------------ */
 /* Block geometry: bytes per block, offset of the quants. */
@@ -376,10 +417,226 @@ el_qtile(const int wt, const int nx, const uint8_t *const w[4], const int8_t *xq
     }
 }
 
+/* ---- x86 AVX2 GEMM tile (M > 1) -------------------------------------------------------------- */
+/* The 4-row tile above spends most of its instructions folding each row's VPMADDUBSW lanes into
+ * one int32 (el_sum4_q4_avx2: ~17 shuffles, blends and adds per x row and block) and scaling 4
+ * fp32 lanes of an 8-lane machine. For a GEMM the weights are reused by every x row, so they are
+ * worth rearranging once per task: 8 rows (Q4: unpacked to bytes 0..15) are interleaved so that
+ * dword j of row r sits in lane r of register j (el_g_repack8). x's dword j, broadcast from
+ * memory, then feeds one VPMADDUBSW that serves all 8 rows, Q4's products add up in int16 across
+ * the whole block with plain VPADDW, and one VPMADDWD leaves row r's block sum in int32 lane r:
+ * no horizontal reduction at all, and the fp32 scaling runs 8 rows wide.
+ * int16 bound: a lane holds 8 pair sums of 2 products each, 16 * 15 * 128 = 30720 < 32767, so
+ * the int32 block sums are exact (Q8_0: see el_g_tile_avx2); the fp32 scaling is the 4-row tile's
+ * own sequence (one FMA by d_w d_x, then Q4's one by m_w s_x): results are bit-identical to it.
+ * Zen 3, one thread, SmolLM2-135M's shapes at M = 256: Q4_1 2.4-2.6x the 4-row tile (with
+ * el_quant_row_avx2), already 1.2x at M = 2; Q8_0 1.5x. The GEMV keeps the 4-row tile: there
+ * each weight is used once and repacking would only add traffic. */
+#if EL_SIMDE && defined(__AVX2__)
+#define EL_G_ROWS 8
+/* a repacked block of 8 rows: 8 registers of 8 rows x 4 bytes, then d of the 8 rows, then m */
+#define EL_G_QBYTES (EL_G_ROWS * QK)
+#define EL_G_BLOCK (EL_G_QBYTES + 2 * EL_G_ROWS * (int)sizeof(float))
+/* repack buffers (16 rows) up to this size live on the stack: K <= 2048 */
+#define EL_G_STACK (2 * 64 * EL_G_BLOCK)
+/* x rows in a task from which the repack pays off (1.2x the 4-row tile at 2) */
+#define EL_G_MIN_NX 2
+
+/* nb blocks of 8 rows (w[r] = row r's first block) -> out, block b at out + b * stride */
+static inline __attribute__((always_inline)) void el_g_repack8(const int wt, const uint8_t *const w[8], int nb,
+                                                               uint8_t *out, size_t stride) {
+    const int bs = el_qblock_bytes(wt), off = el_qoff(wt);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), nib_shift = _mm256_setr_epi64x(0, 0, 4, 4);
+    const __m128i dm_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    for (int b = 0; b < nb; b++, out += stride) {
+        __m256i u[8];
+        for (int r = 0; r < 8; r++) {
+            const uint8_t *qs = w[r] + (size_t)b * bs + off;
+            if (wt == EL_Q8_0) {
+                u[r] = _mm256_loadu_si256((const __m256i *)qs);
+            } else {   /* bytes 0..15: low nibbles, 16..31: high (x's order) */
+                const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+                u[r] = _mm256_and_si256(_mm256_srlv_epi64(v, nib_shift), m4);
+            }
+        }
+        /* 8 x 8 dword transpose: per 128-bit half, s[h + j] holds dword j (half 0) or j + 4
+         * (half 1) of rows h..h+3; the permutes then gather rows 0..7 of one dword */
+        __m256i s[8];
+        for (int h = 0; h < 8; h += 4) {
+            const __m256i t0 = _mm256_unpacklo_epi32(u[h], u[h + 1]), t1 = _mm256_unpackhi_epi32(u[h], u[h + 1]);
+            const __m256i t2 = _mm256_unpacklo_epi32(u[h + 2], u[h + 3]),
+                          t3 = _mm256_unpackhi_epi32(u[h + 2], u[h + 3]);
+            s[h] = _mm256_unpacklo_epi64(t0, t2);
+            s[h + 1] = _mm256_unpackhi_epi64(t0, t2);
+            s[h + 2] = _mm256_unpacklo_epi64(t1, t3);
+            s[h + 3] = _mm256_unpackhi_epi64(t1, t3);
+        }
+        for (int j = 0; j < 4; j++) {
+            _mm256_storeu_si256((__m256i *)(out + 32 * j), _mm256_permute2x128_si256(s[j], s[j + 4], 0x20));
+            _mm256_storeu_si256((__m256i *)(out + 32 * (j + 4)), _mm256_permute2x128_si256(s[j], s[j + 4], 0x31));
+        }
+        /* each block's first 4 bytes: d, then m (Q4_1) or 2 quant bytes (Q4_0, Q8_0: unused) */
+        __m128i dm[2];
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *const *wh = w + 4 * h;
+            dm[h] = _mm_shuffle_epi8(_mm_setr_epi32(el_ld32(wh[0] + (size_t)b * bs), el_ld32(wh[1] + (size_t)b * bs),
+                                                    el_ld32(wh[2] + (size_t)b * bs), el_ld32(wh[3] + (size_t)b * bs)),
+                                     dm_order);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_unpacklo_epi64(dm[0], dm[1]));
+        const __m256 m = wt == EL_Q4_1 ? _mm256_cvtph_ps(_mm_unpackhi_epi64(dm[0], dm[1]))
+                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+        _mm256_storeu_ps((float *)(out + EL_G_QBYTES), d);
+        _mm256_storeu_ps((float *)(out + EL_G_QBYTES) + EL_G_ROWS, m);
+    }
+}
+
+/* ng (1, 2) groups of 8 repacked rows, their blocks interleaved (group g of block b at
+ * wp + (b * ng + g) * EL_G_BLOCK), x nx x rows: acc[g * nx + c] lane r = y[c][row 8g + r]. Every
+ * x broadcast feeds ng VPMADDUBSW: 16 x 2 needs 16 broadcasts per block where 8 x 4 needs 32,
+ * and the FP pipes, not the multiplier, were the limit (~5% faster at M = 256).
+ * Q8_0: signed weights take el_dot32_avx2's sign trick, VPMADDUBSW(|w|, x signed like w); its pair
+ * sums (<= 2 * 128 * 127) leave no int16 headroom, so each goes to int32 (VPMADDWD) at once. */
+static inline __attribute__((always_inline)) void el_g_tile_avx2(const int wt, const int ng, const int nx,
+                                                                 const uint8_t *wp, const int8_t *xq, const float *xd,
+                                                                 const float *xs, int nb, __m256 acc[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int i = 0; i < ng * nx; i++) acc[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, wp += ng * EL_G_BLOCK) {
+        __m256i s[4];
+        for (int j = 0; j < 8; j++) {
+            __m256i w[2], wa[2];
+            for (int g = 0; g < ng; g++) {
+                w[g] = _mm256_loadu_si256((const __m256i *)(wp + g * EL_G_BLOCK + 32 * j));
+                if (wt == EL_Q8_0) wa[g] = _mm256_sign_epi8(w[g], w[g]);
+            }
+            for (int c = 0; c < nx; c++) {
+                const __m256i x = _mm256_set1_epi32(el_ld32((const uint8_t *)xq + ((size_t)c * nb + b) * QK + 4 * j));
+                for (int g = 0; g < ng; g++) {
+                    const int i = g * nx + c;
+                    if (wt == EL_Q8_0) {
+                        const __m256i p =
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(wa[g], _mm256_sign_epi8(x, w[g])), ones);
+                        s[i] = j ? _mm256_add_epi32(s[i], p) : p;
+                    } else {
+                        const __m256i p = _mm256_maddubs_epi16(w[g], x);
+                        s[i] = j ? _mm256_add_epi16(s[i], p) : p;
+                    }
+                    /* an empty asm pins the add chain: otherwise gcc 12 rebalances the 8 adds
+                     * into a tree, hoists all the VPMADDUBSW and spills them (-25% at M = 256);
+                     * a rolled j loop instead is front-end bound (-15%) */
+                    __asm__("" : "+x"(s[i]));
+                }
+            }
+        }
+        for (int g = 0; g < ng; g++) {
+            const float *sc = (const float *)(wp + g * EL_G_BLOCK + EL_G_QBYTES);
+            const __m256 dw = _mm256_loadu_ps(sc);
+            for (int c = 0; c < nx; c++) {
+                const int i = g * nx + c;
+                const __m256 t = _mm256_cvtepi32_ps(wt == EL_Q8_0 ? s[i] : _mm256_madd_epi16(s[i], ones));
+                acc[i] = _mm256_fmadd_ps(t, _mm256_mul_ps(dw, _mm256_set1_ps(xd[(size_t)c * nb + b])), acc[i]);
+                if (wt != EL_Q8_0)
+                    acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(sc + EL_G_ROWS), _mm256_set1_ps(xs[(size_t)c * nb + b]),
+                                             acc[i]);
+            }
+        }
+    }
+}
+
+/* acc[c] lanes 0..nr-1 (+ bias) -> y row c */
+static inline void el_store_tile8(const __m256 *acc, int nx, int nr, float *y, size_t ldy, const float *bias) {
+    __m256 bv = _mm256_setzero_ps();
+    if (bias) {
+        float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        memcpy(tmp, bias, (size_t)nr * sizeof(float));
+        bv = _mm256_loadu_ps(tmp);
+    }
+    for (int c = 0; c < nx; c++) {
+        const __m256 v = _mm256_add_ps(acc[c], bv);
+        if (nr == 8) {
+            _mm256_storeu_ps(y + c * ldy, v);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, v);
+            memcpy(y + c * ldy, tmp, (size_t)nr * sizeof(float));
+        }
+    }
+}
+
+/* One panel of ng * 8 rows (nr real) against all nx_all x rows: 8 x 4 tiles for a single group,
+ * 16 x 2 for two. */
+static inline __attribute__((always_inline)) void el_g_panel_avx2(const int wt, const int ng, const uint8_t *buf,
+                                                                  int nr, const el_xq *xq, int x0, int nx_all,
+                                                                  float *y, size_t ldy, const float *bias) {
+    const int nb = xq->nb, cmax = ng == 1 ? 4 : 2;
+    for (int c0 = 0; c0 < nx_all; c0 += cmax) {
+        const int nx = EL_MIN(cmax, nx_all - c0);
+        const size_t xr = (size_t)(x0 + c0);
+        const int8_t *q = xq->q + xr * nb * QK;
+        const float *d = xq->d + xr * nb, *s = xq->s + xr * nb;
+        __m256 acc[4];
+        float *yt = y + (size_t)c0 * ldy;
+        switch (ng * 8 + nx) {
+        case 9: el_g_tile_avx2(wt, 1, 1, buf, q, d, s, nb, acc); break;
+        case 10: el_g_tile_avx2(wt, 1, 2, buf, q, d, s, nb, acc); break;
+        case 11: el_g_tile_avx2(wt, 1, 3, buf, q, d, s, nb, acc); break;
+        case 12: el_g_tile_avx2(wt, 1, 4, buf, q, d, s, nb, acc); break;
+        case 17: el_g_tile_avx2(wt, 2, 1, buf, q, d, s, nb, acc); break;
+        default: el_g_tile_avx2(wt, 2, 2, buf, q, d, s, nb, acc); break;
+        }
+        for (int g = 0; g < ng && 8 * g < nr; g++)
+            el_store_tile8(acc + g * nx, nx, EL_MIN(8, nr - 8 * g), yt + 8 * g, ldy, bias ? bias + 8 * g : NULL);
+    }
+}
+
+/* noinline: keeps the repack buffer out of the GEMV's stack frame (its code shares the caller) */
+static __attribute__((noinline)) int el_g_gemm_avx2(const int wt, const uint8_t *w, size_t rb, int rows,
+                                                    const el_xq *xq, int x0, int nx_all, float *y, size_t ldy,
+                                                    const float *bias) {
+    const int nb = xq->nb;
+    _Alignas(64) uint8_t stack_buf[EL_G_STACK];
+    uint8_t *buf = stack_buf, *owned = NULL;
+    if ((size_t)nb * 2 * EL_G_BLOCK > sizeof stack_buf) {
+        buf = owned = (uint8_t *)malloc((size_t)nb * 2 * EL_G_BLOCK);
+        if (!owned) return 0;   /* the caller runs the 4-row tiles instead */
+    }
+    for (int r0 = 0; r0 < rows;) {
+        /* 16-row panels; a last 1..8 rows take one group (9..15 pad the second group) */
+        const int ng = rows - r0 > EL_G_ROWS ? 2 : 1, nr = EL_MIN(ng * EL_G_ROWS, rows - r0);
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *wr[EL_G_ROWS];
+            for (int r = 0; r < EL_G_ROWS; r++)
+                wr[r] = w + (size_t)(r0 + EL_MIN(g * EL_G_ROWS + r, nr - 1)) * rb;
+            el_g_repack8(wt, wr, nb, buf + g * EL_G_BLOCK, (size_t)ng * EL_G_BLOCK);
+        }
+        float *yr = y + r0;
+        const float *br = bias ? bias + r0 : NULL;
+        if (ng == 1) el_g_panel_avx2(wt, 1, buf, nr, xq, x0, nx_all, yr, ldy, br);
+        else el_g_panel_avx2(wt, 2, buf, nr, xq, x0, nx_all, yr, ldy, br);
+        r0 += nr;
+    }
+    free(owned);
+    return 1;
+}
+#endif
+
+/* 1: the AVX2 GEMM tile computed these rows; 0: run the portable tiles */
+static inline __attribute__((always_inline)) int el_qrows_gemm(const int wt, const uint8_t *w, size_t rb, int rows,
+                                                               const el_xq *xq, int x0, int nx_all, float *y,
+                                                               size_t ldy, const float *bias) {
+#if EL_SIMDE && defined(__AVX2__)
+    if (nx_all >= EL_G_MIN_NX) return el_g_gemm_avx2(wt, w, rb, rows, xq, x0, nx_all, y, ldy, bias);
+#endif
+    (void)wt, (void)w, (void)rb, (void)rows, (void)xq, (void)x0, (void)nx_all, (void)y, (void)ldy, (void)bias;
+    return 0;
+}
+
 #define EL_QROWS_FN(name, wt)                                                                         \
     static void name(const uint8_t *w, size_t rb, int rows, const el_xq *xq, int x0, int nx_all,    \
                      float *y, size_t ldy, const float *bias) {                                       \
         const int nb = xq->nb;                                                                        \
+        if (el_qrows_gemm(wt, w, rb, rows, xq, x0, nx_all, y, ldy, bias)) return;                     \
         for (int r0 = 0; r0 < rows; r0 += 4) {                                                        \
             const int nr = EL_MIN(4, rows - r0);                                                      \
             const uint8_t *wr[4];                                                                     \
@@ -507,7 +764,11 @@ static void el_quant_task(void *vctx, int task, int n_tasks) {
         int8_t *q = c->xq.q + (size_t)m * nb * QK;
         float *d = c->xq.d + (size_t)m * nb, *s = c->xq.s + (size_t)m * nb;
         if (c->generic) el_quant_row_generic(x, q, d, s, nb);
+#if EL_SIMDE && defined(__AVX2__)
+        else el_quant_row_avx2(x, q, d, s, nb);
+#else
         else el_quant_row_neon(x, q, d, s, nb);
+#endif
     }
 }
 
@@ -573,7 +834,14 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
         /* GEMM: a task's x rows (cx x K int8 or fp32) and W rows should stay in L2 while its
          * tiles sweep them: ~128 KiB of x per task, 64 W rows. */
         const size_t x_row_bytes = quantized ? (size_t)K : (size_t)K * 4;
-        c.cx = (int)EL_MAX(4, EL_MIN(128, (131072 / x_row_bytes) & ~(size_t)3));
+        size_t x_bytes = 131072;
+#if EL_SIMDE && defined(__AVX2__)
+        /* the x86 GEMM tile repacks each 16 W rows once per task: at large K, 128 KiB left it
+         * ~16 x rows to amortize that over (-15% at K = 8192, Q4_1); 512 KiB measured the same
+         * as 128 KiB at K = 1536 (cx 128 instead of 84) */
+        if (quantized) x_bytes = 524288;
+#endif
+        c.cx = (int)EL_MAX(4, EL_MIN(128, (x_bytes / x_row_bytes) & ~(size_t)3));
         if (c.cx >= M) c.cx = M;
         c.rw = 64;
         /* small N or M: shrink the W chunk so every thread still gets work */
