@@ -370,6 +370,13 @@ class Dispatcher:
         for u in self.units:
             if not u.available or u.fused_decode_s is None:
                 continue
+            if self.kv_bytes not in u.fused_kv_bytes:
+                # e.g. neon's fused step reads f16/f32 pools only: an int8 cache runs op by op
+                msg = (f"{u.name}'s fused decode step reads an f16 or f32 KV cache only: with this "
+                       f"{self.kv_bytes:g}-byte KV cache decode runs op by op")
+                if msg not in self.warnings:
+                    self.warnings.append(msg)
+                continue
             fast = replace(u, launch_s=FUSED_OP_S)
             # the step's one call, shared by its layers, is booked on each layer's first op
             share = u.fused_decode_s * 1e3 / self.cfg.n_layers

@@ -48,7 +48,10 @@ def test_plan_text_shows_units_chunk_and_predictions(tiny):
     assert "assumed from the rk3588 profile" in r.stdout
 
 
-def test_plan_on_the_host_probes_units(tiny):
+def test_plan_on_the_host_probes_units(tiny, tmp_path, monkeypatch):
+    # a fresh home: no measured host profile (one written by `edgellm profile` on a machine with
+    # PoCL lists that OpenCL device)
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
     r = runner.invoke(app, ["plan", "--model", tiny, "--json"])
     assert r.exit_code == 0, r.output
     j = json.loads(r.stdout)

@@ -241,3 +241,15 @@ def test_layers_asking_different_precisions(tmp_path):
     none, _ = placed("")
     neon_ms = lambda p: float(dict(p["ffn_down"].alternatives)["neon"].split()[0])     # noqa: E731
     assert neon_ms(all8) < neon_ms(pre) < neon_ms(none)
+
+
+def test_int8_kv_rules_out_the_fused_decode_step_and_says_so(tiny):
+    """neon's fused decode step reads f16/f32 pools: the fast preset's int8 KV makes decode run op
+    by op (measured 39 vs 88 tok/s here), and the plan predicts it and says why."""
+    fast = _disp("rk3588", tiny, "fast")
+    fast.kv_bytes = 1.0
+    p = fast.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
+    assert all("fused decode step" not in x.reason for x in p.decode.placements)
+    assert any("fused decode step reads an f16 or f32 KV cache only" in w for w in p.warnings)
+    bal = _disp("rk3588", tiny, "balanced").plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
+    assert any("fused decode step" in x.reason for x in bal.decode.placements) and not bal.warnings
