@@ -609,6 +609,7 @@ def precision_plan(
     from .dispatch import Dispatcher
     from .errors import ConfigError
     from .fileio import write_atomic
+    from .kv.store import KVConfig
     from .model.registry import edgellm_home
     from .ops import weight_formats
     from .precision import dump_plan, load_plan
@@ -642,7 +643,7 @@ def precision_plan(
 
     def predicted(plan):
         d = Dispatcher(profile, cfg, planned_formats(mf, plan), probe=host, compute=ComputeTable(plan, cfg.n_layers),
-                       kv_bytes=2.0 if plan.kv_precision == "f16" else (4.0 if plan.kv_precision == "f32" else 1.0))
+                       kv_bytes=KVConfig(precision=plan.kv_precision).bytes_per_elem)
         p = d.plan(prompt_tokens=prompt_tokens, n_ctx=max(prompt_tokens + 1, 2048), memory_budget=1 << 30)
         return p.predicted_ttft_ms if objective == "ttft" else 1e3 / p.predicted_decode_tps
 

@@ -203,13 +203,13 @@ class ModelRunner:
     def _precision_kwargs(self, phase: str, tokens: int) -> dict[str, list[dict]]:
         """matmul op -> per-layer keyword arguments: {"precision": p} for a unit with a choice of
         kernels (QUANT_COMPUTE), the plan's ask or the nearest above it; {} otherwise."""
-        from .precision_runtime import effective
-
         table = self._table(phase)
         key = (phase, id(table), table and sum(tokens >= s.min_tokens for s in table.plan.sequence))
         cache = self.__dict__.setdefault("_kw_cache", {})
-        if key in cache:
+        if key in cache:                   # per step: the table is resolved once per key
             return cache[key]
+        from .precision_runtime import effective
+
         n = self.cfg.n_layers
         out = cache[key] = {}
         for op in _MATMUL_OPS:

@@ -25,6 +25,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .precision import OpSetting, PhasePrecision, PrecisionPlan, load_plan
+from .sensitivity import mean_kl  # noqa: F401 (verify's measure; part of this module's API)
 
 OBJECTIVES = ("ttft", "decode")
 SEARCH_OPS = ("qkv", "attn_out", "ffn_gate_up", "ffn_down", "lm_head")
@@ -81,8 +82,9 @@ def op_times(dispatcher, objective: str, prompt_tokens: int, file_formats: dict[
                     total = 0.0
                     for tokens, context in (steps[-1:] if op == "lm_head" else steps):
                         e = estimate(u, spec, cfg, tokens, context, fmt, dispatcher.kv_bytes, phase == "prefill", prec)
-                        if e is None or e.precision != prec and prec == "int8":
-                            total = math.inf     # the unit would not run it at int8: no saving there
+                        # an int8 ask a unit runs above int8 (in fp32) saves nothing there
+                        if e is None or (prec == "int8" and e.precision != "int8"):
+                            total = math.inf
                             break
                         total += e.ms
                     best = min(best, total)
@@ -170,17 +172,6 @@ def teacher_forced_logits(engine, ids: list[int], phase: str) -> np.ndarray:
         return np.stack([engine.runner.forward(seq, [t]) for t in ids])
     finally:
         seq.free()
-
-
-def mean_kl(ref_logits: np.ndarray, logits: np.ndarray) -> float:
-    """Mean over positions of KL(softmax(ref) || softmax(logits)), in float64."""
-    def lsm(x):
-        x = x.astype(np.float64)
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    rl, ql = lsm(ref_logits), lsm(logits)
-    return float((np.exp(rl) * (rl - ql)).sum(-1).mean())
 
 
 def verify(load_engine: Callable[[object], object], plan: PrecisionPlan, ids: list[int], phase: str) -> float:

@@ -313,6 +313,12 @@ def _mean_kl(ref_lp: np.ndarray, ref_p: np.ndarray, logits: np.ndarray) -> float
     return float(np.mean(np.sum(ref_p * (ref_lp - _log_softmax64(logits)), axis=-1)))
 
 
+def mean_kl(ref_logits: np.ndarray, logits: np.ndarray) -> float:
+    """Mean over positions of KL(softmax(ref_logits) || softmax(logits)), in float64."""
+    ref_lp = _log_softmax64(ref_logits)
+    return _mean_kl(ref_lp, np.exp(ref_lp), logits)
+
+
 def _check_names(values: Iterable[str], allowed: Sequence[str], what: str) -> tuple[str, ...]:
     if isinstance(values, str):
         values = (values,)
