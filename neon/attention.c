@@ -25,10 +25,10 @@
 #include <string.h>
 
 #define EL_ATTN_MAX_HD 512      /* head_dim bound of the stack scratch (models use 64..256) */
-#define EL_ATTN_QMAX 16         /* (token, head) query rows per tile */
-#define EL_ATTN_KVBUF 4096      /* floats per converted K (and V) chunk: 16 KB each */
+#define EL_ATTN_QMAX 32         /* (token, head) query rows per tile */
+#define EL_ATTN_KVBUF 8192      /* floats per K (transposed) and V chunk buffer: 32 KB each */
 #define EL_ATTN_CHMAX 64        /* keys per chunk */
-#define EL_ATTN_SPLIT_MIN 256   /* fewest keys worth a split of their own */
+#define EL_ATTN_SPLIT_MIN 64    /* fewest keys worth a split of their own */
 
 
 /* Where the K/V rows are. Element offset of (kv head kh, position j):
@@ -63,64 +63,35 @@ typedef struct {
 
 /* ---- NEON ------------------------------------------------------------------------------------ */
 
-static inline float el_dot(const float *a, const float *b, int n) {
-    float32x4_t s0 = vdupq_n_f32(0.0f), s1 = s0, s2 = s0, s3 = s0;
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = vfmaq_f32(s0, vld1q_f32(a + i), vld1q_f32(b + i));
-        s1 = vfmaq_f32(s1, vld1q_f32(a + i + 4), vld1q_f32(b + i + 4));
-        s2 = vfmaq_f32(s2, vld1q_f32(a + i + 8), vld1q_f32(b + i + 8));
-        s3 = vfmaq_f32(s3, vld1q_f32(a + i + 12), vld1q_f32(b + i + 12));
-    }
-    for (; i + 4 <= n; i += 4) s0 = vfmaq_f32(s0, vld1q_f32(a + i), vld1q_f32(b + i));
-    float s = vaddvq_f32(vaddq_f32(vaddq_f32(s0, s1), vaddq_f32(s2, s3)));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
+/* A tile's chunk works like two small GEMMs whose operands are laid out for broadcast-FMA
+ * register blocks: K is transposed into kt (hd, ch) so that a score block is q[d] (broadcast)
+ * times 4 vectors of 4 keys, summed over d; V stays in rows (ch, hd) so that an output block is
+ * p[j] (broadcast) times 4 vectors of 4 dims, summed over j. Two query rows share every load:
+ * 8 independent accumulators, 6 loads per 8 FMAs. (One accumulator per dot product, or per
+ * 4 output dims, is a chain of dependent FMAs: the first version of this kernel ran at a
+ * quarter of the FMA rate for that reason.) */
+#define EL_ATTN_KB 16           /* keys per score block: 4 vectors */
 
-/* q against four keys at once: each q load serves four FMAs (a lone dot is load-bound), and
- * one pairwise-add tree reduces the four accumulators into the four scores. */
-static inline float32x4_t el_dot4(const float *q, const float *const *k, int n) {
-    float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0;
-    int i = 0;
-    for (; i + 4 <= n; i += 4) {
-        float32x4_t vq = vld1q_f32(q + i);
-        a0 = vfmaq_f32(a0, vq, vld1q_f32(k[0] + i));
-        a1 = vfmaq_f32(a1, vq, vld1q_f32(k[1] + i));
-        a2 = vfmaq_f32(a2, vq, vld1q_f32(k[2] + i));
-        a3 = vfmaq_f32(a3, vq, vld1q_f32(k[3] + i));
-    }
-    float32x4_t s = vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3));
-    if (i < n) {
-        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (; i < n; i++)
-            for (int j = 0; j < 4; j++) t[j] += q[i] * k[j][i];
-        s = vaddq_f32(s, vld1q_f32(t));
-    }
-    return s;
-}
-
-/* acc = acc * alpha + sum_j p[j] * rows[j] */
-static inline void el_scale_axpy(float *acc, float alpha, const float *p, const float *const *rows, int nr, int n) {
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        float32x4_t a0 = vmulq_n_f32(vld1q_f32(acc + i), alpha), a1 = vmulq_n_f32(vld1q_f32(acc + i + 4), alpha);
-        for (int j = 0; j < nr; j++) {
-            a0 = vfmaq_n_f32(a0, vld1q_f32(rows[j] + i), p[j]);
-            a1 = vfmaq_n_f32(a1, vld1q_f32(rows[j] + i + 4), p[j]);
+/* dst[d * ld + j] = rows[j][d] for j < nr (rows of a 4-row group past nr read as zero) and
+ * d < hd: 4x4 register transposes, a scalar pass for the hd % 4 tail */
+static void el_transpose_rows(float *dst, int ld, const float *const *rows, int nr, int hd) {
+    static const float zero4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int j = 0; j < nr; j += 4) {
+        const float *r[4];
+        for (int i = 0; i < 4; i++) r[i] = j + i < nr ? rows[j + i] : NULL;
+        int d = 0;
+        for (; d + 4 <= hd; d += 4) {
+            float32x4_t v[4];
+            for (int i = 0; i < 4; i++) v[i] = vld1q_f32(r[i] ? r[i] + d : zero4);
+            float32x4x2_t a = vzipq_f32(v[0], v[2]), b = vzipq_f32(v[1], v[3]);
+            float32x4x2_t c = vzipq_f32(a.val[0], b.val[0]), e = vzipq_f32(a.val[1], b.val[1]);
+            vst1q_f32(dst + (size_t)(d + 0) * ld + j, c.val[0]);
+            vst1q_f32(dst + (size_t)(d + 1) * ld + j, c.val[1]);
+            vst1q_f32(dst + (size_t)(d + 2) * ld + j, e.val[0]);
+            vst1q_f32(dst + (size_t)(d + 3) * ld + j, e.val[1]);
         }
-        vst1q_f32(acc + i, a0);
-        vst1q_f32(acc + i + 4, a1);
-    }
-    for (; i + 4 <= n; i += 4) {
-        float32x4_t a0 = vmulq_n_f32(vld1q_f32(acc + i), alpha);
-        for (int j = 0; j < nr; j++) a0 = vfmaq_n_f32(a0, vld1q_f32(rows[j] + i), p[j]);
-        vst1q_f32(acc + i, a0);
-    }
-    for (; i < n; i++) {
-        float a = acc[i] * alpha;
-        for (int j = 0; j < nr; j++) a += p[j] * rows[j][i];
-        acc[i] = a;
+        for (; d < hd; d++)
+            for (int i = 0; i < 4; i++) dst[(size_t)d * ld + j + i] = r[i] ? r[i][d] : 0.0f;
     }
 }
 
@@ -136,8 +107,20 @@ static inline void el_cvt_row(float *dst, const uint16_t *src, int n) {
 
 /* Rows j0..j0+c-1 of kv head kh as fp32 row pointers: straight into the arena for fp32, through
  * buf (converted) for fp16. */
-static void el_fetch_rows(const el_kv_src *s, const void *base, int kh, int j0, int c, int hd, float *buf,
-                          const float **rows) {
+/* Prefetches rows j0..j1-1 of kv head kh. Pool blocks are far apart in the arena (a block holds
+ * every layer), so the hardware prefetcher loses the stream at each block boundary. */
+static void el_prefetch_rows(const el_kv_src *s, const void *base, int kh, int j0, int j1, int hd) {
+    const size_t esz = s->f16 ? 2 : 4, row_bytes = (size_t)hd * esz;
+    for (int j = j0; j < j1; j++) {
+        const char *r = (const char *)base + el_kv_off(s, kh, j) * esz;
+        for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(r + b);
+    }
+}
+
+/* ... and prefetches the next chunk's rows (up to j_end) while converting these */
+static void el_fetch_rows(const el_kv_src *s, const void *base, int kh, int j0, int c, int j_end, int hd,
+                          float *buf, const float **rows) {
+    el_prefetch_rows(s, base, kh, j0 + c, EL_MIN(j_end, j0 + 2 * c), hd);
     for (int i = 0; i < c; i++) {
         size_t off = el_kv_off(s, kh, j0 + i);
         if (s->f16) {
@@ -149,17 +132,87 @@ static void el_fetch_rows(const el_kv_src *s, const void *base, int kh, int j0, 
     }
 }
 
+/* s[r][j] = q[r] . key j for NR (1 or 2) query rows and keys 0..nk-1 (nk a multiple of
+ * EL_ATTN_KB): kt is (hd, ld). Each dot product is summed in two halves of d, added at the end:
+ * one chain of hd FMAs rounds more than the 4-lane sums it replaced (on SmolLM2 that flipped a
+ * near-tie top-1 against llama.cpp's golden), two halves of hd/2 round less. */
+static inline __attribute__((always_inline)) void
+el_scores_block(const int NR, const float *const *q, const float *kt, int ld, int nk, int hd, float *const *s) {
+    const int half = hd / 2;
+    for (int k0 = 0; k0 < nk; k0 += EL_ATTN_KB) {
+        float32x4_t a[2][4], part[2][4];
+        for (int pass = 0; pass < 2; pass++) {
+            const int d0 = pass ? half : 0, d1 = pass ? hd : half;
+            for (int r = 0; r < NR; r++)
+                for (int v = 0; v < 4; v++) a[r][v] = vdupq_n_f32(0.0f);
+            const float *kc = kt + (size_t)d0 * ld + k0;
+            for (int d = d0; d < d1; d++, kc += ld) {
+                float32x4_t kv[4];
+                for (int v = 0; v < 4; v++) kv[v] = vld1q_f32(kc + 4 * v);
+                for (int r = 0; r < NR; r++) {
+                    const float32x4_t qd = vdupq_n_f32(q[r][d]);
+                    for (int v = 0; v < 4; v++) a[r][v] = vfmaq_f32(a[r][v], kv[v], qd);
+                }
+            }
+            if (pass == 0)
+                for (int r = 0; r < NR; r++)
+                    for (int v = 0; v < 4; v++) part[r][v] = a[r][v];
+        }
+        for (int r = 0; r < NR; r++)
+            for (int v = 0; v < 4; v++) vst1q_f32(s[r] + k0 + 4 * v, vaddq_f32(part[r][v], a[r][v]));
+    }
+}
+
+/* acc[r] = acc[r] * alpha[r] + sum_j p[r][j] v_j for NR (1 or 2) rows over keys 0..nk-1; rows
+ * is (nk, hd) as pointers. Each output lane sums its keys in order j = 0..nk-1. */
+static inline __attribute__((always_inline)) void
+el_pv_block(const int NR, float *const *acc, const float *alpha, const float *const *p, const float *const *rows,
+            int nk, int hd) {
+    int i = 0;
+    for (; i + 16 <= hd; i += 16) {
+        float32x4_t a[2][4];
+        for (int r = 0; r < NR; r++)
+            for (int v = 0; v < 4; v++) a[r][v] = vmulq_n_f32(vld1q_f32(acc[r] + i + 4 * v), alpha[r]);
+        for (int j = 0; j < nk; j++) {
+            float32x4_t vv[4];
+            for (int v = 0; v < 4; v++) vv[v] = vld1q_f32(rows[j] + i + 4 * v);
+            for (int r = 0; r < NR; r++) {
+                const float32x4_t pj = vdupq_n_f32(p[r][j]);
+                for (int v = 0; v < 4; v++) a[r][v] = vfmaq_f32(a[r][v], vv[v], pj);
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int v = 0; v < 4; v++) vst1q_f32(acc[r] + i + 4 * v, a[r][v]);
+    }
+    for (; i + 4 <= hd; i += 4) {
+        float32x4_t a[2];
+        for (int r = 0; r < NR; r++) a[r] = vmulq_n_f32(vld1q_f32(acc[r] + i), alpha[r]);
+        for (int j = 0; j < nk; j++) {
+            const float32x4_t vv = vld1q_f32(rows[j] + i);
+            for (int r = 0; r < NR; r++) a[r] = vfmaq_n_f32(a[r], vv, p[r][j]);
+        }
+        for (int r = 0; r < NR; r++) vst1q_f32(acc[r] + i, a[r]);
+    }
+    for (; i < hd; i++)
+        for (int r = 0; r < NR; r++) {
+            float x = acc[r][i] * alpha[r];
+            for (int j = 0; j < nk; j++) x += p[r][j] * rows[j][i];
+            acc[r][i] = x;
+        }
+}
+
 /* One tile: kv head kh, query heads h0..h1-1 (all of group kh), token rows t0..t1-1, keys
  * [j_lo, j_hi) (a split; each row is also capped by causality). */
 static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, int t1, int j_lo, int j_hi, int split) {
     const int hd = J->hd, gh = h1 - h0, nq = gh * (t1 - t0);
-    const int ch = EL_MIN(EL_ATTN_CHMAX, EL_ATTN_KVBUF / hd);
+    /* keys per chunk: a multiple of EL_ATTN_KB whose K and V fit the buffers */
+    const int ch = EL_MAX(EL_ATTN_KB, EL_MIN(EL_ATTN_CHMAX, EL_ATTN_KVBUF / hd) / EL_ATTN_KB * EL_ATTN_KB);
     float acc[EL_ATTN_QMAX * EL_ATTN_MAX_HD];
     float sc[EL_ATTN_QMAX][EL_ATTN_CHMAX];
-    float kbuf[EL_ATTN_KVBUF], vbuf[EL_ATTN_KVBUF];
+    float kt[EL_ATTN_KVBUF], kbuf[EL_ATTN_KVBUF], vbuf[EL_ATTN_KVBUF];
     const float *krow[EL_ATTN_CHMAX], *vrow[EL_ATTN_CHMAX], *qrow[EL_ATTN_QMAX];
-    float m[EL_ATTN_QMAX], l[EL_ATTN_QMAX];
-    int lim[EL_ATTN_QMAX];
+    float m[EL_ATTN_QMAX], l[EL_ATTN_QMAX], alpha[EL_ATTN_QMAX];
+    int lim[EL_ATTN_QMAX], nvis[EL_ATTN_QMAX];
 
     for (int qi = 0; qi < nq; qi++) {
         int t = t0 + qi / gh, h = h0 + qi % gh;
@@ -172,32 +225,60 @@ static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, i
     const int j_end = EL_MIN(j_hi, J->start + t1);
     for (int j0 = j_lo; j0 < j_end; j0 += ch) {
         const int c = EL_MIN(ch, j_end - j0);
-        el_fetch_rows(&J->kv, J->kv.k, kh, j0, c, hd, kbuf, krow);
-        el_fetch_rows(&J->kv, J->kv.v, kh, j0, c, hd, vbuf, vrow);
-        for (int qi = 0; qi < nq; qi++) {
-            const int nv = EL_MIN(c, lim[qi] - j0);
-            if (nv <= 0) continue;
-            float *s = sc[qi], mc = -INFINITY;
-            int j = 0;
-            if (nv >= 4) {
+        const int cp = (c + EL_ATTN_KB - 1) / EL_ATTN_KB * EL_ATTN_KB;   /* zero-padded key columns */
+        el_fetch_rows(&J->kv, J->kv.k, kh, j0, c, j_end, hd, kbuf, krow);
+        el_transpose_rows(kt, cp, krow, c, hd);
+        if (cp > (c + 3) / 4 * 4)
+            for (int d = 0; d < hd; d++) memset(kt + (size_t)d * cp + (c + 3) / 4 * 4, 0,
+                                                (size_t)(cp - (c + 3) / 4 * 4) * sizeof(float));
+        el_fetch_rows(&J->kv, J->kv.v, kh, j0, c, j_end, hd, vbuf, vrow);
+        int qi = 0;
+        for (; qi + 2 <= nq; qi += 2) {
+            float *srow[2] = {sc[qi], sc[qi + 1]};
+            el_scores_block(2, qrow + qi, kt, cp, cp, hd, srow);
+        }
+        if (qi < nq) {
+            float *srow[1] = {sc[qi]};
+            el_scores_block(1, qrow + qi, kt, cp, cp, hd, srow);
+        }
+        /* online softmax per row; probabilities past a row's visible keys are 0 */
+        for (qi = 0; qi < nq; qi++) {
+            const int nv = EL_MAX(0, EL_MIN(c, lim[qi] - j0));
+            float *s = sc[qi];
+            nvis[qi] = nv;
+            alpha[qi] = 1.0f;
+            if (nv > 0) {
+                const float32x4_t vs = vdupq_n_f32(J->scale);
                 float32x4_t vmax = vdupq_n_f32(-INFINITY);
+                int j = 0;
                 for (; j + 4 <= nv; j += 4) {
-                    float32x4_t d = vmulq_n_f32(el_dot4(qrow[qi], krow + j, hd), J->scale);
+                    const float32x4_t d = vmulq_f32(vld1q_f32(s + j), vs);
                     vst1q_f32(s + j, d);
                     vmax = vmaxq_f32(vmax, d);
                 }
-                mc = vmaxvq_f32(vmax);
+                float mc = vmaxvq_f32(vmax);
+                for (; j < nv; j++) {
+                    s[j] *= J->scale;
+                    mc = s[j] > mc ? s[j] : mc;
+                }
+                const float mnew = mc > m[qi] ? mc : m[qi];
+                alpha[qi] = m[qi] == -INFINITY ? 0.0f : expf(m[qi] - mnew);
+                l[qi] = l[qi] * alpha[qi] + el_exp_sub_sum(s, nv, mnew);
+                m[qi] = mnew;
             }
-            for (; j < nv; j++) {
-                s[j] = el_dot(qrow[qi], krow[j], hd) * J->scale;
-                mc = s[j] > mc ? s[j] : mc;
-            }
-            const float mnew = mc > m[qi] ? mc : m[qi];
-            const float alpha = m[qi] == -INFINITY ? 0.0f : expf(m[qi] - mnew);
-            const float sum = el_exp_sub_sum(s, nv, mnew);
-            l[qi] = l[qi] * alpha + sum;
-            m[qi] = mnew;
-            el_scale_axpy(acc + (size_t)qi * hd, alpha, s, vrow, nv, hd);
+            for (int j = nv; j < c; j++) s[j] = 0.0f;
+        }
+        for (qi = 0; qi + 2 <= nq; qi += 2) {
+            const int nk = EL_MAX(nvis[qi], nvis[qi + 1]);
+            if (nk == 0) continue;
+            float *arow[2] = {acc + (size_t)qi * hd, acc + (size_t)(qi + 1) * hd};
+            const float *prow[2] = {sc[qi], sc[qi + 1]};
+            el_pv_block(2, arow, alpha + qi, prow, vrow, nk, hd);
+        }
+        if (qi < nq && nvis[qi] > 0) {
+            float *arow[1] = {acc + (size_t)qi * hd};
+            const float *prow[1] = {sc[qi]};
+            el_pv_block(1, arow, alpha + qi, prow, vrow, nvis[qi], hd);
         }
     }
     for (int qi = 0; qi < nq; qi++) {
@@ -323,8 +404,10 @@ static int el_attn_run(el_pool *pool, el_attn_job *J) {
     const int n = J->start + J->T;
     const int tiles = J->KVH * J->n_hsub * J->n_ttile, threads = el_pool_threads(pool);
     if (threads > 1 && tiles < 2 * threads && n >= 2 * EL_ATTN_SPLIT_MIN) {
-        /* too few tiles to occupy the pool (decode): split the keys as well */
-        int want = (2 * threads + tiles - 1) / tiles;
+        /* too few tiles to occupy the pool (decode: one per kv head): split the keys as well,
+         * into about 4 tasks per thread, so that claiming them one by one evens out the
+         * threads (3 kv heads on 2 threads unsplit: one thread does 2 of the 3) */
+        int want = (4 * threads + tiles - 1) / tiles;
         J->n_split = EL_MIN(want, n / EL_ATTN_SPLIT_MIN);
     }
     if (J->n_split > 1) {
