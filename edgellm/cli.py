@@ -430,8 +430,11 @@ def profile(
         typer.echo(f"cluster {name}: " + ", ".join(f"{p} {f / 1e9:.1f} GFLOPS" for p, f in figs.items()))
     for name, u in m.units.items():
         curve = ", ".join(f"{g.m}:{g.flops / 1e9:.0f}" for g in u.gemm)
+        attn = "".join(f", attention GFLOPS by (tokens after cached) "
+                       + ", ".join(f"{a.tokens}@{a.context}:{a.flops / 1e9:.1f}" for a in u.attention)
+                       for _ in [0] if u.attention)
         typer.echo(f"unit {name}: {u.threads} threads, call overhead {u.call_overhead_s * 1e6:.1f} us, "
-                   f"GEMM GFLOPS by rows {curve}")
+                   f"GEMM GFLOPS by rows {curve}{attn}")
     for note in result.notes:
         typer.echo(f"note: {note}", err=True)
     typer.echo(f"profile written to {result.path} in {result.seconds:.1f} s (use --device host)", err=True)

@@ -3,7 +3,9 @@
 predicted(op on unit) = max(FLOPs / attainable compute, bytes / bandwidth) + launch overhead,
 where attainable compute is the unit's peak at the op's precision, or, for a unit whose GEMM
 throughput was measured by `edgellm profile`, the measured figure at that token count (BLAS on a
-few rows is far from its peak; the measurement says by how much). Handing an activation to a unit
+few rows is far from its peak; the measurement says by how much). Attention, where the profile
+measured it on the unit, runs at its measured rate for the step's token count (numpy's gather,
+mask and softmax keep it far below the sgemm peak). Handing an activation to a unit
 of another kind adds a fixed transfer overhead plus a copy unless the memory is shared zero-copy.
 """
 from __future__ import annotations
@@ -59,6 +61,8 @@ class Unit:
     fused_kv_bytes: frozenset = frozenset({2.0, 4.0})   # KV element sizes its fused step reads in place
     fused_decode_s: float | None = None        # cost of one call running a whole decode step's
                                                # layers natively (None: the unit has no such call)
+    attention_curve: tuple[tuple[int, float], ...] = ()   # measured (tokens, FLOP/s) of attention as
+                                               # the engine runs it on this unit; () = its fp32 peak
     available: bool = True
     reason: str = ""                           # why it is (un)available
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -157,7 +161,10 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
         ms = cost.bytes / unit.bandwidth * 1e3
         return Estimate(ms, prec, fmt, cost, "memory", 0.0)
     rows = 1 if (op.last_row_only and prefill) else t
-    peak = unit.attainable(prec, rows)
+    if op.kind == "attention" and unit.attention_curve:
+        peak = _interpolate(unit.attention_curve, t)
+    else:
+        peak = unit.attainable(prec, rows)
     if prec == "fp32" and unit.quant_fp32_slowdown and fmt in ("q4_0", "q4_1"):
         peak = unit.attainable(unit.curve_precision, rows) / unit.quant_fp32_slowdown
     if peak <= 0:
@@ -212,6 +219,7 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     launch = REFERENCE_CALL_S if name == "reference" else NATIVE_CALL_S
     m = profile.measured
     notes = []
+    attention: tuple = ()
     if m is not None:
         bw = m.memory_read_bandwidth
         um = m.units.get(name)
@@ -219,6 +227,7 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
             peak = dict(um.precision_flops)
             curve = tuple(sorted((g.m, g.flops) for g in um.gemm))
             launch = um.call_overhead_s
+            attention = tuple(sorted((a.tokens, a.flops) for a in um.attention))
             notes.append(f"measured by {m.tool} on {m.date}")
     if name == "reference":
         # numpy has a fast GEMM only in fp32 (BLAS sgemm): weights are dequantized at load
@@ -241,7 +250,7 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
                 # neon's head keeps fp32 activations against its quantized weights (accuracy of
                 # the near-ties that pick the token; memory-bound either way)
                 head_precision="fp32" if name == "neon" else None,
-                fused_decode_s=launch if name == "neon" else None, notes=tuple(notes))
+                fused_decode_s=launch if name == "neon" else None, attention_curve=attention, notes=tuple(notes))
 
 
 def gpu_unit(profile: DeviceProfile) -> Unit | None:

@@ -128,12 +128,17 @@ def op_cost(op: OpSpec, cfg: ModelConfig, tokens: int, context: int, weight_form
     raise ValueError(f"no cost formula for op kind {op.kind!r}")
 
 
+def attention_flops(T: int, context: int, n_heads: int, head_dim: int) -> float:
+    """FLOPs the cost model books for causal attention of T queries after `context` keys (also
+    the unit of the attention rates `edgellm profile` measures, so they predict their own probes)."""
+    visible = T * context + T * (T + 1) // 2
+    return visible * n_heads * (4.0 * head_dim + 5.0)
+
+
 def _attention_cost(cfg: ModelConfig, T: int, context: int, kvb: float) -> OpCost:
     """Causal attention of T queries at positions context.. over their visible keys: query t sees
     context + t + 1 keys. Per visible key and head: q.k (2 hd FLOPs), softmax (~5), p.v (2 hd)."""
-    visible = T * context + T * (T + 1) // 2
-    H, hd = cfg.n_heads, cfg.head_dim
-    flops = visible * H * (4.0 * hd + 5.0)
+    flops = attention_flops(T, context, cfg.n_heads, cfg.head_dim)
     n = context + T
     kv = kvb * cfg.kv_dim * (2 * n + 2 * T)     # read K and V of n keys once; write the chunk's K, V
     act = ACT_BYTES * T * (cfg.q_dim + 2 * cfg.kv_dim) + ACT_BYTES * T * cfg.q_dim   # q, new k/v in; out

@@ -266,6 +266,26 @@ def test_measured_gemm_curve_sets_the_roof():
     assert u.attainable("fp32", c.tokens) >= ROOF_FRACTION * 100e9 > u.attainable("fp32", c.tokens - ALIGN)
 
 
+def test_measured_attention_rate_prices_attention():
+    """A unit whose profile measured attention is priced at that rate for the step's tokens, not
+    at its GEMM roof."""
+    from dataclasses import replace
+
+    from edgellm.ops import attention_flops
+    att = next(o for o in layer_ops(CFG) if o.kind == "attention")
+    ref = replace(cpu_unit("reference", cpu_only()), peak={"fp32": 100e9})
+    flops = op_cost(att, CFG, 256, 0, "f32", 2.0, True).flops
+    assert flops == attention_flops(256, 0, CFG.n_heads, CFG.head_dim)
+    at_peak = estimate(ref, att, CFG, 256, 0, "f32", 2.0, True)
+    assert at_peak.ms == pytest.approx((flops / ref.attainable("fp32", 256) + ref.launch_s) * 1e3)
+    slow = replace(ref, attention_curve=((1, 1e9), (32, 10e9), (256, 20e9)))
+    measured = estimate(slow, att, CFG, 256, 0, "f32", 2.0, True)
+    assert measured.ms == pytest.approx((flops / 20e9 + ref.launch_s) * 1e3)
+    between = estimate(slow, att, CFG, 64, 100, "f32", 2.0, True)        # log-interpolated: 10..20 GFLOPS
+    f64 = op_cost(att, CFG, 64, 100, "f32", 2.0, True).flops
+    assert (f64 / 20e9 + ref.launch_s) * 1e3 < between.ms < (f64 / 10e9 + ref.launch_s) * 1e3
+
+
 # ---- the engine follows the plan -----------------------------------------------------------
 
 @pytest.fixture

@@ -348,7 +348,22 @@ def probe_reference(quick: bool, threads: int, progress: Progress | None = None,
     overhead = measure_call_overhead(sizes)
     curve = measure_gemm_curve(sizes, overhead, progress)
     return UnitMeasurement(precision_flops={"fp32": max(g.flops for g in curve)}, gemm=curve,
-                           call_overhead_s=overhead, threads=threads)
+                           call_overhead_s=overhead, threads=threads,
+                           attention=_reference_attention(sizes, overhead, progress))
+
+
+def _reference_attention(sizes: ProbeSizes, call_overhead_s: float, progress: Progress | None):
+    """numpy attention as the engine runs it: gather the pool's f16 blocks into fp32, then attend."""
+    from ..backends import reference
+    from . import attention_probe as ap
+
+    n = max(t + c for t, c in ap.SHAPES)
+    bufs = tuple(np.empty((ap.KV_HEADS, n, ap.HEAD_DIM), np.float32) for _ in range(2))
+
+    def run(q, seq, layer, start):
+        k, v = seq.read(layer, start + len(q), out=bufs)
+        return reference.attention(q, k, v, start)
+    return ap.measure(run, sizes, call_overhead_s, progress)
 
 
 register_probe("reference", probe_reference)

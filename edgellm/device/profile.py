@@ -67,11 +67,20 @@ class GemmFigure:
 
 
 @dataclass(frozen=True)
+class AttentionFigure:
+    tokens: int                        # queries of the step (1: decode)
+    context: int                       # keys already cached before them
+    flops: float                       # ops.attention_flops / measured seconds, median of the runs
+
+
+@dataclass(frozen=True)
 class UnitMeasurement:
     precision_flops: Mapping[str, float]   # precision -> FLOP/s at the largest probe shape
     gemm: tuple[GemmFigure, ...]           # fp32 (or the unit's main precision) at a few shapes
     call_overhead_s: float                 # median cost of one tiny op call, Python included
     threads: int                           # threads the unit ran with
+    attention: tuple[AttentionFigure, ...] = ()   # causal attention over an f16 KV pool, as the
+                                                  # engine runs it on this unit (gather included)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import yaml
 
 from edgellm.device.profile import (
-    PRECISIONS, CpuCluster, DeviceProfile, GemmFigure, Gpu, Measured, Npu, UnitMeasurement,
+    PRECISIONS, AttentionFigure, CpuCluster, DeviceProfile, GemmFigure, Gpu, Measured, Npu, UnitMeasurement,
 )
 from edgellm.errors import ConfigError
 from edgellm.fileio import write_atomic
@@ -337,18 +337,25 @@ def _measured(r: _Reader, v: Any, clusters: tuple[CpuCluster, ...]) -> Measured:
 
 
 def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
-    r.mapping(v, p, ("threads", "call_overhead", "precision_flops", "gemm"))
+    r.mapping(v, p, ("threads", "call_overhead", "precision_flops", "gemm"), ("attention",))
 
     def gemm(g: Any, q: str) -> GemmFigure:
         r.mapping(g, q, ("m", "k", "n", "flops"))
         return GemmFigure(*(r.integer(g[d], f"{q}.{d}", hi=1 << 30) for d in "mkn"),
                           flops=r.qty(g["flops"], f"{q}.flops", "compute"))
 
+    def attention(a: Any, q: str) -> AttentionFigure:
+        r.mapping(a, q, ("tokens", "context", "flops"))
+        return AttentionFigure(tokens=r.integer(a["tokens"], f"{q}.tokens", lo=1, hi=1 << 30),
+                               context=r.integer(a["context"], f"{q}.context", lo=0, hi=1 << 30),
+                               flops=r.qty(a["flops"], f"{q}.flops", "compute"))
+
     return UnitMeasurement(
         precision_flops=r.precisions(v["precision_flops"], f"{p}.precision_flops"),
         gemm=tuple(r.items(v["gemm"], f"{p}.gemm", gemm, nonempty=False)),
         call_overhead_s=r.qty(v["call_overhead"], f"{p}.call_overhead", "time", allow_zero=True),
         threads=r.integer(v["threads"], f"{p}.threads", hi=4096),
+        attention=tuple(r.items(v.get("attention", []), f"{p}.attention", attention, nonempty=False)),
     )
 
 
@@ -469,7 +476,10 @@ def _to_dict(p: DeviceProfile) -> dict:
             "units": {name: {"threads": u.threads, "call_overhead": q(u.call_overhead_s, "time"),
                              "precision_flops": _rates(u.precision_flops),
                              "gemm": [{"m": g.m, "k": g.k, "n": g.n, "flops": q(g.flops, "compute")}
-                                      for g in u.gemm]}
+                                      for g in u.gemm],
+                             **({"attention": [{"tokens": a.tokens, "context": a.context,
+                                                "flops": q(a.flops, "compute")} for a in u.attention]}
+                                if u.attention else {})}
                       for name, u in m.units.items()},
         }
     return d
