@@ -264,6 +264,11 @@ def test_measured_gemm_curve_sets_the_roof():
     u = replace(u, peak={"fp32": 100e9}, gemm_curve=curve, cache_bytes=64 * 2**20)
     c = choose_chunk(u, CFG, {k: "f32" for k in Q41}, n_ctx=4096, memory_budget=2**30)
     assert u.attainable("fp32", c.tokens) >= ROOF_FRACTION * 100e9 > u.attainable("fp32", c.tokens - ALIGN)
+    # a measured curve that sags after its best (noise): the roof is where the best was measured,
+    # not "never" (which sent the chunk to its 2048-token maximum)
+    sag = replace(u, gemm_curve=((32, 20e9), (128, 60e9), (256, 100e9), (512, 80e9)))
+    c = choose_chunk(sag, CFG, {k: "f32" for k in Q41}, n_ctx=4096, memory_budget=2**30)
+    assert c.tokens == 256, c.derivation
 
 
 def test_measured_attention_rate_prices_attention():
