@@ -3,9 +3,10 @@
 predicted(op on unit) = max(FLOPs / attainable compute, bytes / bandwidth) + launch overhead,
 where attainable compute is the unit's peak at the op's precision, or, for a unit whose GEMM
 throughput was measured by `edgellm profile`, the measured figure at that token count (BLAS on a
-few rows is far from its peak; the measurement says by how much). Attention, where the profile
-measured it on the unit, runs at its measured rate for the step's token count (numpy's gather,
-mask and softmax keep it far below the sgemm peak). Handing an activation to a unit
+few rows is far from its peak; the measurement says by how much). Attention and the elementwise
+ops, where the profile measured them on the unit, run at their measured rate for the step's token
+count (numpy's gather, mask and softmax keep attention far below the sgemm peak; swiglu's exp is
+far from DRAM speed). Handing an activation to a unit
 of another kind adds a fixed transfer overhead plus a copy unless the memory is shared zero-copy.
 """
 from __future__ import annotations
@@ -61,8 +62,10 @@ class Unit:
     fused_kv_bytes: frozenset = frozenset({2.0, 4.0})   # KV element sizes its fused step reads in place
     fused_decode_s: float | None = None        # cost of one call running a whole decode step's
                                                # layers natively (None: the unit has no such call)
-    attention_curve: tuple[tuple[int, float], ...] = ()   # measured (tokens, FLOP/s) of attention as
-                                               # the engine runs it on this unit; () = its fp32 peak
+    op_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+                                               # (op kind, measured (tokens, FLOP/s)) of attention and
+                                               # the elementwise ops as the engine runs them on this
+                                               # unit; a kind not here runs at the roofline
     available: bool = True
     reason: str = ""                           # why it is (un)available
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -161,8 +164,9 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
         ms = cost.bytes / unit.bandwidth * 1e3
         return Estimate(ms, prec, fmt, cost, "memory", 0.0)
     rows = 1 if (op.last_row_only and prefill) else t
-    if op.kind == "attention" and unit.attention_curve:
-        peak = _interpolate(unit.attention_curve, t)
+    op_curve = dict(unit.op_curves).get(op.kind)
+    if op_curve:
+        peak = _interpolate(op_curve, t)
     else:
         peak = unit.attainable(prec, rows)
     if prec == "fp32" and unit.quant_fp32_slowdown and fmt in ("q4_0", "q4_1"):
@@ -219,7 +223,7 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     launch = REFERENCE_CALL_S if name == "reference" else NATIVE_CALL_S
     m = profile.measured
     notes = []
-    attention: tuple = ()
+    op_curves: dict = {}
     if m is not None:
         bw = m.memory_read_bandwidth
         um = m.units.get(name)
@@ -227,7 +231,7 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
             peak = dict(um.precision_flops)
             curve = tuple(sorted((g.m, g.flops) for g in um.gemm))
             launch = um.call_overhead_s
-            attention = tuple(sorted((a.tokens, a.flops) for a in um.attention))
+            op_curves = _op_curves(um)
             notes.append(f"measured by {m.tool} on {m.date}")
     if name == "reference":
         # numpy has a fast GEMM only in fp32 (BLAS sgemm): weights are dequantized at load
@@ -250,7 +254,18 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
                 # neon's head keeps fp32 activations against its quantized weights (accuracy of
                 # the near-ties that pick the token; memory-bound either way)
                 head_precision="fp32" if name == "neon" else None,
-                fused_decode_s=launch if name == "neon" else None, attention_curve=attention, notes=tuple(notes))
+                fused_decode_s=launch if name == "neon" else None, op_curves=tuple(op_curves.items()),
+                notes=tuple(notes))
+
+
+def _op_curves(um) -> dict:
+    """op kind -> measured (tokens, FLOP/s) of a unit's non-GEMM ops (profile.UnitMeasurement)."""
+    out = {}
+    if um.attention:
+        out["attention"] = tuple(sorted((a.tokens, a.flops) for a in um.attention))
+    for kind in dict.fromkeys(e.op for e in um.elementwise):
+        out[kind] = tuple(sorted((e.tokens, e.flops) for e in um.elementwise if e.op == kind))
+    return out
 
 
 def gpu_unit(profile: DeviceProfile) -> Unit | None:
@@ -258,18 +273,19 @@ def gpu_unit(profile: DeviceProfile) -> Unit | None:
     if g is None or g.api != "opencl":
         return None
     peak = dict(g.peak)
-    bw, launch, curve, notes = profile.memory_bandwidth, g.launch_overhead_s, (), []
+    bw, launch, curve, notes, op_curves = profile.memory_bandwidth, g.launch_overhead_s, (), [], {}
     m = profile.measured
     um = m.units.get("opencl") if m is not None else None
     if um is not None:
         # measured whole op calls (upload, kernel, read-back): what the engine pays per op
         bw, launch = m.memory_read_bandwidth, um.call_overhead_s
         curve = tuple(sorted((f.m, f.flops) for f in um.gemm))
+        op_curves = _op_curves(um)
         notes.append(f"measured by {m.tool} on {m.date}")
     qprec = "int8" if (g.int8_dot and "int8" in peak) else "fp32"
     return Unit("opencl", "gpu", peak, bw, launch, g.transfer_overhead_s, zero_copy=g.unified_memory,
                 gemm_curve=curve, curve_precision="fp32", quant_precision=qprec, stores_quantized=True,
-                notes=tuple(notes))
+                op_curves=tuple(op_curves.items()), notes=tuple(notes))
 
 
 def npu_unit(profile: DeviceProfile) -> Unit | None:

@@ -113,19 +113,31 @@ def op_cost(op: OpSpec, cfg: ModelConfig, tokens: int, context: int, weight_form
     if op.kind in MATMUL_KINDS:
         wb = op.k * op.n * WEIGHT_BYTES[weight_format]
         return OpCost(2.0 * T * op.k * op.n, wb, a * T * (op.k + op.n), 0.0, a * T * op.k)
-    if op.kind == "rmsnorm":      # square, sum, scale, weight: ~4 FLOPs per element
-        return OpCost(4.0 * T * op.n, a * op.n, 2 * a * T * op.n, 0.0, a * T * op.n)
-    if op.kind == "rope":         # a rotation per pair: 4 mul + 2 add per 2 elements; reads cos/sin
-        return OpCost(3.0 * T * op.n, 0.0, 2 * a * T * op.n + a * T * cfg.rope_dim, 0.0, a * T * op.n)
-    if op.kind == "add":
-        return OpCost(1.0 * T * op.n, 0.0, 3 * a * T * op.n, 0.0, 2 * a * T * op.n)
-    if op.kind == "swiglu":       # silu(g) * u: exp, add, divide, multiply per element
-        return OpCost(5.0 * T * op.n, 0.0, 3 * a * T * op.n, 0.0, 2 * a * T * op.n)
+    if op.kind in ELEMENTWISE_FLOPS:
+        f = elementwise_flops(op.kind, T, op.n)
+        if op.kind == "rmsnorm":
+            return OpCost(f, a * op.n, 2 * a * T * op.n, 0.0, a * T * op.n)
+        if op.kind == "rope":     # reads cos/sin too
+            return OpCost(f, 0.0, 2 * a * T * op.n + a * T * cfg.rope_dim, 0.0, a * T * op.n)
+        return OpCost(f, 0.0, 3 * a * T * op.n, 0.0, 2 * a * T * op.n)
     if op.kind == "embedding":    # a row gather: the rows are read at the table's format
         return OpCost(0.0, T * op.n * WEIGHT_BYTES[weight_format], a * T * op.n, 0.0, 0.0)
     if op.kind == "attention":
         return _attention_cost(cfg, T, context, kv_bytes_per_elem)
     raise ValueError(f"no cost formula for op kind {op.kind!r}")
+
+
+# FLOPs booked per element of an elementwise op's output width
+ELEMENTWISE_FLOPS = {"rmsnorm": 4.0,   # square, sum, scale, weight
+                     "rope": 3.0,      # a rotation per pair: 4 mul + 2 add per 2 elements
+                     "add": 1.0,
+                     "swiglu": 5.0}    # silu(g) * u: exp, add, divide, multiply
+
+
+def elementwise_flops(kind: str, T: int, width: int) -> float:
+    """FLOPs the cost model books for an elementwise op over T rows of `width` (also the unit of
+    the rates `edgellm profile` measures)."""
+    return ELEMENTWISE_FLOPS[kind] * T * width
 
 
 def attention_flops(T: int, context: int, n_heads: int, head_dim: int) -> float:

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from edgellm.device.profile import (
-    AttentionFigure, DeviceProfile, GemmFigure, Measured, UnitMeasurement, dump_profile, list_profiles, load_profile,
-    parse_quantity, write_profile,
+    AttentionFigure, DeviceProfile, ElementwiseFigure, GemmFigure, Measured, UnitMeasurement, dump_profile,
+    list_profiles, load_profile, parse_quantity, write_profile,
 )
 from edgellm.device.profile_yaml import (
     MAX_PROFILE_BYTES, _profile_from_text, format_quantity, shipped_profiles_dir,
@@ -272,6 +272,13 @@ BAD = [
                                                                         {"tokens": 0, "context": 5,
                                                                          "flops": "1 GFLOPS"}]}}}),
      "measured.units.ref.attention[0].tokens", "expected an integer in [1,"),
+    (lambda d: d.update(measured={"date": "2026-11-21", "tool": "t", "memory_read_bandwidth": "10 GB/s",
+                                  "clusters": {}, "units": {"ref": {"threads": 1, "call_overhead": "1 us",
+                                                                    "precision_flops": {"fp32": "1 GFLOPS"},
+                                                                    "gemm": [], "elementwise": [
+                                                                        {"op": "softmax", "tokens": 5,
+                                                                         "flops": "1 GFLOPS"}]}}}),
+     "measured.units.ref.elementwise[0].op", "expected one of rmsnorm, rope, add, swiglu"),
 ]
 
 
@@ -416,7 +423,8 @@ def _measured_host() -> DeviceProfile:
             precision_flops={"fp32": 96.2345678e9, "int8": 123.456e9},
             gemm=(GemmFigure(512, 576, 1536, 96.2e9), GemmFigure(1, 576, 1536, 3.21e9)),
             call_overhead_s=4.1234e-6, threads=2,
-            attention=(AttentionFigure(1, 512, 1.9e9), AttentionFigure(32, 400, 17.6e9)))},
+            attention=(AttentionFigure(1, 512, 1.9e9), AttentionFigure(32, 400, 17.6e9)),
+            elementwise=(ElementwiseFigure("swiglu", 32, 1.47e9), ElementwiseFigure("rope", 256, 7.5e9)))},
     )
     return dataclasses.replace(p, name="host", measured=m)
 
@@ -431,6 +439,7 @@ def test_measured_section_round_trips_with_units(tmp_path, monkeypatch):
     assert "{m: 512, k: 576, n: 1536, flops: 96.2 GFLOPS}" in text
     assert "int8: 123.456 GOPS" in text and "bandwidth: 34.1 GB/s" in text
     assert "{tokens: 32, context: 400, flops: 17.6 GFLOPS}" in text
+    assert "{op: swiglu, tokens: 32, flops: 1.47 GFLOPS}" in text
     back = load_profile("host")  # found by name in $EDGELLM_HOME/profiles
     assert back.name == "host" and back.measured.date == "2026-11-21"
     _assert_close(host, back)

@@ -283,9 +283,11 @@ def test_measured_attention_rate_prices_attention():
     assert flops == attention_flops(256, 0, CFG.n_heads, CFG.head_dim)
     at_peak = estimate(ref, att, CFG, 256, 0, "f32", 2.0, True)
     assert at_peak.ms == pytest.approx((flops / ref.attainable("fp32", 256) + ref.launch_s) * 1e3)
-    slow = replace(ref, attention_curve=((1, 1e9), (32, 10e9), (256, 20e9)))
+    slow = replace(ref, op_curves=(("attention", ((1, 1e9), (32, 10e9), (256, 20e9))),))
     measured = estimate(slow, att, CFG, 256, 0, "f32", 2.0, True)
     assert measured.ms == pytest.approx((flops / 20e9 + ref.launch_s) * 1e3)
+    swi = next(o for o in layer_ops(CFG) if o.kind == "swiglu")           # a kind it has no curve for:
+    assert estimate(slow, swi, CFG, 256, 0, "f32", 2.0, True) == estimate(ref, swi, CFG, 256, 0, "f32", 2.0, True)
     between = estimate(slow, att, CFG, 64, 100, "f32", 2.0, True)        # log-interpolated: 10..20 GFLOPS
     f64 = op_cost(att, CFG, 64, 100, "f32", 2.0, True).flops
     assert (f64 / 20e9 + ref.launch_s) * 1e3 < between.ms < (f64 / 10e9 + ref.launch_s) * 1e3

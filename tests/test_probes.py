@@ -115,10 +115,13 @@ def test_measure_host_writes_a_profile_that_validates(tmp_path):
     assert ref.precision_flops["fp32"] == pytest.approx(max(g.flops for g in ref.gemm), rel=1e-5)
     assert 0 < ref.call_overhead_s < 1e-3
     assert ref.threads == len(probes.select_big(est.clusters))
-    # attention as the engine runs it on the unit, at the probe's fixed shapes
-    from edgellm.device import attention_probe
-    assert [(a.tokens, a.context) for a in ref.attention] == list(attention_probe.SHAPES)
+    # attention and the elementwise ops as the engine runs them on the unit, at the probe's shapes
+    from edgellm.device import op_probe
+    assert [(a.tokens, a.context) for a in ref.attention] == list(op_probe.SHAPES)
     assert all(a.flops > 0 for a in ref.attention)
+    assert sorted((e.op, e.tokens) for e in ref.elementwise) == sorted(
+        (op, t) for op in ("rmsnorm", "rope", "swiglu", "add") for t in op_probe.ELEMENTWISE_TOKENS)
+    assert all(e.flops > 0 for e in ref.elementwise)
     # nothing skipped (a shared test machine may be flagged as busy; that is all)
     assert [n for n in result.notes if not n.startswith("other processes used")] == []
 

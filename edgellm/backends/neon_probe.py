@@ -1,6 +1,6 @@
 """The neon unit's figures for `edgellm profile`: quantized GEMM throughput by rows (the int8
 path the model's Q4_1 matmuls take), fp32 and fp16-weight GEMM throughput, per-call overhead, and
-attention over the KV pool's blocks (device/attention_probe.py).
+attention over the KV pool's blocks and the elementwise ops (device/op_probe.py).
 
 The shapes, run counts and timing are the profile's own (device.probes.ProbeSizes and
 median_seconds): as for the numpy unit, every call reads a different weight matrix out of a set
@@ -52,9 +52,10 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
         w = rng.standard_normal((N, K)).astype(dtype)
         qm = neon.QMatrix.from_arrays(typ, [w.view(np.uint8)], [N], K)
         flops[prec] = 2.0 * 256 * K * N / median_seconds(lambda: neon.matmul(x, qm), sizes)
-    from ..device import attention_probe
+    from ..device import op_probe
 
     def attend(q, seq, layer, start):   # straight from the pool's blocks, as the engine does
         return neon.attention_pool(q, seq.pool, np.asarray(seq.block_table, np.int32), layer, start)
     return UnitMeasurement(precision_flops=flops, gemm=tuple(curve), call_overhead_s=overhead, threads=threads,
-                           attention=attention_probe.measure(attend, sizes, overhead, progress))
+                           attention=op_probe.measure_attention(attend, sizes, overhead, progress),
+                           elementwise=op_probe.measure_elementwise(neon, sizes, overhead, progress))

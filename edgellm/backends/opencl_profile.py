@@ -90,8 +90,11 @@ def probe(sizes: ProbeSizes, threads: int, progress=None, *, tune: bool = True) 
         opencl_matmul.matmul(rt, x, w)       # first launch at a shape JIT-compiles on some drivers
         t = median_seconds(lambda: opencl_matmul.matmul(rt, x, w), sizes)
         curve.append(GemmFigure(m=m, k=K, n=N, flops=2.0 * m * K * N / max(t - overhead, 0.5 * t)))
+    from ..device import op_probe
+
     return UnitMeasurement(precision_flops={"fp32": max(g.flops for g in curve)}, gemm=tuple(curve),
-                           call_overhead_s=overhead, threads=threads)
+                           call_overhead_s=overhead, threads=threads,
+                           elementwise=op_probe.measure_elementwise(opencl, sizes, overhead, progress))
 
 
 def gpu_section(um: UnitMeasurement, sizes: ProbeSizes) -> Gpu:

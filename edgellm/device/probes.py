@@ -349,13 +349,21 @@ def probe_reference(quick: bool, threads: int, progress: Progress | None = None,
     curve = measure_gemm_curve(sizes, overhead, progress)
     return UnitMeasurement(precision_flops={"fp32": max(g.flops for g in curve)}, gemm=curve,
                            call_overhead_s=overhead, threads=threads,
-                           attention=_reference_attention(sizes, overhead, progress))
+                           attention=_reference_attention(sizes, overhead, progress),
+                           elementwise=_reference_elementwise(sizes, overhead, progress))
+
+
+def _reference_elementwise(sizes: ProbeSizes, call_overhead_s: float, progress: Progress | None):
+    from ..backends import reference
+    from . import op_probe
+
+    return op_probe.measure_elementwise(reference, sizes, call_overhead_s, progress)
 
 
 def _reference_attention(sizes: ProbeSizes, call_overhead_s: float, progress: Progress | None):
     """numpy attention as the engine runs it: gather the pool's f16 blocks into fp32, then attend."""
     from ..backends import reference
-    from . import attention_probe as ap
+    from . import op_probe as ap
 
     n = max(t + c for t, c in ap.SHAPES)
     bufs = tuple(np.empty((ap.KV_HEADS, n, ap.HEAD_DIM), np.float32) for _ in range(2))
@@ -363,7 +371,7 @@ def _reference_attention(sizes: ProbeSizes, call_overhead_s: float, progress: Pr
     def run(q, seq, layer, start):
         k, v = seq.read(layer, start + len(q), out=bufs)
         return reference.attention(q, k, v, start)
-    return ap.measure(run, sizes, call_overhead_s, progress)
+    return ap.measure_attention(run, sizes, call_overhead_s, progress)
 
 
 register_probe("reference", probe_reference)

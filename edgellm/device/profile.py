@@ -74,6 +74,13 @@ class AttentionFigure:
 
 
 @dataclass(frozen=True)
+class ElementwiseFigure:
+    op: str                            # rmsnorm | rope | swiglu | add
+    tokens: int                        # rows of the call
+    flops: float                       # ops.elementwise_flops / measured seconds, median of the runs
+
+
+@dataclass(frozen=True)
 class UnitMeasurement:
     precision_flops: Mapping[str, float]   # precision -> FLOP/s at the largest probe shape
     gemm: tuple[GemmFigure, ...]           # fp32 (or the unit's main precision) at a few shapes
@@ -81,6 +88,7 @@ class UnitMeasurement:
     threads: int                           # threads the unit ran with
     attention: tuple[AttentionFigure, ...] = ()   # causal attention over an f16 KV pool, as the
                                                   # engine runs it on this unit (gather included)
+    elementwise: tuple[ElementwiseFigure, ...] = ()   # rmsnorm, rope, swiglu, add, as the engine calls them
 
 
 @dataclass(frozen=True)

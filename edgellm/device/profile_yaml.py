@@ -17,9 +17,11 @@ from typing import Any, Callable
 import yaml
 
 from edgellm.device.profile import (
-    PRECISIONS, AttentionFigure, CpuCluster, DeviceProfile, GemmFigure, Gpu, Measured, Npu, UnitMeasurement,
+    PRECISIONS, AttentionFigure, CpuCluster, DeviceProfile, ElementwiseFigure, GemmFigure, Gpu, Measured, Npu,
+    UnitMeasurement,
 )
 from edgellm.errors import ConfigError
+from edgellm.ops import ELEMENTWISE_FLOPS
 from edgellm.fileio import write_atomic
 
 __all__ = ["parse_quantity", "format_quantity", "load_profile", "list_profiles", "dump_profile",
@@ -337,7 +339,7 @@ def _measured(r: _Reader, v: Any, clusters: tuple[CpuCluster, ...]) -> Measured:
 
 
 def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
-    r.mapping(v, p, ("threads", "call_overhead", "precision_flops", "gemm"), ("attention",))
+    r.mapping(v, p, ("threads", "call_overhead", "precision_flops", "gemm"), ("attention", "elementwise"))
 
     def gemm(g: Any, q: str) -> GemmFigure:
         r.mapping(g, q, ("m", "k", "n", "flops"))
@@ -350,12 +352,20 @@ def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
                                context=r.integer(a["context"], f"{q}.context", lo=0, hi=1 << 30),
                                flops=r.qty(a["flops"], f"{q}.flops", "compute"))
 
+    def elementwise(e: Any, q: str) -> ElementwiseFigure:
+        r.mapping(e, q, ("op", "tokens", "flops"))
+        if e["op"] not in ELEMENTWISE_FLOPS:
+            r.fail(f"{q}.op", f"expected one of {', '.join(ELEMENTWISE_FLOPS)}, got {_describe(e['op'])}")
+        return ElementwiseFigure(op=e["op"], tokens=r.integer(e["tokens"], f"{q}.tokens", lo=1, hi=1 << 30),
+                                 flops=r.qty(e["flops"], f"{q}.flops", "compute"))
+
     return UnitMeasurement(
         precision_flops=r.precisions(v["precision_flops"], f"{p}.precision_flops"),
         gemm=tuple(r.items(v["gemm"], f"{p}.gemm", gemm, nonempty=False)),
         call_overhead_s=r.qty(v["call_overhead"], f"{p}.call_overhead", "time", allow_zero=True),
         threads=r.integer(v["threads"], f"{p}.threads", hi=4096),
         attention=tuple(r.items(v.get("attention", []), f"{p}.attention", attention, nonempty=False)),
+        elementwise=tuple(r.items(v.get("elementwise", []), f"{p}.elementwise", elementwise, nonempty=False)),
     )
 
 
@@ -479,7 +489,9 @@ def _to_dict(p: DeviceProfile) -> dict:
                                       for g in u.gemm],
                              **({"attention": [{"tokens": a.tokens, "context": a.context,
                                                 "flops": q(a.flops, "compute")} for a in u.attention]}
-                                if u.attention else {})}
+                                if u.attention else {}),
+                             **({"elementwise": [{"op": e.op, "tokens": e.tokens, "flops": q(e.flops, "compute")}
+                                                 for e in u.elementwise]} if u.elementwise else {})}
                       for name, u in m.units.items()},
         }
     return d
