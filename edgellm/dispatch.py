@@ -340,10 +340,12 @@ class Dispatcher:
             if best is None or ms < best[0] - 1e-12:
                 best = (ms, path, opts, home)
         layer_ms, lpath, lopts, home = best
-        fused = self._fused_decode(lops, phase, tokens, context) if not self.override else None
+        fused = self._fused_step(lops, phase, tokens, context) if not self.override else None
         fused_note = ""
         if fused is not None and fused[0] < layer_ms:
-            fused_note = (f"fused decode step on {fused[3]}: every layer in one native call per token, "
+            what = "decode step" if phase == "decode" else "prefill chunk"
+            fused_note = (f"fused {what} on {fused[3]}: every layer in one native call per "
+                          f"{'token' if phase == 'decode' else 'chunk'}, "
                           f"{fused[0]:.4f} ms per layer vs {layer_ms:.4f} ms op by op")
             layer_ms, lpath, lopts, home = fused
         e_ms, e_path, e_opts = self._chain([emb], phase, tokens, context, e_home := self._cpu_home(), home)
@@ -360,20 +362,18 @@ class Dispatcher:
                 prev = u
         return PhasePlan(phase, tokens, context, tuple(placements), layer_ms, e_ms + h_ms, self.cfg.n_layers)
 
-    def _fused_decode(self, lops, phase, tokens, context):
-        """A unit with a native decode step runs every layer of the step in one call: its ops
-        pay no per-op call overhead, the step one call. (ms per layer, path, opts, unit) of the
-        best such unit, or None."""
-        if phase != "decode":
-            return None
+    def _fused_step(self, lops, phase, tokens, context):
+        """A unit with a native layer step (a decode token or a prefill chunk) runs every layer
+        of the step in one call: its ops pay no per-op call overhead, the step one call.
+        (ms per layer, path, opts, unit) of the best such unit, or None."""
         best = None
         for u in self.units:
             if not u.available or u.fused_decode_s is None:
                 continue
             if self.kv_bytes not in u.fused_kv_bytes:
                 # e.g. neon's fused step reads f16/f32 pools only: an int8 cache runs op by op
-                msg = (f"{u.name}'s fused decode step reads an f16 or f32 KV cache only: with this "
-                       f"{self.kv_bytes:g}-byte KV cache decode runs op by op")
+                msg = (f"{u.name}'s fused layer step reads an f16 or f32 KV cache only: with this "
+                       f"{self.kv_bytes:g}-byte KV cache decode and prefill run op by op")
                 if msg not in self.warnings:
                     self.warnings.append(msg)
                 continue
@@ -397,7 +397,7 @@ class Dispatcher:
         return best
 
     def _native_precision(self, u: Unit, op: OpSpec, phase: str, tokens: int) -> bool:
-        """Whether every layer's ask for op runs at u's own precision: the fused decode step
+        """Whether every layer's ask for op runs at u's own precision: the fused layer step
         has one kernel per op (int8 activations for the quantized matmuls)."""
         fmt = self.formats.get(op.name, "f32")
         own, _ = u.precision_for(op, fmt)

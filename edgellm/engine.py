@@ -68,14 +68,20 @@ class ModelRunner:
                    for i, (u, m) in enumerate(mods.items())}
         # phase -> op name -> (backend module, its prepared weights)
         self._ops = {ph: {op: (mods[u], weights[u]) for op, u in ops.items()} for ph, ops in self.placement.items()}
-        # a unit that holds the whole decode layer and has a native decode step runs a token's
-        # layers in one call (the dispatcher chose that placement knowing it)
-        dec = {self.placement["decode"][op] for op in _LAYER_OPS}
-        unit = dec.pop() if len(dec) == 1 else None
-        self._fused = None
-        if unit is not None and hasattr(mods[unit], "fused_decode") and self._native(mods[unit], "decode"):
-            self._fused = mods[unit].fused_decode(weights[unit], cfg)
-            self._fused_mod = mods[unit]
+        # a unit that holds a phase's whole layer and has a native layer step runs a decode
+        # token's (or a prefill chunk's) layers in one call (the dispatcher chose that placement
+        # knowing it). _fused_phases: the phases that do.
+        self._fused, self._fused_phases = None, set()
+        for ph, ops in self.placement.items():
+            lay = {ops[op] for op in _LAYER_OPS}
+            unit = lay.pop() if len(lay) == 1 else None
+            if unit is None or not hasattr(mods[unit], "fused_decode") or not self._native(mods[unit], ph):
+                continue
+            if self._fused is None:
+                self._fused = mods[unit].fused_decode(weights[unit], cfg)
+                self._fused_mod, self._fused_unit = mods[unit], unit
+            if unit == self._fused_unit:
+                self._fused_phases.add(ph)
         rope_freqs = reference.prepare_rope_freqs(model)
         self.cos, self.sin = reference.rope_tables(cfg, max_positions, rope_freqs)  # (positions, rope_dim/2)
         # K/V read buffers reused by every layer and step: (KVH, positions, hd) each. Fresh arrays
@@ -105,9 +111,9 @@ class ModelRunner:
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled("cancelled between prefill chunks")
                 seq.reserve(len(part))
-                if phase == "decode" and self._fused is not None and self.decode_override is None \
-                        and self._fusable(seq):
-                    h = self._fused_step(seq, part)
+                if phase in self._fused_phases and self._fusable(seq) \
+                        and not (phase == "decode" and self.decode_override is not None):
+                    h = self._fused_step(seq, part, phase)
                 else:
                     h = self._layers(seq, part, cancel, phase)
                 seq.commit(seq.n_tokens + len(part), part)
@@ -180,12 +186,16 @@ class ModelRunner:
     def _fusable(self, seq) -> bool:
         return not seq.rotate_on_read and self._fused_mod.can_read_pool(seq.pool)
 
-    def _fused_step(self, seq, ids: np.ndarray) -> np.ndarray:
-        """One token through every layer in one native call (positions reserved by the caller)."""
-        pos = seq.n_tokens
-        be, w = self._ops["decode"]["embedding"]
-        x = be.embedding(w.embedding, ids)                                   # (1, d)
-        return self._fused.run(x, pos, self.cos[pos], self.sin[pos], seq.pool, seq.block_table).copy()
+    def _fused_step(self, seq, ids: np.ndarray, phase: str) -> np.ndarray:
+        """A decode token or a prefill chunk through every layer in one native call (positions
+        reserved by the caller). Cancellation is checked between chunks, not inside one."""
+        pos, T = seq.n_tokens, len(ids)
+        be, w = self._ops[phase]["embedding"]
+        x = be.embedding(w.embedding, ids)                                   # (T, d)
+        if T == 1:
+            return self._fused.run(x, pos, self.cos[pos], self.sin[pos], seq.pool, seq.block_table).copy()
+        return self._fused.run_chunk(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
+                                     seq.block_table)
 
     def _head(self, x: np.ndarray, phase: str) -> np.ndarray:
         P = self._ops[phase]
@@ -230,7 +240,7 @@ class ModelRunner:
         if self.compute is None or choices is None:
             return True
         return all(effective(a, choices) == choices[0] for op in _MATMUL_OPS if op != "lm_head"
-                   for a in self.compute.asked(phase, op))
+                   for a in self.compute.asked(self._plan_phase(phase), op))
 
 
 # the engine's op sequence; the names are ops.layer_ops / ops.model_ops names

@@ -1,12 +1,14 @@
-/* el_decode_step: one decode token through every layer in one native call.
+/* el_chunk_step / el_decode_step: a chunk of tokens (a prefill chunk, or one decode token)
+ * through every layer in one native call.
  *
- * Why: a Python decode step makes ~12 ctypes calls per layer (~365 for a 30-layer model), each
- * ~10 us of interpreter and ctypes work; that is ~4 ms of a ~17 ms token, spent outside any
- * kernel. Here the layer loop runs in C and calls the kernels' public entry points directly
- * (el_rmsnorm, el_matmul, el_rope, el_attention_pool, el_swiglu, el_add), in the order and with
- * the arguments of the per-op path (engine.py ModelRunner._layers), so the results are the same
- * bit for bit: same kernels, same task splits, same pool. el_use_generic routes those kernels to
- * their twins, and the fp16 K/V store below to its scalar twin.
+ * Why: a Python step makes ~12 ctypes calls per layer (~365 for a 30-layer model), each ~10-20 us
+ * of interpreter and ctypes work, plus the K/V store through numpy: milliseconds per step spent
+ * outside any kernel (a decode token costs ~7 ms in all; a 32-token turn after a cached prefix
+ * ~90 ms, of which ~10 ms was this). Here the layer loop runs in C and calls the kernels' public
+ * entry points directly (el_rmsnorm, el_matmul, el_rope, el_attention_pool, el_swiglu, el_add), in
+ * the order and with the arguments of the per-op path (engine.py ModelRunner._layers), so the
+ * results are the same bit for bit: same kernels, same task splits, same pool. el_use_generic
+ * routes those kernels to their twins, and the fp16 K/V store below to its scalar twin.
  *
  * The only new arithmetic is the fp32 -> fp16 rounding of the K/V store, which must equal
  * numpy's astype(float16) (what PoolSequence.write stores): round to nearest even, overflow to
@@ -24,6 +26,8 @@
  * width fails before any K/V row is written */
 #define EL_DECODE_MAX_HD 512
 #define EL_DECODE_MAX_DIM (1 << 24)
+/* tokens of one chunk (the engine's prefill chunk is at most 2048) */
+#define EL_CHUNK_MAX_TOKENS (1 << 16)
 
 /* ---- fp32 -> fp16, round to nearest even ---------------------------------------------------- */
 
@@ -84,26 +88,30 @@ int el_f32_to_f16(const float *x, uint16_t *y, size_t n) {
 static size_t el_a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 typedef struct {
-    float *h;      /* (d) normed input of a projection */
-    float *qkv;    /* (H*hd + 2*KVH*hd) q | k | v; q and k rotated in place */
-    float *att;    /* (H*hd) attention output */
-    float *o;      /* (d) attn_out / down output, added to x */
-    float *gu;     /* (2*ff) gate | up */
-    float *act;    /* (ff) swiglu output */
-    void *mm;      /* el_matmul's scratch for one row of the widest K */
-} el_decode_bufs;
+    float *h;      /* (T, d) normed input of a projection */
+    float *qkv;    /* (T, H*hd + 2*KVH*hd) q | k | v per row; q and k rotated in place */
+    float *q;      /* (T, H*hd) the rows' q, contiguous, as attention reads it (T > 1) */
+    float *att;    /* (T, H*hd) attention output */
+    float *o;      /* (T, d) attn_out / down output, added to x */
+    float *gu;     /* (T, 2*ff) gate | up */
+    float *act;    /* (T, ff) swiglu output */
+    void *mm;      /* el_matmul's scratch for T rows of the widest K */
+} el_chunk_bufs;
 
-/* Region sizes in bytes, in el_decode_bufs order; the layout starts 64-byte aligned. */
-static void el_decode_sizes(const el_model_dims *m, size_t sz[7]) {
-    const size_t q = (size_t)m->H * m->hd, kv = (size_t)m->KVH * m->hd;
+#define EL_CHUNK_NBUF 8
+
+/* Region sizes in bytes, in el_chunk_bufs order; the layout starts 64-byte aligned. */
+static void el_chunk_sizes(const el_model_dims *m, int T, size_t sz[EL_CHUNK_NBUF]) {
+    const size_t q = (size_t)m->H * m->hd, kv = (size_t)m->KVH * m->hd, t = (size_t)T;
     const int kmax = EL_MAX(m->d, EL_MAX((int)q, m->ff));
-    sz[0] = el_a64((size_t)m->d * 4);
-    sz[1] = el_a64((q + 2 * kv) * 4);
-    sz[2] = el_a64(q * 4);
-    sz[3] = el_a64((size_t)m->d * 4);
-    sz[4] = el_a64((size_t)m->ff * 2 * 4);
-    sz[5] = el_a64((size_t)m->ff * 4);
-    sz[6] = el_a64(el_matmul_scratch(1, kmax));
+    sz[0] = el_a64(t * m->d * 4);
+    sz[1] = el_a64(t * (q + 2 * kv) * 4);
+    sz[2] = T > 1 ? el_a64(t * q * 4) : 0;
+    sz[3] = el_a64(t * q * 4);
+    sz[4] = el_a64(t * m->d * 4);
+    sz[5] = el_a64(t * m->ff * 2 * 4);
+    sz[6] = el_a64(t * m->ff * 4);
+    sz[7] = el_a64(el_matmul_scratch(T, kmax));
 }
 
 static int el_dims_check(const el_model_dims *m) {
@@ -121,25 +129,35 @@ static int el_dims_check(const el_model_dims *m) {
     return EL_OK;
 }
 
-size_t el_decode_scratch(const el_model_dims *dims) {
-    if (el_dims_check(dims) != EL_OK) return 0;
-    size_t sz[7], total = 64;   /* + 64: the caller's buffer may start unaligned */
-    el_decode_sizes(dims, sz);
-    for (int i = 0; i < 7; i++) total += sz[i];
+/* every buffer of T rows stays below 2^31 elements (the kernels index rows with int) */
+static int el_tokens_check(const el_model_dims *m, int T) {
+    if (T <= 0 || T > EL_CHUNK_MAX_TOKENS) return EL_EINVAL;
+    const int64_t widest = EL_MAX((int64_t)2 * m->ff, (int64_t)(m->H + 2 * m->KVH) * m->hd);
+    return (int64_t)T * widest < ((int64_t)1 << 31) ? EL_OK : EL_EINVAL;
+}
+
+size_t el_chunk_scratch(const el_model_dims *dims, int T) {
+    if (el_dims_check(dims) != EL_OK || el_tokens_check(dims, T) != EL_OK) return 0;
+    size_t sz[EL_CHUNK_NBUF], total = 64;   /* + 64: the caller's buffer may start unaligned */
+    el_chunk_sizes(dims, T, sz);
+    for (int i = 0; i < EL_CHUNK_NBUF; i++) total += sz[i];
     return total;
 }
 
-static el_decode_bufs el_decode_layout(const el_model_dims *m, void *scratch) {
-    size_t sz[7];
-    el_decode_sizes(m, sz);
+size_t el_decode_scratch(const el_model_dims *dims) { return el_chunk_scratch(dims, 1); }
+
+static el_chunk_bufs el_chunk_layout(const el_model_dims *m, int T, void *scratch) {
+    size_t sz[EL_CHUNK_NBUF];
+    el_chunk_sizes(m, T, sz);
     uint8_t *p = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    el_decode_bufs b;
+    el_chunk_bufs b;
     b.h = (float *)p, p += sz[0];
     b.qkv = (float *)p, p += sz[1];
-    b.att = (float *)p, p += sz[2];
-    b.o = (float *)p, p += sz[3];
-    b.gu = (float *)p, p += sz[4];
-    b.act = (float *)p, p += sz[5];
+    b.q = T > 1 ? (float *)p : b.qkv, p += sz[2];
+    b.att = (float *)p, p += sz[3];
+    b.o = (float *)p, p += sz[4];
+    b.gu = (float *)p, p += sz[5];
+    b.act = (float *)p, p += sz[6];
     b.mm = p;
     return b;
 }
@@ -181,64 +199,80 @@ static int el_overlaps(const void *a, size_t na, const void *b, size_t nb) {
 
 /* ---- the step ------------------------------------------------------------------------------- */
 
-/* el_matmul with the matrix's own segments (validated up front: cannot fail) */
-static int el_mm(el_pool *pool, const el_matrix *w, const float *x, float *y, int K, const float *bias, void *mm) {
-    return el_matmul(pool, w->wtype, w->seg_ptr, w->seg_rows, w->n_seg, x, y, 1, K, bias, mm);
+/* el_matmul of M rows with the matrix's own segments (validated up front: cannot fail) */
+static int el_mm(el_pool *pool, const el_matrix *w, const float *x, float *y, int M, int K, const float *bias,
+                 void *mm) {
+    return el_matmul(pool, w->wtype, w->seg_ptr, w->seg_rows, w->n_seg, x, y, M, K, bias, mm);
+}
+
+int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x, int T,
+                  int pos, const float *cos, const float *sin, void *k_pool, void *v_pool, int kv_type,
+                  const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
+                  size_t scratch_bytes) {
+    int rc = el_dims_check(dims);
+    if (rc != EL_OK) return rc;
+    if ((rc = el_tokens_check(dims, T)) != EL_OK) return rc;
+    if (!layers || n_layers <= 0 || !x || !cos || !sin || !k_pool || !v_pool || !block_table || !scratch)
+        return EL_EINVAL;
+    if (kv_type != EL_F32 && kv_type != EL_F16) return EL_EUNSUPPORTED;
+    if (pos < 0 || pos > INT_MAX - T || block_tokens <= 0 || n_blocks <= 0 || n_table <= 0) return EL_EINVAL;
+    const el_model_dims m = *dims;
+    const size_t need = el_chunk_scratch(&m, T);
+    if (scratch_bytes < need || el_overlaps(x, (size_t)T * m.d * sizeof(float), scratch, scratch_bytes))
+        return EL_EINVAL;
+    /* every block attention will read, and those written, must exist in the arena */
+    const int last = (pos + T - 1) / block_tokens;
+    if (last >= n_table) return EL_EINVAL;
+    for (int i = 0; i <= last; i++)
+        if (block_table[i] < 0 || block_table[i] >= n_blocks) return EL_EINVAL;
+    if ((rc = el_layers_check(layers, n_layers, &m)) != EL_OK) return rc;
+
+    const el_chunk_bufs b = el_chunk_layout(&m, T, scratch);
+    const int q_dim = m.H * m.hd, kv_dim = m.KVH * m.hd, w = q_dim + 2 * kv_dim, half = m.rope_dim / 2;
+    /* element offset of (block, layer 0, row) in the arena; + l * layer_sz for layer l */
+    const size_t layer_sz = (size_t)block_tokens * kv_dim;
+
+    for (int l = 0; l < n_layers; l++) {
+        const el_layer *L = &layers[l];
+        if ((rc = el_rmsnorm(pool, x, L->attn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
+        if ((rc = el_mm(pool, &L->qkv, b.h, b.qkv, T, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
+        for (int t = 0; t < T; t++) {
+            float *row = b.qkv + (size_t)t * w;
+            /* q and k heads are adjacent in a row: one pass rotates both (per head, as two calls would) */
+            if ((rc = el_rope(row, row, 1, m.H + m.KVH, m.hd, m.rope_dim, cos + (size_t)t * half,
+                              sin + (size_t)t * half, m.neox)) != EL_OK)
+                return rc;
+            const int p = pos + t;
+            const size_t off = (size_t)block_table[p / block_tokens] * n_layers * layer_sz + (size_t)l * layer_sz +
+                               (size_t)(p % block_tokens) * kv_dim;
+            const float *kr = row + q_dim, *vr = row + q_dim + kv_dim;
+            if (kv_type == EL_F16) {
+                el_f32_to_f16(kr, (uint16_t *)k_pool + off, (size_t)kv_dim);
+                el_f32_to_f16(vr, (uint16_t *)v_pool + off, (size_t)kv_dim);
+            } else {
+                memcpy((float *)k_pool + off, kr, (size_t)kv_dim * sizeof(float));
+                memcpy((float *)v_pool + off, vr, (size_t)kv_dim * sizeof(float));
+            }
+            if (T > 1) memcpy(b.q + (size_t)t * q_dim, row, (size_t)q_dim * sizeof(float));
+        }
+        if ((rc = el_attention_pool(pool, b.q, b.att, T, m.H, m.KVH, m.hd, pos, k_pool, v_pool, kv_type,
+                                    block_table, block_tokens, n_layers, l)) != EL_OK)
+            return rc;
+        if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, T, q_dim, NULL, b.mm)) != EL_OK) return rc;
+        el_add(x, b.o, x, (size_t)T * m.d);
+        if ((rc = el_rmsnorm(pool, x, L->ffn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
+        if ((rc = el_mm(pool, &L->gate_up, b.h, b.gu, T, m.d, NULL, b.mm)) != EL_OK) return rc;
+        if ((rc = el_swiglu(pool, b.gu, b.act, T, m.ff)) != EL_OK) return rc;
+        if ((rc = el_mm(pool, &L->down, b.act, b.o, T, m.ff, NULL, b.mm)) != EL_OK) return rc;
+        el_add(x, b.o, x, (size_t)T * m.d);
+    }
+    return EL_OK;
 }
 
 int el_decode_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,
                    int pos, const float *cos_row, const float *sin_row, void *k_pool, void *v_pool, int kv_type,
                    const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
                    size_t scratch_bytes) {
-    int rc = el_dims_check(dims);
-    if (rc != EL_OK) return rc;
-    if (!layers || n_layers <= 0 || !x || !cos_row || !sin_row || !k_pool || !v_pool || !block_table || !scratch)
-        return EL_EINVAL;
-    if (kv_type != EL_F32 && kv_type != EL_F16) return EL_EUNSUPPORTED;
-    if (pos < 0 || pos == INT_MAX || block_tokens <= 0 || n_blocks <= 0 || n_table <= 0) return EL_EINVAL;
-    const el_model_dims m = *dims;
-    const size_t need = el_decode_scratch(&m);
-    if (scratch_bytes < need || el_overlaps(x, (size_t)m.d * sizeof(float), scratch, scratch_bytes))
-        return EL_EINVAL;
-    /* every block attention will read, and the one written, must exist in the arena */
-    const int last = pos / block_tokens;
-    if (last >= n_table) return EL_EINVAL;
-    for (int i = 0; i <= last; i++)
-        if (block_table[i] < 0 || block_table[i] >= n_blocks) return EL_EINVAL;
-    if ((rc = el_layers_check(layers, n_layers, &m)) != EL_OK) return rc;
-
-    const el_decode_bufs b = el_decode_layout(&m, scratch);
-    const int q_dim = m.H * m.hd, kv_dim = m.KVH * m.hd;
-    /* element offset of (block, layer 0, row) in the arena; + l * layer_sz for layer l */
-    const size_t layer_sz = (size_t)block_tokens * kv_dim;
-    const size_t row0 = (size_t)block_table[last] * n_layers * layer_sz + (size_t)(pos % block_tokens) * kv_dim;
-    const float *kr = b.qkv + q_dim, *vr = b.qkv + q_dim + kv_dim;
-
-    for (int l = 0; l < n_layers; l++) {
-        const el_layer *L = &layers[l];
-        if ((rc = el_rmsnorm(pool, x, L->attn_norm, b.h, 1, m.d, m.eps)) != EL_OK) return rc;
-        if ((rc = el_mm(pool, &L->qkv, b.h, b.qkv, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
-        /* q and k heads are adjacent in qkv: one pass rotates both (per head, as two calls would) */
-        if ((rc = el_rope(b.qkv, b.qkv, 1, m.H + m.KVH, m.hd, m.rope_dim, cos_row, sin_row, m.neox)) != EL_OK)
-            return rc;
-        const size_t off = row0 + (size_t)l * layer_sz;
-        if (kv_type == EL_F16) {
-            el_f32_to_f16(kr, (uint16_t *)k_pool + off, (size_t)kv_dim);
-            el_f32_to_f16(vr, (uint16_t *)v_pool + off, (size_t)kv_dim);
-        } else {
-            memcpy((float *)k_pool + off, kr, (size_t)kv_dim * sizeof(float));
-            memcpy((float *)v_pool + off, vr, (size_t)kv_dim * sizeof(float));
-        }
-        if ((rc = el_attention_pool(pool, b.qkv, b.att, 1, m.H, m.KVH, m.hd, pos, k_pool, v_pool, kv_type,
-                                    block_table, block_tokens, n_layers, l)) != EL_OK)
-            return rc;
-        if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, q_dim, NULL, b.mm)) != EL_OK) return rc;
-        el_add(x, b.o, x, (size_t)m.d);
-        if ((rc = el_rmsnorm(pool, x, L->ffn_norm, b.h, 1, m.d, m.eps)) != EL_OK) return rc;
-        if ((rc = el_mm(pool, &L->gate_up, b.h, b.gu, m.d, NULL, b.mm)) != EL_OK) return rc;
-        if ((rc = el_swiglu(pool, b.gu, b.act, 1, m.ff)) != EL_OK) return rc;
-        if ((rc = el_mm(pool, &L->down, b.act, b.o, m.ff, NULL, b.mm)) != EL_OK) return rc;
-        el_add(x, b.o, x, (size_t)m.d);
-    }
-    return EL_OK;
+    return el_chunk_step(pool, layers, n_layers, dims, x, 1, pos, cos_row, sin_row, k_pool, v_pool, kv_type,
+                         block_table, n_table, block_tokens, n_blocks, scratch, scratch_bytes);
 }

@@ -102,12 +102,12 @@ EL_API int el_attention_pool(el_pool *pool, const float *q, float *out, int T, i
 EL_API int el_attention_dense(el_pool *pool, const float *q, float *out, int T, int H, int KVH, int hd, int start,
                               const float *k, const float *v);
 
-/* ---- fused decode step ------------------------------------------------------------------- */
-/* One token through every layer in one call (decode_step.c): per layer the same kernels, in the
- * same order, as the per-op path (rmsnorm, QKV matmul + bias, RoPE of q and k, K/V written to the
- * pool, attention from the pool, output projection + residual, rmsnorm, gate|up matmul, SwiGLU,
- * down matmul + residual), so its results equal the per-op path's bit for bit. A Python decode
- * step costs one ctypes call instead of ~12 per layer. */
+/* ---- fused layer steps ------------------------------------------------------------------- */
+/* A decode token or a prefill chunk through every layer in one call (decode_step.c): per layer
+ * the same kernels, in the same order, as the per-op path (rmsnorm, QKV matmul + bias, RoPE of q
+ * and k, K/V written to the pool, attention from the pool, output projection + residual,
+ * rmsnorm, gate|up matmul, SwiGLU, down matmul + residual), so its results equal the per-op
+ * path's bit for bit. A Python step costs one ctypes call instead of ~12 per layer. */
 
 /* A weight matrix as el_matmul takes it: n_seg row segments of type wtype (EL_*). */
 typedef struct {
@@ -152,6 +152,15 @@ EL_API int el_decode_step(el_pool *pool, const el_layer *layers, int n_layers, c
                           int pos, const float *cos_row, const float *sin_row, void *k_pool, void *v_pool,
                           int kv_type, const int32_t *block_table, int n_table, int block_tokens, int n_blocks,
                           void *scratch, size_t scratch_bytes);
+/* A chunk of T tokens (positions pos..pos+T-1) through every layer: el_decode_step's contract
+ * for T rows. x (T, d), cos and sin (T, rope_dim/2): the chunk's RoPE rows; every block id up to
+ * position pos+T-1 must be in the table; scratch: el_chunk_scratch(dims, T) bytes (0: the dims
+ * or T are invalid). el_decode_step is its T = 1 case. */
+EL_API size_t el_chunk_scratch(const el_model_dims *dims, int T);
+EL_API int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,
+                         int T, int pos, const float *cos, const float *sin, void *k_pool, void *v_pool,
+                         int kv_type, const int32_t *block_table, int n_table, int block_tokens, int n_blocks,
+                         void *scratch, size_t scratch_bytes);
 /* y (n,) = x rounded to fp16 bits (nearest even; overflow to inf; NaN stays NaN): the pool's
  * fp16 K/V conversion, exported so that tests can hold it against numpy's astype(float16). */
 EL_API int el_f32_to_f16(const float *x, uint16_t *y, size_t n);

@@ -1,5 +1,5 @@
-"""The fused decode step (neon/decode_step.c through backends/neon_fused.py) against the per-op
-neon path it replaces, on tiny synthetic models (F32, Q8_0, Q4_0, Q4_1; llama with GQA 2:1,
+"""The fused decode step and prefill chunk (neon/decode_step.c through backends/neon_fused.py)
+against the per-op neon path they replace, on tiny synthetic models (F32, Q8_0, Q4_0, Q4_1; llama with GQA 2:1,
 qwen2 with qkv bias, neox RoPE and MQA 4:1), with f16 and f32 KV pools.
 
 Both paths run the same kernels in the same order on the same thread pool, so the bound (logits
@@ -98,10 +98,24 @@ def kv_rows(seq) -> tuple[np.ndarray, np.ndarray]:
                  for a in (pool.k, pool.v))
 
 
+class per_op:
+    """Within the block, the runner takes its per-op path in every phase (the path the fused
+    steps replace), whatever the placement."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __enter__(self):
+        self.saved, self.runner._fused_phases = self.runner._fused_phases, set()
+
+    def __exit__(self, *exc):
+        self.runner._fused_phases = self.saved
+
+
 def compare(model, precision: str, prompt: int, decode: int, seed: int = 0) -> float:
     """Prefill `prompt` random tokens per-op into two pools, then decode `decode` more: per-op in
-    one (ModelRunner.forward), fused in the other. Asserts the logits within BOUND and the K/V
-    rows bit-identical; returns the worst logits NMSE."""
+    one (ModelRunner.forward with its fused steps off), fused in the other. Asserts the logits
+    within BOUND and the K/V rows bit-identical; returns the worst logits NMSE."""
     eng, w = model
     r, cfg = eng.runner, eng.config
     step = DecodeStep.build(w, cfg)
@@ -110,10 +124,12 @@ def compare(model, precision: str, prompt: int, decode: int, seed: int = 0) -> f
     seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, BT, precision).new_sequence()
             for _ in range(2)]
     for s in seqs:
-        r.forward(s, ids[:prompt])
+        with per_op(r):
+            r.forward(s, ids[:prompt])
     worst = 0.0
     for t in ids[prompt:]:
-        ref = r.forward(seqs[0], [t])
+        with per_op(r):
+            ref = r.forward(seqs[0], [t])
         got = fused_token(step, w, r, seqs[1], int(t))
         worst = max(worst, nmse(got, ref))
     assert worst <= BOUND
@@ -129,6 +145,31 @@ def compare(model, precision: str, prompt: int, decode: int, seed: int = 0) -> f
 def test_fused_step_equals_per_op_path(name, precision, tmp_path_factory):
     worst = compare(engine(name, tmp_path_factory), precision, prompt=20, decode=40)
     print(f"\n[{name} kv {precision}] worst logits NMSE fused vs per-op: {worst:.3g}")
+
+
+@pytest.mark.parametrize("precision", ["f16", "f32"])
+@pytest.mark.parametrize("name", ["llama-Q4_1", "qwen2-Q4_1", "llama-F32"])
+def test_fused_prefill_chunks_equal_per_op_path(name, precision, tmp_path_factory):
+    """Prefill through el_chunk_step in three calls (7 tokens; 64 after them; 30 in chunks of 8,
+    ending in a 6-token tail) against the per-op path: every position's logits within BOUND, the
+    K/V rows bit-identical."""
+    eng, _ = engine(name, tmp_path_factory)
+    r, cfg = eng.runner, eng.config
+    assert "prefill" in r._fused_phases, r.placement
+    ids = np.random.default_rng(7).integers(3, cfg.vocab_size, 7 + 64 + 30)
+    n_blocks = -(-len(ids) // BT) + 1
+    seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, BT, precision).new_sequence()
+            for _ in range(2)]
+    worst = 0.0
+    for lo, hi, chunk in ((0, 7, None), (7, 71, None), (71, 101, 8)):   # 30 tokens in chunks of 8: a 6-token tail
+        with per_op(r):
+            ref = r.forward(seqs[0], ids[lo:hi], all_logits=True, chunk=chunk)
+        got = r.forward(seqs[1], ids[lo:hi], all_logits=True, chunk=chunk)
+        worst = max(worst, nmse(got, ref))
+    assert worst <= BOUND
+    for a, b in zip(kv_rows(seqs[0]), kv_rows(seqs[1])):
+        np.testing.assert_array_equal(b, a)
+    print(f"\n[{name} kv {precision}] worst prefill logits NMSE fused vs per-op: {worst:.3g}")
 
 
 def test_fused_step_long_context(tmp_path_factory):

@@ -250,6 +250,6 @@ def test_int8_kv_rules_out_the_fused_decode_step_and_says_so(tiny):
     fast.kv_bytes = 1.0
     p = fast.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
     assert all("fused decode step" not in x.reason for x in p.decode.placements)
-    assert any("fused decode step reads an f16 or f32 KV cache only" in w for w in p.warnings)
+    assert any("fused layer step reads an f16 or f32 KV cache only" in w for w in p.warnings)
     bal = _disp("rk3588", tiny, "balanced").plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
     assert any("fused decode step" in x.reason for x in bal.decode.placements) and not bal.warnings

@@ -1,4 +1,5 @@
-"""The neon unit's fused decode step: one token through every layer in one native call.
+"""The neon unit's fused steps: one decode token, or one prefill chunk, through every layer in
+one native call.
 
 The per-op decode path makes ~12 ctypes calls per layer; at ~10 us of Python and ctypes work
 each, that is milliseconds per token outside any kernel. DecodeStep describes the model to
@@ -12,6 +13,7 @@ the K/V rows written are the same bit for bit.
     x = step.run(x, pos, cos[pos], sin[pos], seq.pool, seq.block_table)
     seq.commit(pos + 1, [token])
     logits = lm_head(output_norm(x))
+    # a prefill chunk of T tokens: seq.reserve(T); step.run_chunk(x (T, d), pos, cos[pos:pos+T], ...)
 
 run() returns its own (1, d) buffer: valid until the next run (copy it to keep it).
 """
@@ -98,6 +100,10 @@ class DecodeStep:
         self._sin_p = self._cos_p + 4 * half
         self._fn = self._lib.el_decode_step
         self._pool = None              # the KVPool bound by _bind (arena addresses below)
+        # run_chunk's buffers: (T, d) residual stream, (cos | sin, T, rope_dim/2), scratch
+        self._chunk_x = np.empty((0, cfg.d_model), np.float32)
+        self._chunk_rope = np.empty((2, 0, half), np.float32)
+        self._chunk_scratch = np.empty(0, np.uint8)
 
     @classmethod
     def build(cls, weights: PreparedWeights, cfg: ModelConfig) -> "DecodeStep":
@@ -150,3 +156,36 @@ class DecodeStep:
                                   f"{n} table entries of {self._bt} tokens, pool of {self._nb} blocks; "
                                   f"dims {self._dims_text()}")
         return self._x
+
+    def run_chunk(self, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table) -> np.ndarray:
+        """A prefill chunk: x (T, d) float32 embeddings of positions pos..pos+T-1 (reserved,
+        their blocks exclusively owned) -> (T, d), the last layer's output (this object's
+        buffer, overwritten by the next run_chunk). cos, sin (T, rope_dim/2): the RoPE rows of
+        those positions. Same contract and errors as run."""
+        if pool is not self._pool:
+            self._bind(pool)
+        T = x.shape[0]
+        if self._chunk_x.shape[0] < T:           # grown to the largest chunk seen, then reused
+            self._chunk_x = np.empty((T, self.cfg.d_model), np.float32)
+            self._chunk_rope = np.empty((2, T, self.cfg.rope_dim // 2), np.float32)
+        need = self._lib.el_chunk_scratch(self._dims_p, T)
+        if need == 0:
+            raise DecodeStepError(f"el_chunk_scratch rejects a chunk of {T} tokens with dims {self._dims_text()}")
+        if self._chunk_scratch.nbytes < need:
+            self._chunk_scratch = np.empty(need, np.uint8)
+        xb, rope = self._chunk_x[:T], self._chunk_rope[:, :T]
+        xb[...] = x
+        rope[0], rope[1] = cos, sin
+        n = len(table)
+        if n > self._tbl.size:
+            raise DecodeStepError(f"a block table of {n} entries for a pool of {self._tbl.size} blocks")
+        self._tbl[:n] = table
+        rc = self._lib.el_chunk_step(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, xb.ctypes.data,
+                                     T, pos, rope[0].ctypes.data, rope[1].ctypes.data, self._k_p, self._v_p,
+                                     self._kv_type, self._tbl_p, n, self._bt, self._nb,
+                                     self._chunk_scratch.ctypes.data, self._chunk_scratch.nbytes)
+        if rc != 0:
+            raise DecodeStepError(f"el_chunk_step failed with {_ERRORS.get(rc, rc)}: {T} tokens at position {pos}, "
+                                  f"{n} table entries of {self._bt} tokens, pool of {self._nb} blocks; "
+                                  f"dims {self._dims_text()}")
+        return xb
