@@ -3,7 +3,7 @@ process by backends/opencl.py, so that a driver that crashes or hangs takes only
 
 It opens the device, builds the kernels (filling the binary cache the engine's process then
 reads), and runs a numeric self-check of each op family against backends/reference.py. It prints
-one JSON line: {"ok": bool, "reason": str, "device": str, "build_s": float}.
+one JSON line: {"ok": bool, "reason": str, "device": str, "build_s": float, "int8_dot": bool}.
 """
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ def main() -> int:
     try:
         rt = ClRuntime.create()
         out["device"] = rt.name
+        out["int8_dot"] = bool(rt.int8_dot)
         err = self_check(rt)
         out["build_s"] = round(rt.stats.seconds, 3)
         out["ok"] = not err
