@@ -14,6 +14,9 @@
  * partial (m, l, acc) states are merged afterwards: out = sum_s e^(m_s - M) acc_s / sum_s
  * e^(m_s - M) l_s.
  *
+ * Decode (T = 1) takes its own path (el_attn_dec_*, below the tile path): tasks are key ranges
+ * over all heads, reading whole K/V rows once; see the comment there.
+ *
  * The `_generic` twin is deliberately the plainest form: one query row at a time, one key at a
  * time, scalar exp.
  */
@@ -338,6 +341,265 @@ static void el_attn_merge(const el_attn_job *J) {
     }
 }
 
+/* ---- NEON, decode (T = 1) ------------------------------------------------------------------- */
+
+/* One query token against the cache is no GEMM: each K/V element serves only the G query heads
+ * of its group, so the cost is reading and converting every element once, plus G FMAs on it.
+ * The tile path above splits the work by kv head, so each task reads hd of every KVH * hd row
+ * and KVH tasks stride through the same rows separately, and it pays a
+ * convert-to-buffer, a transpose and per-row offset divisions per chunk. Here a task owns a key
+ * range for ALL kv heads: it reads whole rows (a pool block's rows of one layer are contiguous),
+ * converts each K/V element once, straight from the arena into registers, and uses it for every
+ * query head of its group. Scores of 4 keys x up to 4 heads are 16 independent accumulators
+ * (4-lane partial dots reduced with pairwise adds); PV keeps up to 4 heads x 16 dims of the
+ * accumulator in registers while it walks the chunk's keys. The range is done in chunks of
+ * EL_ATTN_DEC_CH keys with the online softmax between chunks, and while one chunk is computed
+ * the next one's rows are prefetched (K during the scores, V during PV): pool blocks are
+ * n_layers * block apart, so the hardware prefetcher restarts at every block. Key ranges are
+ * the tasks (several per thread, so that claiming evens out the threads); their partial states
+ * are merged like the tile path's splits. */
+#define EL_ATTN_DEC_CH 64        /* keys per chunk (a multiple of 4) */
+#define EL_ATTN_DEC_HMAX 64      /* query heads the stack scratch holds */
+#define EL_ATTN_DEC_ACC 16384    /* floats of accumulator: H * hd */
+#define EL_ATTN_DEC_SPLIT_MIN 48 /* fewest keys worth a task of their own */
+#define EL_AI inline __attribute__((always_inline))
+
+static EL_AI float32x4_t el_kv_ld4(const int F16, const char *p) {
+    return F16 ? el_f16x4_load((const uint16_t *)p) : vld1q_f32((const float *)p);
+}
+
+/* Prefetches bytes [p, p + n): the last byte as well, rows need not start on a line */
+static EL_AI void el_prefetch_span(const char *p, size_t n) {
+    for (size_t b = 0; b < n; b += 64) __builtin_prefetch(p + b);
+    __builtin_prefetch(p + n - 1);
+}
+
+/* s[r][0..3] = scale * (q[r] . key k), k < 4, for NR (1..4) query rows; kr: the 4 keys' rows
+ * (this kv head's part). Each lane sums hd / 4 products, then the lanes are added pairwise. */
+static EL_AI void el_dec_scores4(const int NR, const int F16, const float *const *q, const char *const *kr, int hd,
+                                 float scale, float *const *s) {
+    const int esz = F16 ? 2 : 4;
+    float32x4_t a[4][4];
+    for (int r = 0; r < NR; r++)
+        for (int k = 0; k < 4; k++) a[r][k] = vdupq_n_f32(0.0f);
+    /* key by key, the NR q vectors held: 4 NR accumulators + NR + 1 registers, which for NR = 3
+     * still fits x86's 16 (holding the 4 converted keys instead spilled an accumulator) */
+    for (int d = 0; d < hd; d += 4) {
+        float32x4_t qd[4];
+        for (int r = 0; r < NR; r++) qd[r] = vld1q_f32(q[r] + d);
+        for (int k = 0; k < 4; k++) {
+            const float32x4_t kv = el_kv_ld4(F16, kr[k] + (size_t)d * esz);
+            for (int r = 0; r < NR; r++) a[r][k] = vfmaq_f32(a[r][k], kv, qd[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        float32x4_t t = vpaddq_f32(vpaddq_f32(a[r][0], a[r][1]), vpaddq_f32(a[r][2], a[r][3]));
+        vst1q_f32(s[r], vmulq_n_f32(t, scale));
+    }
+}
+
+/* acc[r] = acc[r] * alpha[r] + sum_i p[r][i] v_i for NR (1..4) rows over keys i < c; vr: the
+ * keys' rows (this kv head's part). While walking the keys for the first dims it prefetches
+ * pf[i] (i < npf), the next chunk's rows. Each output lane sums its keys in order. */
+static EL_AI void el_dec_pv(const int NR, const int F16, float *const *acc, const float *alpha,
+                            const float *const *p, const char *const *vr, int c, int hd, const char *const *pf,
+                            int npf) {
+    const int esz = F16 ? 2 : 4;
+    const size_t pf_bytes = (size_t)hd * esz;
+    int d = 0;
+    for (; d + 16 <= hd; d += 16) {
+        float32x4_t a[4][4];
+        for (int r = 0; r < NR; r++)
+            for (int v = 0; v < 4; v++) a[r][v] = vmulq_n_f32(vld1q_f32(acc[r] + d + 4 * v), alpha[r]);
+        const int n_pf = d == 0 ? npf : 0;
+        for (int i = 0; i < c; i++) {
+            if (i < n_pf) el_prefetch_span(pf[i], pf_bytes);
+            const char *row = vr[i] + (size_t)d * esz;
+            for (int v = 0; v < 4; v++) {
+                const float32x4_t vv = el_kv_ld4(F16, row + (size_t)4 * v * esz);
+                for (int r = 0; r < NR; r++) a[r][v] = vfmaq_n_f32(a[r][v], vv, p[r][i]);
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int v = 0; v < 4; v++) vst1q_f32(acc[r] + d + 4 * v, a[r][v]);
+    }
+    for (; d < hd; d += 4) {     /* hd % 16 tail, 4 dims at a time */
+        float32x4_t a[4];
+        for (int r = 0; r < NR; r++) a[r] = vmulq_n_f32(vld1q_f32(acc[r] + d), alpha[r]);
+        for (int i = 0; i < c; i++) {
+            const float32x4_t vv = el_kv_ld4(F16, vr[i] + (size_t)d * esz);
+            for (int r = 0; r < NR; r++) a[r] = vfmaq_n_f32(a[r], vv, p[r][i]);
+        }
+        for (int r = 0; r < NR; r++) vst1q_f32(acc[r] + d, a[r]);
+    }
+}
+
+/* Element offsets of rows j0..j0+c-1 (kv head 0): one division per pool block, not per row */
+static void el_row_offsets(const el_kv_src *s, int j0, int c, size_t *off) {
+    for (int i = 0; i < c;) {
+        const int j = j0 + i;
+        if (!s->table) {
+            off[i] = (size_t)j * s->row_stride;
+            i++;
+            continue;
+        }
+        const int r = j % s->bt, run = EL_MIN(s->bt - r, c - i);
+        const size_t base = (size_t)s->table[j / s->bt] * s->block_stride + s->layer_off + (size_t)r * s->row_stride;
+        for (int k = 0; k < run; k++) off[i + k] = base + (size_t)k * s->row_stride;
+        i += run;
+    }
+}
+
+/* Query rows h0..h0+NR-1 of kv head kh over one chunk: scores for every 4 keys */
+static EL_AI void el_dec_chunk_scores(const int NR, const int F16, const el_attn_job *J, int kh, int h0,
+                                      const size_t *off, int c, const size_t *off_next, int c_next,
+                                      float (*sc)[EL_ATTN_DEC_CH]) {
+    const int esz = F16 ? 2 : 4, hd = J->hd;
+    const char *kb = (const char *)J->kv.k + (size_t)kh * J->kv.head_stride * esz;
+    const float *q[4];
+    float *s[4];
+    for (int r = 0; r < NR; r++) q[r] = J->q + (size_t)(h0 + r) * hd;
+    for (int i0 = 0; i0 < c; i0 += 4) {
+        const char *kr[4];
+        /* past the chunk's end repeat its last key: those scores are never read */
+        for (int k = 0; k < 4; k++) kr[k] = kb + off[EL_MIN(i0 + k, c - 1)] * esz;
+        if (off_next)
+            for (int k = i0; k < EL_MIN(i0 + 4, c_next); k++) el_prefetch_span(kb + off_next[k] * esz, (size_t)hd * esz);
+        for (int r = 0; r < NR; r++) s[r] = sc[h0 + r] + i0;
+        el_dec_scores4(NR, F16, q, kr, hd, J->scale, s);
+    }
+}
+
+static EL_AI void el_dec_chunk_pv(const int NR, const int F16, const el_attn_job *J, int h0, float *acc,
+                                  const float *alpha, const char *const *vr, int c, const char *const *pf, int npf,
+                                  float (*sc)[EL_ATTN_DEC_CH]) {
+    float *ar[4];
+    const float *p[4];
+    for (int r = 0; r < NR; r++) {
+        ar[r] = acc + (size_t)(h0 + r) * J->hd;
+        p[r] = sc[h0 + r];
+    }
+    el_dec_pv(NR, F16, ar, alpha + h0, p, vr, c, J->hd, pf, npf);
+}
+
+/* Keys [j_lo, j_hi) for every query head: split `split` of the job */
+static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_lo, int j_hi, int split) {
+    const int hd = J->hd, H = J->H, G = J->G, esz = F16 ? 2 : 4;
+    float acc[EL_ATTN_DEC_ACC];
+    float sc[EL_ATTN_DEC_HMAX][EL_ATTN_DEC_CH];
+    float m[EL_ATTN_DEC_HMAX], l[EL_ATTN_DEC_HMAX], alpha[EL_ATTN_DEC_HMAX];
+    size_t off[2][EL_ATTN_DEC_CH];
+    const char *vr[EL_ATTN_DEC_CH], *pf[EL_ATTN_DEC_CH];
+
+    for (int h = 0; h < H; h++) {
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, (size_t)H * hd * sizeof(float));
+    int cur = 0;
+    el_row_offsets(&J->kv, j_lo, EL_MIN(EL_ATTN_DEC_CH, j_hi - j_lo), off[cur]);
+    for (int j0 = j_lo; j0 < j_hi; j0 += EL_ATTN_DEC_CH, cur ^= 1) {
+        const int c = EL_MIN(EL_ATTN_DEC_CH, j_hi - j0);
+        const int c_next = EL_MAX(0, EL_MIN(EL_ATTN_DEC_CH, j_hi - j0 - c));
+        const size_t *on = c_next > 0 ? off[cur ^ 1] : NULL;
+        if (c_next > 0) el_row_offsets(&J->kv, j0 + c, c_next, off[cur ^ 1]);
+
+        /* scores, the next chunk's K prefetched with the first head block of each kv head */
+        for (int kh = 0; kh < J->KVH; kh++)
+            for (int g = 0; g < G;) {
+                const int nr = EL_MIN(4, G - g), h0 = kh * G + g;
+                const size_t *pn = g == 0 ? on : NULL;
+                switch (nr) {
+                case 4: el_dec_chunk_scores(4, F16, J, kh, h0, off[cur], c, pn, c_next, sc); break;
+                case 3: el_dec_chunk_scores(3, F16, J, kh, h0, off[cur], c, pn, c_next, sc); break;
+                case 2: el_dec_chunk_scores(2, F16, J, kh, h0, off[cur], c, pn, c_next, sc); break;
+                default: el_dec_chunk_scores(1, F16, J, kh, h0, off[cur], c, pn, c_next, sc); break;
+                }
+                g += nr;
+            }
+
+        /* online softmax: every key of the range is visible to the one query token */
+        for (int h = 0; h < H; h++) {
+            float *s = sc[h];
+            float32x4_t vmax = vdupq_n_f32(-INFINITY);
+            int j = 0;
+            for (; j + 4 <= c; j += 4) vmax = vmaxq_f32(vmax, vld1q_f32(s + j));
+            float mc = vmaxvq_f32(vmax);
+            for (; j < c; j++) mc = s[j] > mc ? s[j] : mc;
+            const float mnew = mc > m[h] ? mc : m[h];
+            alpha[h] = m[h] == -INFINITY ? 0.0f : expf(m[h] - mnew);
+            l[h] = l[h] * alpha[h] + el_exp_sub_sum(s, c, mnew);
+            m[h] = mnew;
+        }
+
+        /* PV, the next chunk's V prefetched with the first head block of each kv head */
+        for (int kh = 0; kh < J->KVH; kh++) {
+            const char *vb = (const char *)J->kv.v + (size_t)kh * J->kv.head_stride * esz;
+            for (int i = 0; i < c; i++) vr[i] = vb + off[cur][i] * esz;
+            for (int i = 0; i < c_next; i++) pf[i] = vb + on[i] * esz;
+            for (int g = 0; g < G;) {
+                const int nr = EL_MIN(4, G - g), h0 = kh * G + g, npf = g == 0 ? c_next : 0;
+                switch (nr) {
+                case 4: el_dec_chunk_pv(4, F16, J, h0, acc, alpha, vr, c, pf, npf, sc); break;
+                case 3: el_dec_chunk_pv(3, F16, J, h0, acc, alpha, vr, c, pf, npf, sc); break;
+                case 2: el_dec_chunk_pv(2, F16, J, h0, acc, alpha, vr, c, pf, npf, sc); break;
+                default: el_dec_chunk_pv(1, F16, J, h0, acc, alpha, vr, c, pf, npf, sc); break;
+                }
+                g += nr;
+            }
+        }
+    }
+    for (int h = 0; h < H; h++) {
+        const float *a = acc + (size_t)h * hd;
+        if (J->n_split == 1) {
+            /* l > 0: the range holds at least key 0 */
+            float *o = J->out + (size_t)h * hd;
+            const float32x4_t inv = vdupq_n_f32(1.0f / l[h]);
+            for (int i = 0; i < hd; i += 4) vst1q_f32(o + i, vmulq_f32(vld1q_f32(a + i), inv));
+        } else {
+            float *p = J->part + ((size_t)h * J->n_split + split) * (size_t)(hd + 2);
+            p[0] = m[h];
+            p[1] = l[h];
+            memcpy(p + 2, a, (size_t)hd * sizeof(float));
+        }
+    }
+}
+
+static void el_attn_dec_task(void *ctx, int task, int n_tasks) {
+    const el_attn_job *J = ctx;
+    (void)n_tasks;
+    const int n = J->start + 1, j_lo = task * J->split_len, j_hi = EL_MIN(n, j_lo + J->split_len);
+    if (J->kv.f16) el_attn_dec_range(1, J, j_lo, j_hi, task);
+    else el_attn_dec_range(0, J, j_lo, j_hi, task);
+}
+
+static int el_attn_dec_fits(const el_attn_job *J) {
+    return J->T == 1 && J->hd % 4 == 0 && J->H <= EL_ATTN_DEC_HMAX && (size_t)J->H * J->hd <= EL_ATTN_DEC_ACC;
+}
+
+/* Decode: tasks are key ranges over all heads, whole pool blocks each where possible */
+static void el_attn_dec_run(el_pool *pool, el_attn_job *J) {
+    const int n = J->start + 1, threads = el_pool_threads(pool);
+    int S = threads > 1 ? EL_MAX(1, EL_MIN(4 * threads, n / EL_ATTN_DEC_SPLIT_MIN)) : 1;
+    int len = (n + S - 1) / S;
+    if (J->kv.table) len = (len + J->kv.bt - 1) / J->kv.bt * J->kv.bt;
+    S = (n + len - 1) / len;
+    if (S > 1) {
+        J->part = malloc((size_t)J->H * S * (size_t)(J->hd + 2) * sizeof(float));
+        if (!J->part) {  /* just slower */
+            S = 1;
+            len = n;
+        }
+    }
+    J->n_split = S;
+    J->split_len = len;
+    el_parallel_for(pool, S, el_attn_dec_task, J);
+    if (S > 1) {
+        el_attn_merge(J);
+        free(J->part);
+    }
+}
+
 /* ---- generic twin ---------------------------------------------------------------------------- */
 
 static inline float el_kv_at(const el_kv_src *s, const void *base, size_t off) {
@@ -393,6 +655,10 @@ static int el_attn_run(el_pool *pool, el_attn_job *J) {
     J->part = NULL;
     if (el_generic_flag) {
         el_parallel_for(pool, J->T * J->H, el_attn_task_generic, J);
+        return EL_OK;
+    }
+    if (el_attn_dec_fits(J)) {
+        el_attn_dec_run(pool, J);
         return EL_OK;
     }
     /* tile shape: as many heads of the group as fit, then token rows, evened out */
