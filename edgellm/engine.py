@@ -16,7 +16,8 @@ from .model.loader import ModelFile
 
 
 class CancelToken:
-    """Cancellation handle: checked between layers in prefill and between tokens in decode."""
+    """Cancellation handle: checked between prefill chunks (and between layers where a chunk
+    runs op by op; a fused native chunk finishes first) and between tokens in decode."""
 
     def __init__(self):
         self._event = threading.Event()

@@ -359,3 +359,41 @@ def test_python_side_refuses_what_it_cannot_run(rig, tmp_path_factory):
     assert np.array_equal(pool.k.view(np.uint16), before.view(np.uint16))
     out = step.run(x, 0, c, s, pool, seq.block_table)
     assert out.shape == (1, cfg.d_model) and np.isfinite(out).all()
+
+
+def test_chunk_step_bad_token_counts_and_tables_write_nothing(rig):
+    """el_chunk_step's own arguments: the token count, and a table that must cover the chunk's
+    last position (not only its first); a refused call leaves x and the pool untouched."""
+    step, pool, seq, good = rig
+    lib = neon._lib()
+    cfg = step.cfg
+    T = BT + 3                                          # the chunk crosses into a second block
+    assert lib.el_chunk_scratch(step._dims_p, 0) == 0
+    assert lib.el_chunk_scratch(step._dims_p, -1) == 0
+    assert lib.el_chunk_scratch(step._dims_p, 1) == lib.el_decode_scratch(step._dims_p)
+    need = lib.el_chunk_scratch(step._dims_p, T)
+    assert need > lib.el_decode_scratch(step._dims_p)
+    scratch = np.empty(need, np.uint8)
+    x = np.ones((T, cfg.d_model), np.float32)
+    rope = np.zeros((2, T, cfg.rope_dim // 2), np.float32)
+    rope[0] = 1.0
+    seq.reserve(T)                                      # two blocks now
+    table = np.asarray(seq.block_table, np.int32)
+    assert len(table) == 2
+    x0, k0 = x.copy(), pool.k.copy()
+
+    def call(T_=T, n_table=2, scratch_n=need, tbl=table):
+        return lib.el_chunk_step(None, good["layers"], good["n_layers"], good["dims"], x.ctypes.data, T_, 0,
+                                 rope[0].ctypes.data, rope[1].ctypes.data, good["k"], good["v"], good["kv_type"],
+                                 tbl.ctypes.data, n_table, BT, pool.n_blocks, scratch.ctypes.data, scratch_n)
+    assert call(T_=0) == EINVAL
+    assert call(T_=-3) == EINVAL
+    assert call(n_table=1) == EINVAL                    # the chunk's last position lies in block 2
+    assert call(scratch_n=need - 1) == EINVAL           # scratch for fewer tokens
+    bad = table.copy()
+    bad[1] = pool.n_blocks                              # the second block outside the arena
+    assert call(tbl=bad) == EINVAL
+    assert np.array_equal(x, x0)
+    assert np.array_equal(pool.k.view(np.uint16), k0.view(np.uint16))
+    assert call() == 0                                  # the rig is sound: the valid call runs
+    assert pool.k.view(np.uint16)[table[1], :, T - BT - 1].any()
