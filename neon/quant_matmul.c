@@ -637,13 +637,19 @@ static inline void el_store_tile8(const __m256 *acc, int nx, int nr, float *y, s
 }
 
 /* One panel of ng * 8 rows (nr real) against all nx_all x rows: 8 x 4 tiles for a single group,
- * 16 x 2 for two. */
+ * 16 x 2 for two. pf, pf_bytes: the next panel's weights, prefetched a share before each tile. */
 static inline __attribute__((always_inline)) void el_g_panel_avx2(const int wt, const int ng, const uint8_t *buf,
                                                                   int nr, const el_xq *xq, int x0, int nx_all,
-                                                                  float *y, size_t ldy, const float *bias) {
+                                                                  float *y, size_t ldy, const float *bias,
+                                                                  const uint8_t *pf, size_t pf_bytes) {
     const int nb = xq->nb, cmax = ng == 1 ? 4 : 2;
+    const int tiles = (nx_all + cmax - 1) / cmax;
+    const size_t pf_step = (pf_bytes / 64 + (size_t)tiles) / (size_t)tiles * 64;   /* bytes per tile */
     for (int c0 = 0; c0 < nx_all; c0 += cmax) {
         const int nx = EL_MIN(cmax, nx_all - c0);
+        for (size_t o = 0; o < pf_step && o < pf_bytes; o += 64) __builtin_prefetch(pf + o);
+        if (pf_bytes > pf_step) pf += pf_step, pf_bytes -= pf_step;
+        else pf_bytes = 0;
         const size_t xr = (size_t)(x0 + c0);
         const int8_t *q = xq->q + xr * nb * QK;
         const float *d = xq->d + xr * nb, *s = xq->s + xr * nb;
@@ -673,9 +679,16 @@ static __attribute__((noinline)) int el_g_gemm_avx2(const int wt, const uint8_t 
         buf = owned = (uint8_t *)malloc((size_t)nb * 2 * EL_G_BLOCK);
         if (!owned) return 0;   /* the caller runs the 4-row tiles instead */
     }
+    /* The repack's loads were the tile's stall at small M: a panel's weights (16 rows, 5.6 KiB at
+     * K = 576) come from L3 or DRAM, and its 8 row streams kept few misses in flight (~20% of the
+     * GEMM's cycles at M = 32, ~2% at M = 256). The first panel is prefetched all at once; each
+     * next one a share per tile while the tiles of the current one run. */
+    for (size_t o = 0; o < (size_t)EL_MIN(rows, 2 * EL_G_ROWS) * rb; o += 64) __builtin_prefetch(w + o);
     for (int r0 = 0; r0 < rows;) {
         /* 16-row panels; a last 1..8 rows take one group (9..15 pad the second group) */
         const int ng = rows - r0 > EL_G_ROWS ? 2 : 1, nr = EL_MIN(ng * EL_G_ROWS, rows - r0);
+        const uint8_t *pf = w + (size_t)(r0 + nr) * rb;
+        const size_t pf_bytes = (size_t)EL_MIN(rows - r0 - nr, 2 * EL_G_ROWS) * rb;
         for (int g = 0; g < ng; g++) {
             const uint8_t *wr[EL_G_ROWS];
             for (int r = 0; r < EL_G_ROWS; r++)
@@ -684,8 +697,8 @@ static __attribute__((noinline)) int el_g_gemm_avx2(const int wt, const uint8_t 
         }
         float *yr = y + r0;
         const float *br = bias ? bias + r0 : NULL;
-        if (ng == 1) el_g_panel_avx2(wt, 1, buf, nr, xq, x0, nx_all, yr, ldy, br);
-        else el_g_panel_avx2(wt, 2, buf, nr, xq, x0, nx_all, yr, ldy, br);
+        if (ng == 1) el_g_panel_avx2(wt, 1, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);
+        else el_g_panel_avx2(wt, 2, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);
         r0 += nr;
     }
     free(owned);
@@ -1010,9 +1023,16 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
         c.cx = (int)EL_MAX(4, EL_MIN(128, (x_bytes / x_row_bytes) & ~(size_t)3));
         if (c.cx >= M) c.cx = M;
         c.rw = 64;
+        int min_tasks = 4 * threads;
+#if EL_SIMDE && defined(__AVX2__)
+        /* the x86 GEMM tile repacks per 16-row panel, not per task, and rereads x per panel, so
+         * smaller W chunks cost it only more first panels, whose prefetch no tile hides; 4 per
+         * thread left 9 tasks for 2 threads at N = 576 (one thread ran 5) and 15 at N = 960 */
+        if (quantized) min_tasks = 8 * threads;
+#endif
         /* small N or M: shrink the W chunk so every thread still gets work */
         const int xchunks = (M + c.cx - 1) / c.cx;
-        while (c.rw > 16 && (long long)xchunks * ((c.N + c.rw - 1) / c.rw) < 4LL * threads) c.rw /= 2;
+        while (c.rw > 16 && (long long)xchunks * ((c.N + c.rw - 1) / c.rw) < min_tasks) c.rw /= 2;
     }
     for (int s = 0; s < n_seg; s++) c.n_wchunks += (seg_rows[s] + c.rw - 1) / c.rw;
     const long long n_tasks = (long long)c.n_wchunks * ((M + c.cx - 1) / c.cx);
