@@ -99,6 +99,19 @@ def weight_formats(model) -> dict[str, str]:
     return fmt
 
 
+# FLOPs booked per element of an elementwise op's output width
+ELEMENTWISE_FLOPS = {"rmsnorm": 4.0,   # square, sum, scale, weight
+                     "rope": 3.0,      # a rotation per pair: 4 mul + 2 add per 2 elements
+                     "add": 1.0,
+                     "swiglu": 5.0}    # silu(g) * u: exp, add, divide, multiply
+
+
+def elementwise_flops(kind: str, T: int, width: int) -> float:
+    """FLOPs the cost model books for an elementwise op over T rows of `width` (also the unit of
+    the rates `edgellm profile` measures)."""
+    return ELEMENTWISE_FLOPS[kind] * T * width
+
+
 def op_cost(op: OpSpec, cfg: ModelConfig, tokens: int, context: int, weight_format: str = "f32",
             kv_bytes_per_elem: float = 2.0, prefill: bool = True) -> OpCost:
     """Cost of `op` for a step of `tokens` new tokens after `context` cached ones.
@@ -125,19 +138,6 @@ def op_cost(op: OpSpec, cfg: ModelConfig, tokens: int, context: int, weight_form
     if op.kind == "attention":
         return _attention_cost(cfg, T, context, kv_bytes_per_elem)
     raise ValueError(f"no cost formula for op kind {op.kind!r}")
-
-
-# FLOPs booked per element of an elementwise op's output width
-ELEMENTWISE_FLOPS = {"rmsnorm": 4.0,   # square, sum, scale, weight
-                     "rope": 3.0,      # a rotation per pair: 4 mul + 2 add per 2 elements
-                     "add": 1.0,
-                     "swiglu": 5.0}    # silu(g) * u: exp, add, divide, multiply
-
-
-def elementwise_flops(kind: str, T: int, width: int) -> float:
-    """FLOPs the cost model books for an elementwise op over T rows of `width` (also the unit of
-    the rates `edgellm profile` measures)."""
-    return ELEMENTWISE_FLOPS[kind] * T * width
 
 
 def attention_flops(T: int, context: int, n_heads: int, head_dim: int) -> float:
