@@ -343,9 +343,8 @@ class Dispatcher:
         fused = self._fused_step(lops, phase, tokens, context) if not self.override else None
         fused_note = ""
         if fused is not None and fused[0] < layer_ms:
-            what = "decode step" if phase == "decode" else "prefill chunk"
-            fused_note = (f"fused {what} on {fused[3]}: every layer in one native call per "
-                          f"{'token' if phase == 'decode' else 'chunk'}, "
+            what, per = ("decode step", "token") if phase == "decode" else ("prefill chunk", "chunk")
+            fused_note = (f"fused {what} on {fused[3]}: every layer in one native call per {per}, "
                           f"{fused[0]:.4f} ms per layer vs {layer_ms:.4f} ms op by op")
             layer_ms, lpath, lopts, home = fused
         e_ms, e_path, e_opts = self._chain([emb], phase, tokens, context, e_home := self._cpu_home(), home)

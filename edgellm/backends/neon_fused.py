@@ -139,31 +139,37 @@ class DecodeStep:
         (a list or int array); the block of pos must be exclusively owned (seq.reserve did
         that). Writes the token's K/V into every layer of the pool; raises DecodeStepError,
         writing nothing, when the library refuses the arguments."""
-        if pool is not self._pool:
-            self._bind(pool)
+        n = self._take(pool, table)
         self._x[...] = x
         self._rope[0] = cos_row
         self._rope[1] = sin_row
+        rc = self._fn(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._x_p, pos, self._cos_p,
+                      self._sin_p, self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
+                      self._scratch_p, self._scratch_n)
+        self._check(rc, "el_decode_step", f"position {pos}", n)
+        return self._x
+
+    def _take(self, pool, table) -> int:
+        """Binds `pool` (when it changed) and copies the block table in; returns its length."""
+        if pool is not self._pool:
+            self._bind(pool)
         n = len(table)
         if n > self._tbl.size:
             raise DecodeStepError(f"a block table of {n} entries for a pool of {self._tbl.size} blocks")
         self._tbl[:n] = table
-        rc = self._fn(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._x_p, pos, self._cos_p,
-                      self._sin_p, self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
-                      self._scratch_p, self._scratch_n)
+        return n
+
+    def _check(self, rc: int, fn: str, where: str, n_table: int) -> None:
         if rc != 0:
-            raise DecodeStepError(f"el_decode_step failed with {_ERRORS.get(rc, rc)}: position {pos}, "
-                                  f"{n} table entries of {self._bt} tokens, pool of {self._nb} blocks; "
-                                  f"dims {self._dims_text()}")
-        return self._x
+            raise DecodeStepError(f"{fn} failed with {_ERRORS.get(rc, rc)}: {where}, {n_table} table entries of "
+                                  f"{self._bt} tokens, pool of {self._nb} blocks; dims {self._dims_text()}")
 
     def run_chunk(self, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table) -> np.ndarray:
         """A prefill chunk: x (T, d) float32 embeddings of positions pos..pos+T-1 (reserved,
         their blocks exclusively owned) -> (T, d), the last layer's output (this object's
         buffer, overwritten by the next run_chunk). cos, sin (T, rope_dim/2): the RoPE rows of
         those positions. Same contract and errors as run."""
-        if pool is not self._pool:
-            self._bind(pool)
+        n = self._take(pool, table)
         T = x.shape[0]
         if self._chunk_x.shape[0] < T:           # grown to the largest chunk seen, then reused
             self._chunk_x = np.empty((T, self.cfg.d_model), np.float32)
@@ -176,16 +182,9 @@ class DecodeStep:
         xb, rope = self._chunk_x[:T], self._chunk_rope[:, :T]
         xb[...] = x
         rope[0], rope[1] = cos, sin
-        n = len(table)
-        if n > self._tbl.size:
-            raise DecodeStepError(f"a block table of {n} entries for a pool of {self._tbl.size} blocks")
-        self._tbl[:n] = table
         rc = self._lib.el_chunk_step(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, xb.ctypes.data,
                                      T, pos, rope[0].ctypes.data, rope[1].ctypes.data, self._k_p, self._v_p,
                                      self._kv_type, self._tbl_p, n, self._bt, self._nb,
                                      self._chunk_scratch.ctypes.data, self._chunk_scratch.nbytes)
-        if rc != 0:
-            raise DecodeStepError(f"el_chunk_step failed with {_ERRORS.get(rc, rc)}: {T} tokens at position {pos}, "
-                                  f"{n} table entries of {self._bt} tokens, pool of {self._nb} blocks; "
-                                  f"dims {self._dims_text()}")
+        self._check(rc, "el_chunk_step", f"{T} tokens at position {pos}", n)
         return xb

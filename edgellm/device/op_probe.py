@@ -27,7 +27,7 @@ AttentionCall = Callable[[np.ndarray, object, int, int], np.ndarray]
 
 
 def measure_attention(run: AttentionCall, sizes: ProbeSizes, call_overhead_s: float, progress=None,
-            label: str = "attention") -> tuple[AttentionFigure, ...]:
+                      label: str = "attention") -> tuple[AttentionFigure, ...]:
     """The unit's call overhead is taken out of each time, as the cost model adds it back per op
     (the same rule as the GEMM curve)."""
     from ..kv.pool import KVPool

@@ -339,8 +339,12 @@ def measure_gemm_curve(sizes: ProbeSizes, call_overhead_s: float,
 
 def probe_reference(quick: bool, threads: int, progress: Progress | None = None, *,
                     sizes: ProbeSizes | None = None) -> UnitMeasurement:
-    """The reference (numpy) unit: its GEMM curve by rows, fp32 peak (the curve's best) and
-    call overhead. `sizes` defaults to QUICK / FULL resolved against this machine's caches."""
+    """The reference (numpy) unit: its GEMM curve by rows, fp32 peak (the curve's best), call
+    overhead, and its attention and elementwise rates. `sizes` defaults to QUICK / FULL resolved
+    against this machine's caches."""
+    from ..backends import reference
+    from . import op_probe
+
     if sizes is None or sizes.weight_bytes is None:
         sizes = resolve_sizes(sizes or (QUICK if quick else FULL), estimate_host_profile().clusters)
     if progress:
@@ -350,14 +354,7 @@ def probe_reference(quick: bool, threads: int, progress: Progress | None = None,
     return UnitMeasurement(precision_flops={"fp32": max(g.flops for g in curve)}, gemm=curve,
                            call_overhead_s=overhead, threads=threads,
                            attention=_reference_attention(sizes, overhead, progress),
-                           elementwise=_reference_elementwise(sizes, overhead, progress))
-
-
-def _reference_elementwise(sizes: ProbeSizes, call_overhead_s: float, progress: Progress | None):
-    from ..backends import reference
-    from . import op_probe
-
-    return op_probe.measure_elementwise(reference, sizes, call_overhead_s, progress)
+                           elementwise=op_probe.measure_elementwise(reference, sizes, overhead, progress))
 
 
 def _reference_attention(sizes: ProbeSizes, call_overhead_s: float, progress: Progress | None):
