@@ -204,6 +204,25 @@ el_pv_block(const int NR, float *const *acc, const float *alpha, const float *co
         }
 }
 
+/* A query row's (row = t * H + h) online-softmax state at the end of its keys: without a split
+ * its output acc / l (l > 0: every row sees at least key 0), else its partial state (m, l, acc)
+ * for el_attn_merge. */
+static void el_attn_row_out(const el_attn_job *J, size_t row, const float *acc, float m, float l, int split) {
+    const int hd = J->hd;
+    if (J->n_split == 1) {
+        float *o = J->out + row * hd;
+        const float32x4_t inv = vdupq_n_f32(1.0f / l);
+        int i = 0;
+        for (; i + 4 <= hd; i += 4) vst1q_f32(o + i, vmulq_f32(vld1q_f32(acc + i), inv));
+        for (; i < hd; i++) o[i] = acc[i] / l;
+    } else {
+        float *p = J->part + (row * J->n_split + split) * (size_t)(hd + 2);
+        p[0] = m;
+        p[1] = l;
+        memcpy(p + 2, acc, (size_t)hd * sizeof(float));
+    }
+}
+
 /* One tile: kv head kh, query heads h0..h1-1 (all of group kh), token rows t0..t1-1, keys
  * [j_lo, j_hi) (a split; each row is also capped by causality). */
 static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, int t1, int j_lo, int j_hi, int split) {
@@ -284,23 +303,8 @@ static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, i
             el_pv_block(1, arow, alpha + qi, prow, vrow, nvis[qi], hd);
         }
     }
-    for (int qi = 0; qi < nq; qi++) {
-        int t = t0 + qi / gh, h = h0 + qi % gh;
-        const float *a = acc + (size_t)qi * hd;
-        if (J->n_split == 1) {
-            /* l > 0: without a split every row sees at least key 0 */
-            float *o = J->out + ((size_t)t * J->H + h) * hd;
-            float32x4_t inv = vdupq_n_f32(1.0f / l[qi]);
-            int i = 0;
-            for (; i + 4 <= hd; i += 4) vst1q_f32(o + i, vmulq_f32(vld1q_f32(a + i), inv));
-            for (; i < hd; i++) o[i] = a[i] / l[qi];
-        } else {
-            float *p = J->part + (((size_t)t * J->H + h) * J->n_split + split) * (size_t)(hd + 2);
-            p[0] = m[qi];
-            p[1] = l[qi];
-            memcpy(p + 2, a, (size_t)hd * sizeof(float));
-        }
-    }
+    for (int qi = 0; qi < nq; qi++)
+        el_attn_row_out(J, (size_t)(t0 + qi / gh) * J->H + h0 + qi % gh, acc + (size_t)qi * hd, m[qi], l[qi], split);
 }
 
 static void el_attn_task(void *ctx, int task, int n_tasks) {
@@ -464,7 +468,8 @@ static EL_AI void el_dec_chunk_scores(const int NR, const int F16, const el_attn
         /* past the chunk's end repeat its last key: those scores are never read */
         for (int k = 0; k < 4; k++) kr[k] = kb + off[EL_MIN(i0 + k, c - 1)] * esz;
         if (off_next)
-            for (int k = i0; k < EL_MIN(i0 + 4, c_next); k++) el_prefetch_span(kb + off_next[k] * esz, (size_t)hd * esz);
+            for (int k = i0; k < EL_MIN(i0 + 4, c_next); k++)
+                el_prefetch_span(kb + off_next[k] * esz, (size_t)hd * esz);
         for (int r = 0; r < NR; r++) s[r] = sc[h0 + r] + i0;
         el_dec_scores4(NR, F16, q, kr, hd, J->scale, s);
     }
@@ -549,20 +554,7 @@ static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_l
             }
         }
     }
-    for (int h = 0; h < H; h++) {
-        const float *a = acc + (size_t)h * hd;
-        if (J->n_split == 1) {
-            /* l > 0: the range holds at least key 0 */
-            float *o = J->out + (size_t)h * hd;
-            const float32x4_t inv = vdupq_n_f32(1.0f / l[h]);
-            for (int i = 0; i < hd; i += 4) vst1q_f32(o + i, vmulq_f32(vld1q_f32(a + i), inv));
-        } else {
-            float *p = J->part + ((size_t)h * J->n_split + split) * (size_t)(hd + 2);
-            p[0] = m[h];
-            p[1] = l[h];
-            memcpy(p + 2, a, (size_t)hd * sizeof(float));
-        }
-    }
+    for (int h = 0; h < H; h++) el_attn_row_out(J, (size_t)h, acc + (size_t)h * hd, m[h], l[h], split);
 }
 
 static void el_attn_dec_task(void *ctx, int task, int n_tasks) {
