@@ -45,7 +45,69 @@ static inline float32x4_t el_vexpq_f32(float32x4_t x) {
     return vbslq_f32(over, vdupq_n_f32(INFINITY), y);
 }
 
+#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
+/* x86 AVX2 (development builds): el_vexpq_f32 on 8 lanes, operation for operation as SIMDe
+ * compiles the 4-lane one (its vfmsq_f32 is a rounded product subtracted, not a fused one; its
+ * vmaxq/vminq keep a NaN operand, as MAXPS/MINPS with x second do; vcvtnq rounds with MXCSR's
+ * default nearest-even), so every lane is bit-identical. Through SIMDe the softmax core took
+ * 15-20% of a prefill attention tile: half-width vectors plus SIMDe's NaN blends and MXCSR reads.
+ * GCC would contract the product-then-subtract into an FMA (intrinsics are plain vector
+ * arithmetic to it): 1 ulp away from the 4-lane path on some inputs, so contraction is off here. */
+#define EL_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+static inline EL_NO_CONTRACT __m256 el_vexp8_f32(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3365478515625f), hi = _mm256_set1_ps(88.37f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
+    const __m256 xc = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
+    const __m256i n = _mm256_cvtps_epi32(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)));
+    const __m256 nf = _mm256_cvtepi32_ps(n);
+    __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(nf, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(nf, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    y = _mm256_andnot_ps(under, y);
+    return _mm256_blendv_ps(y, _mm256_set1_ps(INFINITY), over);
+}
+
+/* The same sums as the 4-lane loop below: lanes 0-3 of the 8-lane accumulator are its s0,
+ * lanes 4-7 its s1; the 4-key block and the tail go to s0 only, in the same order. */
+static EL_NO_CONTRACT float el_exp_sub_sum_avx2(float *x, int n, float m) {
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 s = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 a = el_vexp8_f32(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
+        _mm256_storeu_ps(x + i, a);
+        s = _mm256_add_ps(s, a);
+    }
+    __m128 s0 = _mm256_castps256_ps128(s);
+    const __m128 s1 = _mm256_extractf128_ps(s, 1);
+    if (i < n) {
+        /* the rest (< 8) through the same polynomial, padding lanes -inf (exp gives 0) */
+        float buf[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        const int rest = n - i;
+        memcpy(buf, x + i, (size_t)rest * sizeof(float));
+        const __m256 a = el_vexp8_f32(_mm256_sub_ps(_mm256_loadu_ps(buf), vm));
+        _mm256_storeu_ps(buf, a);
+        memcpy(x + i, buf, (size_t)rest * sizeof(float));
+        s0 = _mm_add_ps(s0, _mm256_castps256_ps128(a));
+        if (rest > 4) s0 = _mm_add_ps(s0, _mm256_extractf128_ps(a, 1));
+    }
+    return vaddvq_f32(simde_float32x4_from_m128(_mm_add_ps(s0, s1)));
+}
+#endif
+
 float el_exp_sub_sum(float *x, int n, float m) {
+#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
+    return el_exp_sub_sum_avx2(x, n, m);
+#endif
     float32x4_t vm = vdupq_n_f32(m), s0 = vdupq_n_f32(0.0f), s1 = s0;
     int i = 0;
     for (; i + 8 <= n; i += 8) {
@@ -247,7 +309,39 @@ static inline float32x4_t el_silu_mul(float32x4_t g, float32x4_t u) {
     return vmulq_f32(vdivq_f32(g, den), u);
 }
 
+#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
+/* x86 AVX2: el_silu_mul on 8 lanes with el_vexp8_f32, the same operations lane for lane
+ * (negate, exp, 1 +, divide, multiply): bit-identical, ~5% of a cold prefill through SIMDe */
+static EL_NO_CONTRACT void el_swiglu_avx2(const float *g, const float *u, float *y, int n) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i < n; i += 8) {
+        float gb[8] = {0}, ub[8] = {0}, yb[8];
+        const int k = EL_MIN(8, n - i);
+        const float *gp = g + i, *up = u + i;
+        if (k < 8) {   /* the tail through the same lanes, zero-padded */
+            memcpy(gb, gp, (size_t)k * sizeof(float));
+            memcpy(ub, up, (size_t)k * sizeof(float));
+            gp = gb, up = ub;
+        }
+        const __m256 gv = _mm256_loadu_ps(gp);
+        const __m256 den = _mm256_add_ps(one, el_vexp8_f32(_mm256_xor_ps(gv, sign)));
+        const __m256 r = _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(up));
+        if (k < 8) {
+            _mm256_storeu_ps(yb, r);
+            memcpy(y + i, yb, (size_t)k * sizeof(float));
+        } else {
+            _mm256_storeu_ps(y + i, r);
+        }
+    }
+}
+#endif
+
 static void el_swiglu_neon(const float *g, const float *u, float *y, int n) {
+#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
+    el_swiglu_avx2(g, u, y, n);
+    return;
+#endif
     int i = 0;
     for (; i + 8 <= n; i += 8) {
         vst1q_f32(y + i, el_silu_mul(vld1q_f32(g + i), vld1q_f32(u + i)));
