@@ -205,6 +205,74 @@ static int el_mm(el_pool *pool, const el_matrix *w, const float *x, float *y, in
     return el_matmul(pool, w->wtype, w->seg_ptr, w->seg_rows, w->n_seg, x, y, M, K, bias, mm);
 }
 
+/* Per-token work between the projections: RoPE on the token's q and k heads, its K/V rows into
+ * the arena, its q into the contiguous q buffer; and the residual adds. Each token (row) is
+ * independent, so with enough of them the rows are split over the pool: serial, they left the
+ * other thread spinning (~3% of a 32-token chunk). Same kernels per row: the same results. */
+#define EL_ROWS_PER_TASK 8      /* tokens per task once split */
+#define EL_ROWS_PAR_MIN 16      /* fewest tokens worth a trip through the pool */
+
+typedef struct {
+    const el_model_dims *m;
+    const el_chunk_bufs *b;
+    float *x;                   /* residual adds: x += b->o */
+    int T, pos, layer, n_layers, kv_type, block_tokens;
+    const float *cos, *sin;
+    void *k_pool, *v_pool;
+    const int32_t *block_table;
+} el_rows_ctx;
+
+static void el_rope_store_rows(const el_rows_ctx *c, int t0, int t1) {
+    const el_model_dims *m = c->m;
+    const int q_dim = m->H * m->hd, kv_dim = m->KVH * m->hd, w = q_dim + 2 * kv_dim, half = m->rope_dim / 2;
+    const size_t layer_sz = (size_t)c->block_tokens * kv_dim;
+    for (int t = t0; t < t1; t++) {
+        float *row = c->b->qkv + (size_t)t * w;
+        /* q and k heads are adjacent in a row: one pass rotates both (per head, as two calls
+         * would); the arguments were validated with the dims, so it cannot fail */
+        el_rope(row, row, 1, m->H + m->KVH, m->hd, m->rope_dim, c->cos + (size_t)t * half, c->sin + (size_t)t * half,
+                m->neox);
+        const int p = c->pos + t;
+        const size_t off = (size_t)c->block_table[p / c->block_tokens] * c->n_layers * layer_sz +
+                           (size_t)c->layer * layer_sz + (size_t)(p % c->block_tokens) * kv_dim;
+        const float *kr = row + q_dim, *vr = row + q_dim + kv_dim;
+        if (c->kv_type == EL_F16) {
+            el_f32_to_f16(kr, (uint16_t *)c->k_pool + off, (size_t)kv_dim);
+            el_f32_to_f16(vr, (uint16_t *)c->v_pool + off, (size_t)kv_dim);
+        } else {
+            memcpy((float *)c->k_pool + off, kr, (size_t)kv_dim * sizeof(float));
+            memcpy((float *)c->v_pool + off, vr, (size_t)kv_dim * sizeof(float));
+        }
+        if (c->T > 1) memcpy(c->b->q + (size_t)t * q_dim, row, (size_t)q_dim * sizeof(float));
+    }
+}
+
+static void el_add_rows(const el_rows_ctx *c, int t0, int t1) {
+    const size_t d = (size_t)c->m->d;
+    el_add(c->x + t0 * d, c->b->o + t0 * d, c->x + t0 * d, (size_t)(t1 - t0) * d);
+}
+
+typedef struct {
+    const el_rows_ctx *c;
+    void (*fn)(const el_rows_ctx *, int, int);
+} el_tok_job;
+
+static void el_tok_task(void *ctx, int task, int n_tasks) {
+    const el_tok_job *j = ctx;
+    (void)n_tasks;
+    const int t0 = task * EL_ROWS_PER_TASK;
+    j->fn(j->c, t0, EL_MIN(j->c->T, t0 + EL_ROWS_PER_TASK));
+}
+
+static void el_for_tokens(el_pool *pool, const el_rows_ctx *c, void (*fn)(const el_rows_ctx *, int, int)) {
+    if (c->T < EL_ROWS_PAR_MIN || !pool || el_pool_threads(pool) <= 1) {
+        fn(c, 0, c->T);
+        return;
+    }
+    el_tok_job j = {c, fn};
+    el_parallel_for(pool, (c->T + EL_ROWS_PER_TASK - 1) / EL_ROWS_PER_TASK, el_tok_task, &j);
+}
+
 int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x, int T,
                   int pos, const float *cos, const float *sin, void *k_pool, void *v_pool, int kv_type,
                   const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
@@ -228,43 +296,27 @@ int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_
     if ((rc = el_layers_check(layers, n_layers, &m)) != EL_OK) return rc;
 
     const el_chunk_bufs b = el_chunk_layout(&m, T, scratch);
-    const int q_dim = m.H * m.hd, kv_dim = m.KVH * m.hd, w = q_dim + 2 * kv_dim, half = m.rope_dim / 2;
-    /* element offset of (block, layer 0, row) in the arena; + l * layer_sz for layer l */
-    const size_t layer_sz = (size_t)block_tokens * kv_dim;
+    const int q_dim = m.H * m.hd;
+    el_rows_ctx rc_rows = {.m = &m, .b = &b, .x = x, .T = T, .pos = pos, .n_layers = n_layers, .kv_type = kv_type,
+                           .block_tokens = block_tokens, .cos = cos, .sin = sin, .k_pool = k_pool, .v_pool = v_pool,
+                           .block_table = block_table};
 
     for (int l = 0; l < n_layers; l++) {
         const el_layer *L = &layers[l];
+        rc_rows.layer = l;
         if ((rc = el_rmsnorm(pool, x, L->attn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
         if ((rc = el_mm(pool, &L->qkv, b.h, b.qkv, T, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
-        for (int t = 0; t < T; t++) {
-            float *row = b.qkv + (size_t)t * w;
-            /* q and k heads are adjacent in a row: one pass rotates both (per head, as two calls would) */
-            if ((rc = el_rope(row, row, 1, m.H + m.KVH, m.hd, m.rope_dim, cos + (size_t)t * half,
-                              sin + (size_t)t * half, m.neox)) != EL_OK)
-                return rc;
-            const int p = pos + t;
-            const size_t off = (size_t)block_table[p / block_tokens] * n_layers * layer_sz + (size_t)l * layer_sz +
-                               (size_t)(p % block_tokens) * kv_dim;
-            const float *kr = row + q_dim, *vr = row + q_dim + kv_dim;
-            if (kv_type == EL_F16) {
-                el_f32_to_f16(kr, (uint16_t *)k_pool + off, (size_t)kv_dim);
-                el_f32_to_f16(vr, (uint16_t *)v_pool + off, (size_t)kv_dim);
-            } else {
-                memcpy((float *)k_pool + off, kr, (size_t)kv_dim * sizeof(float));
-                memcpy((float *)v_pool + off, vr, (size_t)kv_dim * sizeof(float));
-            }
-            if (T > 1) memcpy(b.q + (size_t)t * q_dim, row, (size_t)q_dim * sizeof(float));
-        }
+        el_for_tokens(pool, &rc_rows, el_rope_store_rows);
         if ((rc = el_attention_pool(pool, b.q, b.att, T, m.H, m.KVH, m.hd, pos, k_pool, v_pool, kv_type,
                                     block_table, block_tokens, n_layers, l)) != EL_OK)
             return rc;
         if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, T, q_dim, NULL, b.mm)) != EL_OK) return rc;
-        el_add(x, b.o, x, (size_t)T * m.d);
+        el_for_tokens(pool, &rc_rows, el_add_rows);
         if ((rc = el_rmsnorm(pool, x, L->ffn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
         if ((rc = el_mm(pool, &L->gate_up, b.h, b.gu, T, m.d, NULL, b.mm)) != EL_OK) return rc;
         if ((rc = el_swiglu(pool, b.gu, b.act, T, m.ff)) != EL_OK) return rc;
         if ((rc = el_mm(pool, &L->down, b.act, b.o, T, m.ff, NULL, b.mm)) != EL_OK) return rc;
-        el_add(x, b.o, x, (size_t)T * m.d);
+        el_for_tokens(pool, &rc_rows, el_add_rows);
     }
     return EL_OK;
 }

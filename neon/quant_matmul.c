@@ -990,8 +990,10 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
         c.xq = el_xq_layout(scratch, M, K / QK);
         el_quant_ctx qc = {x, c.xq, M, 0, c.generic};
         /* quantizing a row costs about as much as one output column of the GEMM: split it only
-         * when there are enough rows to pay for waking the pool */
-        const int qtasks = M >= 64 ? EL_MIN(M / 16, 4 * threads) : 1;
+         * when there are enough rows to pay for the trip through the pool (~1-2 us while the
+         * workers still spin: a prefill chunk's GEMMs follow one another; serial, a 32-row
+         * chunk left the other thread spinning through 4 quantizations per layer) */
+        const int qtasks = M >= 16 ? EL_MIN(M / 8, 4 * threads) : 1;
         qc.rows_per_task = (M + qtasks - 1) / qtasks;
         el_parallel_for(qtasks > 1 ? pool : NULL, (M + qc.rows_per_task - 1) / qc.rows_per_task, el_quant_task, &qc);
     }

@@ -44,7 +44,7 @@
  * of a decode step (a few us to tens of us), short enough that a pool left idle between
  * requests stops burning its cores almost at once. */
 #define EL_SPIN_NS 100000L
-/* Worker stack: the attention tiles keep ~100 KB of scratch on the stack; bionic's default
+/* Worker stack: the attention tiles keep ~250 KB of scratch on the stack; bionic's default
  * thread stack is 1 MB, glibc's follows ulimit -s. Pages are only committed when touched. */
 #define EL_WORKER_STACK (2u << 20)
 #define EL_LINE 128 /* covers the 64-byte lines of Cortex-A and the 128-byte ones of Apple cores */
