@@ -566,6 +566,88 @@ static EL_AI void el_dec_pv(const int NR, const int F16, float *const *acc, cons
     }
 }
 
+#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
+/* x86 AVX2 (development builds): the two decode blocks above on 8 lanes, bit-identical to them.
+ * Scores: each 128-bit half of a register runs the 4-lane loop for one key (keys 2i and 2i + 1
+ * side by side, q repeated in both halves), and the lanes are added in the same pairs. PV: a
+ * lane is one output dim, its keys summed in order, as before. */
+static EL_AI __m256 el_kv_ld4x2(const int F16, const char *a, const char *b) {
+    if (F16)
+        return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
+    return _mm256_set_m128(_mm_loadu_ps((const float *)b), _mm_loadu_ps((const float *)a));
+}
+
+static EL_AI __m256 el_kv_ld8(const int F16, const char *p) {
+    return F16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)) : _mm256_loadu_ps((const float *)p);
+}
+
+static EL_AI void el_dec_scores4_avx2(const int NR, const int F16, const float *const *q, const char *const *kr,
+                                      int hd, float scale, float *const *s) {
+    const int esz = F16 ? 2 : 4;
+    __m256 a[4][2];   /* a[r][0]: keys 0 | 1, a[r][1]: keys 2 | 3 */
+    for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 4) {
+        __m256 qd[4];
+        for (int r = 0; r < NR; r++) qd[r] = _mm256_broadcast_ps((const __m128 *)(q[r] + d));
+        for (int kp = 0; kp < 2; kp++) {
+            const __m256 kv = el_kv_ld4x2(F16, kr[2 * kp] + (size_t)d * esz, kr[2 * kp + 1] + (size_t)d * esz);
+            for (int r = 0; r < NR; r++) a[r][kp] = _mm256_fmadd_ps(kv, qd[r], a[r][kp]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        /* per half: (l0 + l1), (l2 + l3) of each key, then their sum: low half keys 0, 2 and
+         * high half keys 1, 3, interleaved back into key order */
+        const __m256 h = _mm256_hadd_ps(a[r][0], a[r][1]);
+        const __m256 t = _mm256_hadd_ps(h, h);
+        const __m128 k = _mm_unpacklo_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        _mm_storeu_ps(s[r], _mm_mul_ps(k, _mm_set1_ps(scale)));
+    }
+}
+
+static EL_AI void el_dec_pv_avx2(const int NR, const int F16, float *const *acc, const float *alpha,
+                                 const float *const *p, const char *const *vr, int c, int hd, const char *const *pf,
+                                 int npf) {
+    const int esz = F16 ? 2 : 4;
+    const size_t pf_bytes = (size_t)hd * esz;
+    int d = 0;
+    for (; d + 16 <= hd; d += 16) {
+        __m256 a[4][2];
+        for (int r = 0; r < NR; r++) {
+            const __m256 al = _mm256_set1_ps(alpha[r]);
+            a[r][0] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d), al);
+            a[r][1] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + d + 8), al);
+        }
+        const int n_pf = d == 0 ? npf : 0;
+        for (int i = 0; i < c; i++) {
+            if (i < n_pf) el_prefetch_span(pf[i], pf_bytes);
+            const char *row = vr[i] + (size_t)d * esz;
+            const __m256 v0 = el_kv_ld8(F16, row), v1 = el_kv_ld8(F16, row + (size_t)8 * esz);
+            for (int r = 0; r < NR; r++) {
+                const __m256 pi = _mm256_set1_ps(p[r][i]);
+                a[r][0] = _mm256_fmadd_ps(v0, pi, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(v1, pi, a[r][1]);
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            _mm256_storeu_ps(acc[r] + d, a[r][0]);
+            _mm256_storeu_ps(acc[r] + d + 8, a[r][1]);
+        }
+    }
+    if (d < hd) {   /* hd % 16: the 4-lane block on the remaining dims */
+        const char *tail[EL_ATTN_DEC_CH];
+        float *at[4];
+        for (int i = 0; i < c; i++) tail[i] = vr[i] + (size_t)d * esz;
+        for (int r = 0; r < NR; r++) at[r] = acc[r] + d;
+        el_dec_pv(NR, F16, at, alpha, p, tail, c, hd - d, NULL, 0);
+    }
+}
+#define el_dec_scores4_x el_dec_scores4_avx2
+#define el_dec_pv_x el_dec_pv_avx2
+#else
+#define el_dec_scores4_x el_dec_scores4
+#define el_dec_pv_x el_dec_pv
+#endif
+
 /* Query rows h0..h0+NR-1 of kv head kh over one chunk: scores for every 4 keys */
 static EL_AI void el_dec_chunk_scores(const int NR, const int F16, const el_attn_job *J, int kh, int h0,
                                       const size_t *off, int c, const size_t *off_next, int c_next,
@@ -583,7 +665,7 @@ static EL_AI void el_dec_chunk_scores(const int NR, const int F16, const el_attn
             for (int k = i0; k < EL_MIN(i0 + 4, c_next); k++)
                 el_prefetch_span(kb + off_next[k] * esz, (size_t)hd * esz);
         for (int r = 0; r < NR; r++) s[r] = sc[h0 + r] + i0;
-        el_dec_scores4(NR, F16, q, kr, hd, J->scale, s);
+        el_dec_scores4_x(NR, F16, q, kr, hd, J->scale, s);
     }
 }
 
@@ -596,7 +678,7 @@ static EL_AI void el_dec_chunk_pv(const int NR, const int F16, const el_attn_job
         ar[r] = acc + (size_t)(h0 + r) * J->hd;
         p[r] = sc[h0 + r];
     }
-    el_dec_pv(NR, F16, ar, alpha + h0, p, vr, c, J->hd, pf, npf);
+    el_dec_pv_x(NR, F16, ar, alpha + h0, p, vr, c, J->hd, pf, npf);
 }
 
 /* Keys [j_lo, j_hi) for every query head: split `split` of the job */
