@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 
 from .api import Engine, GenerationConfig
+from .bench_floor import decode_weight_bytes, floor_fields
 
 # Plain prose, repeated to reach the requested length; varied enough that the tokenizer sees
 # ordinary English rather than one repeated token.
@@ -43,12 +44,17 @@ def prompt_of_length(engine: Engine, n_tokens: int) -> tuple[str, int]:
 
 
 def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
-        on_run: Callable[[int, int, dict], None] | None = None) -> list[dict]:
+        on_run: Callable[[int, int, dict], None] | None = None,
+        bandwidth: Callable[[], float | None] | None = None) -> list[dict]:
+    """bandwidth: a read-bandwidth probe (GB/s, or None when it fails), run before and after
+    each length's measured runs; the records then carry the decode memory floor
+    (bench_floor.floor_fields)."""
     gen = GenerationConfig(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
     records = []
     for n in prompt_tokens:
         text, actual = prompt_of_length(engine, n)
         engine.generate(text, config=gen)  # warm-up: page in weights, BLAS thread start
+        bw = [bandwidth()] if bandwidth else []
         ttft, prefill_tps, decode_tps, rss = [], [], [], []
         for r in range(runs):
             engine.clear_cache()  # the same prompt again would come from the prefix cache
@@ -60,6 +66,8 @@ def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
             rss.append(s.peak_rss_mb)
             if on_run:
                 on_run(n, r, {"ttft_ms": s.ttft_ms, "decode_tps": s.decode_tps})
+        if bandwidth:
+            bw.append(bandwidth())
         records.append({
             "prompt_tokens": actual,
             "ttft_ms_p50": round(statistics.median(ttft), 2),
@@ -72,6 +80,8 @@ def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
             "runs": runs,
             "threads": engine.threads,
         })
+        if bandwidth:
+            records[-1].update(floor_fields(decode_weight_bytes(engine.model), statistics.median(decode_tps), bw))
     return records
 
 

@@ -294,8 +294,11 @@ def bench(
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
+    floor: bool = typer.Option(True, "--floor/--no-floor", help="Report decode time against the memory floor: "
+                               "weight bytes per token / read bandwidth, probed (as `edgellm profile --quick` "
+                               "does) before and after each length's runs; ~3 s per probe"),
 ):
-    """Measure TTFT (median, p95), prefill and decode tok/s, peak RSS."""
+    """Measure TTFT (median, p95), prefill and decode tok/s, peak RSS, decode vs its memory floor."""
     from . import bench as b
     from .errors import ConfigError
 
@@ -320,13 +323,24 @@ def bench(
                                               f"{m['ttft_ms']:.0f} ms, cached {m['ttft_ms_cached']:.0f} ms "
                                               f"({m['cached']} tokens cached)", err=True))
     else:
+        from .bench_floor import read_bandwidth_gbs
         recs = b.run(eng, lengths, gen_tokens, runs,
                      on_run=lambda n, r, m: typer.echo(f"  {n} tok run {r + 1}/{runs}: TTFT {m['ttft_ms']:.0f} ms, "
-                                                       f"decode {m['decode_tps']:.1f} tok/s", err=True))
+                                                       f"decode {m['decode_tps']:.1f} tok/s", err=True),
+                     bandwidth=read_bandwidth_gbs if floor else None)
     typer.echo(f"{'prompt':>7} {'TTFT p50':>9} {'p95':>8} {'prefill':>9} {'decode':>8} {'peak RSS':>9}")
     for r in recs:
         typer.echo(f"{r['prompt_tokens']:>7} {r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p95']:>6.0f}ms "
                    f"{r['prefill_tps']:>5.0f}t/s {r['decode_tps']:>5.1f}t/s {r['peak_rss_mb']:>6.0f} MB")
+    for r in recs:
+        if r.get("decode_vs_floor") is not None:
+            bws = " and ".join(f"{x:.1f}" if x else "-" for x in r["read_bandwidth_gbs"])
+            typer.echo(f"decode at {r['prompt_tokens']}: {r['decode_ms_per_token']:.2f} ms/token = "
+                       f"{r['decode_vs_floor']:.2f}x the memory floor of {r['decode_floor_ms']:.2f} ms "
+                       f"({r['decode_weight_mb']:.1f} MB of weights per token at the faster of {bws} GB/s, measured "
+                       f"before and after the runs)")
+        elif "decode_weight_mb" in r:
+            typer.echo(f"decode at {r['prompt_tokens']}: no memory floor (the bandwidth probe failed)")
     if shared_prefix:
         for r in recs:
             typer.echo(f"shared prefix: {r['cached_prefix_tokens']} of {r['prompt_tokens']} tokens cached: TTFT "

@@ -1,0 +1,71 @@
+"""The decode memory floor for `edgellm bench`: weight bytes one decode step reads, divided by
+the read bandwidth `edgellm profile` measures, taken in the same run as the decode figures.
+
+A decode token streams every layer's weights and the output projection once, so no kernel can
+beat bytes / bandwidth; how far above it a token's time sits is what the kernels leave on the
+table. The bandwidth probe is the profile's own (an sgemv over a matrix far larger than the
+caches), run in a child process: its 256+ MiB buffer would otherwise become this process's peak
+RSS, which the bench also reports.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+from .model.loader import ModelFile
+
+log = logging.getLogger("edgellm.bench")
+
+# the child sizes its matrix as `edgellm profile --quick` does (from the caches), unless told
+_PROBE = ("import sys; from dataclasses import replace; "
+          "from edgellm.device.probes import QUICK, estimate_host_profile, measure_read_bandwidth, resolve_sizes; "
+          "n = int(sys.argv[1]); "
+          "s = replace(QUICK, bandwidth_bytes=n) if n else resolve_sizes(QUICK, estimate_host_profile().clusters); "
+          "print(measure_read_bandwidth(s))")
+
+
+def decode_weight_bytes(model: ModelFile) -> int:
+    """Bytes of weights one decode token reads: every tensor except the token embedding, of
+    which a step reads one row; with no separate output.weight the head is tied to the
+    embedding and reads all of it."""
+    tensors = model.gguf.tensors
+    tied = "output.weight" not in tensors
+    return sum(t.nbytes for name, t in tensors.items() if name != "token_embd.weight" or tied)
+
+
+def read_bandwidth_gbs(nbytes: int = 0, timeout_s: float = 120.0) -> float | None:
+    """GB/s from the profile's read-bandwidth probe (QUICK sizes; nbytes > 0 sets its matrix
+    size) in a child process; None, with a warning naming why, when the probe fails."""
+    try:
+        out = subprocess.run([sys.executable, "-c", _PROBE, str(int(nbytes))], capture_output=True, text=True,
+                             timeout=timeout_s, check=True)
+        gbs = float(out.stdout.strip().splitlines()[-1]) / 1e9
+    except subprocess.CalledProcessError as e:
+        tail = (e.stderr or "").strip().splitlines()
+        log.warning("bandwidth probe failed (exit %d): %s", e.returncode, tail[-1] if tail else "no output")
+        return None
+    except (subprocess.TimeoutExpired, OSError, ValueError, IndexError) as e:
+        log.warning("bandwidth probe failed: %s", e)
+        return None
+    if not gbs > 0:
+        log.warning("bandwidth probe returned %r GB/s", gbs)
+        return None
+    return gbs
+
+
+def floor_fields(weight_bytes: int, decode_tps: float, bandwidths: list[float | None]) -> dict:
+    """The record's floor fields. The floor takes the fastest bandwidth measured around the runs
+    (the strictest floor); none measured, or no decode rate: the fields say so with None."""
+    measured = [b for b in bandwidths if b]
+    rec = {"decode_weight_mb": round(weight_bytes / 1e6, 2),
+           "read_bandwidth_gbs": [round(b, 2) if b else None for b in bandwidths],
+           "decode_floor_ms": None, "decode_ms_per_token": None, "decode_vs_floor": None}
+    if decode_tps > 0:
+        rec["decode_ms_per_token"] = round(1e3 / decode_tps, 3)
+    if measured:
+        floor_ms = weight_bytes / (max(measured) * 1e9) * 1e3
+        rec["decode_floor_ms"] = round(floor_ms, 6)
+        if decode_tps > 0:
+            rec["decode_vs_floor"] = round(1e3 / decode_tps / floor_ms, 3)
+    return rec
