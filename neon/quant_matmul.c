@@ -20,6 +20,7 @@
  * on an 8-row, 2-block tile (el_qgemv8_q4_avx2).
  */
 #include <limits.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -919,6 +920,53 @@ static void el_mm_task(void *vctx, int task, int n_tasks) {
     }
 }
 
+#if EL_SIMDE && defined(__AVX2__)
+/* x86 AVX2 GEMV: each thread streams a contiguous range of W chunks and, when its range is
+ * done, takes chunks from the others' ranges. Plain claiming in index order (el_parallel_for
+ * over the chunks) interleaves the threads, so each thread's reads jump between rows and every
+ * chunk starts a new DRAM stream; with few chunks (4 for a 576-row matrix on 2 threads), one
+ * thread starting late left the other 3 of the 4. Here a range is one stream, cut in ~8 small
+ * chunks per thread so that the end evens out to within one of them. */
+#define EL_GEMV_RANGES 16
+typedef struct {
+    _Alignas(128) atomic_int next;   /* next chunk of this range to claim */
+    int end;
+} el_gemv_range;
+
+typedef struct {
+    const el_mm_ctx *c;
+    int n_ranges;
+    el_gemv_range r[EL_GEMV_RANGES];
+} el_gemv_job;
+
+static void el_gemv_range_task(void *vctx, int task, int n_tasks) {
+    el_gemv_job *j = (el_gemv_job *)vctx;
+    (void)n_tasks;
+    for (int k = 0; k < j->n_ranges; k++) {     /* own range first, then the others' */
+        el_gemv_range *r = &j->r[(task + k) % j->n_ranges];
+        for (int i; (i = atomic_fetch_add_explicit(&r->next, 1, memory_order_relaxed)) < r->end;)
+            el_mm_task((void *)j->c, i, j->c->n_wchunks);
+    }
+}
+
+/* 1: ran the GEMV as ranges; 0: the caller runs its chunks with el_parallel_for */
+static int el_gemv_ranges(el_pool *pool, el_mm_ctx *c, int threads) {
+    if (threads < 2 || threads > EL_GEMV_RANGES || c->M != 1) return 0;
+    c->rw = EL_MAX(16, EL_MIN(256, (c->N / (8 * threads)) & ~7));
+    c->n_wchunks = 0;
+    for (int s = 0; s < c->n_seg; s++) c->n_wchunks += (c->seg_rows[s] + c->rw - 1) / c->rw;
+    el_gemv_job j;
+    j.c = c;
+    j.n_ranges = EL_MIN(threads, c->n_wchunks);
+    for (int t = 0; t < j.n_ranges; t++) {
+        atomic_init(&j.r[t].next, (int)((long long)c->n_wchunks * t / j.n_ranges));
+        j.r[t].end = (int)((long long)c->n_wchunks * (t + 1) / j.n_ranges);
+    }
+    el_parallel_for(pool, j.n_ranges, el_gemv_range_task, &j);
+    return 1;
+}
+#endif
+
 typedef struct {
     const float *x;
     el_xq xq;
@@ -1036,6 +1084,12 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
         const int xchunks = (M + c.cx - 1) / c.cx;
         while (c.rw > 16 && (long long)xchunks * ((c.N + c.rw - 1) / c.rw) < min_tasks) c.rw /= 2;
     }
+#if EL_SIMDE && defined(__AVX2__)
+    if (!c.generic && el_gemv_ranges(pool, &c, threads)) {
+        free(owned);
+        return EL_OK;
+    }
+#endif
     for (int s = 0; s < n_seg; s++) c.n_wchunks += (seg_rows[s] + c.rw - 1) / c.rw;
     const long long n_tasks = (long long)c.n_wchunks * ((M + c.cx - 1) / c.cx);
     if (n_tasks > INT_MAX) {

@@ -240,7 +240,9 @@ def test_thread_pool_matches_serial(lib, qtype):
     assert pool
     try:
         rng = np.random.default_rng(11)
-        for M, K, rows in ((1, 576, (960,)), (17, 576, (130, 33, 67)), (64, 1536, (37,))):
+        # GEMVs: one segment, and three uneven ones whose range boundaries fall inside segments
+        for M, K, rows in ((1, 576, (960,)), (1, 576, (130, 33, 67)), (1, 64, (1000, 9)), (17, 576, (130, 33, 67)),
+                           (64, 1536, (37,))):
             segs = [weights(qtype, n, K, seed=i + 5) for i, n in enumerate(rows)]
             x = rng.standard_normal((M, K)).astype(np.float32)
             bias = rng.standard_normal(sum(rows)).astype(np.float32)
@@ -427,7 +429,9 @@ def test_f32act_thread_pool_matches_serial(lib, qtype):
     assert pool
     try:
         rng = np.random.default_rng(13)
-        for M, K, rows in ((1, 576, (960,)), (17, 576, (130, 33, 67)), (64, 1536, (37,))):
+        # GEMVs: one segment, and three uneven ones whose range boundaries fall inside segments
+        for M, K, rows in ((1, 576, (960,)), (1, 576, (130, 33, 67)), (1, 64, (1000, 9)), (17, 576, (130, 33, 67)),
+                           (64, 1536, (37,))):
             segs = [weights(qtype, n, K, seed=i + 5) for i, n in enumerate(rows)]
             x = rng.standard_normal((M, K)).astype(np.float32)
             bias = rng.standard_normal(sum(rows)).astype(np.float32)
