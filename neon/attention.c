@@ -697,6 +697,20 @@ static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_l
     memset(acc, 0, (size_t)H * hd * sizeof(float));
     int cur = 0;
     el_row_offsets(&J->kv, j_lo, EL_MIN(EL_ATTN_DEC_CH, j_hi - j_lo), off[cur]);
+    /* The range's first chunk: nothing ran ahead of it (later chunks are prefetched during the
+     * one before), and ranges are short (a few chunks, several per thread). One burst of
+     * prefetches for its K and V rows puts all their misses in flight at once, where the score
+     * loop's loads would miss 4 keys at a time: perf put most of this kernel's time on those
+     * loads at 512+ keys. */
+    {
+        const size_t row = (size_t)hd * esz;
+        for (int i = 0; i < EL_MIN(EL_ATTN_DEC_CH, j_hi - j_lo); i++)
+            for (int kh = 0; kh < J->KVH; kh++) {
+                const size_t o = (off[cur][i] + (size_t)kh * J->kv.head_stride) * esz;
+                el_prefetch_span((const char *)J->kv.k + o, row);
+                el_prefetch_span((const char *)J->kv.v + o, row);
+            }
+    }
     for (int j0 = j_lo; j0 < j_hi; j0 += EL_ATTN_DEC_CH, cur ^= 1) {
         const int c = EL_MIN(EL_ATTN_DEC_CH, j_hi - j0);
         const int c_next = EL_MAX(0, EL_MIN(EL_ATTN_DEC_CH, j_hi - j0 - c));
