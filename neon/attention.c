@@ -68,6 +68,18 @@ typedef struct {
     float *part;           /* n_split > 1: (T, H, n_split, hd + 2) partial states: m, l, acc */
 } el_attn_job;
 
+/* F(n, args...) with the row count nr (1..4) as the compile-time constant n: the block kernels
+ * take it as a constant so that each count gets its own unrolled copy */
+#define EL_BY_ROWS(nr, F, ...)                  \
+    do {                                        \
+        switch (nr) {                           \
+        case 4: F(4, __VA_ARGS__); break;       \
+        case 3: F(3, __VA_ARGS__); break;       \
+        case 2: F(2, __VA_ARGS__); break;       \
+        default: F(1, __VA_ARGS__); break;      \
+        }                                       \
+    } while (0)
+
 /* ---- NEON ------------------------------------------------------------------------------------ */
 
 /* A tile's chunk works like two small GEMMs whose operands are laid out for broadcast-FMA
@@ -292,16 +304,10 @@ el_pv_block_avx2(const int NR, float *const *acc, const float *alpha, const floa
 #define EL_ATTN_NR 2
 #endif
 
-/* Scores and PV for query rows qi..qi+nr-1 (nr <= EL_ATTN_NR) of a tile: the block kernels
- * take their row count as a constant, so each count gets its own unrolled copy */
+/* Scores and PV for query rows qi..qi+nr-1 (nr <= EL_ATTN_NR) of a tile */
 static void el_scores_rows(int nr, const float *const *q, const float *kt, int ld, int nk, int hd, float *const *s) {
 #if EL_ATTN_NR == 4
-    switch (nr) {
-    case 4: el_scores_block_avx2(4, q, kt, ld, nk, hd, s); break;
-    case 3: el_scores_block_avx2(3, q, kt, ld, nk, hd, s); break;
-    case 2: el_scores_block_avx2(2, q, kt, ld, nk, hd, s); break;
-    default: el_scores_block_avx2(1, q, kt, ld, nk, hd, s); break;
-    }
+    EL_BY_ROWS(nr, el_scores_block_avx2, q, kt, ld, nk, hd, s);
 #else
     if (nr == 2) el_scores_block(2, q, kt, ld, nk, hd, s);
     else el_scores_block(1, q, kt, ld, nk, hd, s);
@@ -311,12 +317,7 @@ static void el_scores_rows(int nr, const float *const *q, const float *kt, int l
 static void el_pv_rows(int nr, float *const *acc, const float *alpha, const float *const *p, const float *const *rows,
                        int nk, int hd) {
 #if EL_ATTN_NR == 4
-    switch (nr) {
-    case 4: el_pv_block_avx2(4, acc, alpha, p, rows, nk, hd); break;
-    case 3: el_pv_block_avx2(3, acc, alpha, p, rows, nk, hd); break;
-    case 2: el_pv_block_avx2(2, acc, alpha, p, rows, nk, hd); break;
-    default: el_pv_block_avx2(1, acc, alpha, p, rows, nk, hd); break;
-    }
+    EL_BY_ROWS(nr, el_pv_block_avx2, acc, alpha, p, rows, nk, hd);
 #else
     if (nr == 2) el_pv_block(2, acc, alpha, p, rows, nk, hd);
     else el_pv_block(1, acc, alpha, p, rows, nk, hd);
@@ -722,12 +723,7 @@ static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_l
             for (int g = 0; g < G;) {
                 const int nr = EL_MIN(4, G - g), h0 = kh * G + g;
                 const size_t *pn = g == 0 ? on : NULL;
-                switch (nr) {
-                case 4: el_dec_chunk_scores(4, F16, J, kh, h0, off[cur], c, pn, c_next, sc); break;
-                case 3: el_dec_chunk_scores(3, F16, J, kh, h0, off[cur], c, pn, c_next, sc); break;
-                case 2: el_dec_chunk_scores(2, F16, J, kh, h0, off[cur], c, pn, c_next, sc); break;
-                default: el_dec_chunk_scores(1, F16, J, kh, h0, off[cur], c, pn, c_next, sc); break;
-                }
+                EL_BY_ROWS(nr, el_dec_chunk_scores, F16, J, kh, h0, off[cur], c, pn, c_next, sc);
                 g += nr;
             }
 
@@ -752,12 +748,7 @@ static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_l
             for (int i = 0; i < c_next; i++) pf[i] = vb + on[i] * esz;
             for (int g = 0; g < G;) {
                 const int nr = EL_MIN(4, G - g), h0 = kh * G + g, npf = g == 0 ? c_next : 0;
-                switch (nr) {
-                case 4: el_dec_chunk_pv(4, F16, J, h0, acc, alpha, vr, c, pf, npf, sc); break;
-                case 3: el_dec_chunk_pv(3, F16, J, h0, acc, alpha, vr, c, pf, npf, sc); break;
-                case 2: el_dec_chunk_pv(2, F16, J, h0, acc, alpha, vr, c, pf, npf, sc); break;
-                default: el_dec_chunk_pv(1, F16, J, h0, acc, alpha, vr, c, pf, npf, sc); break;
-                }
+                EL_BY_ROWS(nr, el_dec_chunk_pv, F16, J, h0, acc, alpha, vr, c, pf, npf, sc);
                 g += nr;
             }
         }

@@ -38,10 +38,16 @@ def test_outputs_equal_direct_generation(engine):
 
 @pytest.mark.parametrize("policy", ["interleave", "fifo"])
 def test_short_request_overtakes_long_prefill_only_when_interleaving(engine, policy):
-    text = long_prompt(engine, 600)
+    text = long_prompt(engine, 900)
+    engine.clear_cache()  # the whole long prompt is computed, whichever test ran before
     with Scheduler(engine, chunk=32, policy=policy) as s:
         long = s.submit(text, **GREEDY)
-        time.sleep(0.01)
+        # the short request arrives while the long prefill is under way: once its first chunk is
+        # in the cache (a fixed sleep raced the prefill, which got faster than the sleep)
+        deadline = time.perf_counter() + 30
+        while long.gen is None or long.gen.seq.n_tokens == 0:
+            assert time.perf_counter() < deadline and not long.done, "the long prefill never started"
+            time.sleep(0)
         short = s.submit("hi there", **GREEDY)
         long.result(timeout=60), short.result(timeout=60)
     first_short = short.submitted + short.stats.ttft_ms / 1e3
