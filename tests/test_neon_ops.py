@@ -416,7 +416,9 @@ def test_pool_create_destroy_100(lib):
     deadline = time.monotonic() + 5      # the churn thread itself may take a moment to exit
     while _thread_count() > before and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _thread_count() == before
+    # no worker left behind; fewer is fine: a thread of an earlier test (a pool freed by the
+    # garbage collector, a library's helper) may exit meanwhile (CI once counted 7 after 8)
+    assert _thread_count() <= before
 
 
 def test_pool_wakes_after_sleep(lib, pool2):
