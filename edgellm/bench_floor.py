@@ -62,7 +62,7 @@ def floor_fields(weight_bytes: int, decode_tps: float, bandwidths: list[float | 
            "read_bandwidth_gbs": [round(b, 2) if b else None for b in bandwidths],
            "decode_floor_ms": None, "decode_ms_per_token": None, "decode_vs_floor": None}
     if decode_tps > 0:
-        rec["decode_ms_per_token"] = round(1e3 / decode_tps, 3)
+        rec["decode_ms_per_token"] = round(1e3 / decode_tps, 6)
     if measured:
         floor_ms = weight_bytes / (max(measured) * 1e9) * 1e3
         rec["decode_floor_ms"] = round(floor_ms, 6)
