@@ -207,11 +207,8 @@ static int el_mm(el_pool *pool, const el_matrix *w, const float *x, float *y, in
 
 /* Per-token work between the projections: RoPE on the token's q and k heads, its K/V rows into
  * the arena, its q into the contiguous q buffer; and the residual adds. Each token (row) is
- * independent, so with enough of them the rows are split over the pool: serial, they left the
- * other thread spinning (~3% of a 32-token chunk). Same kernels per row: the same results. */
-#define EL_ROWS_PER_TASK 8      /* tokens per task once split */
-#define EL_ROWS_PAR_MIN 16      /* fewest tokens worth a trip through the pool */
-
+ * independent, so with enough of them el_for_rows splits them over the pool: serial, they left
+ * the other thread spinning (~3% of a 32-token chunk). Same kernels per row: the same results. */
 typedef struct {
     const el_model_dims *m;
     const el_chunk_bufs *b;
@@ -220,9 +217,10 @@ typedef struct {
     const float *cos, *sin;
     void *k_pool, *v_pool;
     const int32_t *block_table;
-} el_rows_ctx;
+} el_tok_ctx;
 
-static void el_rope_store_rows(const el_rows_ctx *c, int t0, int t1) {
+static void el_rope_store_rows(const void *args, int t0, int t1) {
+    const el_tok_ctx *c = args;
     const el_model_dims *m = c->m;
     const int q_dim = m->H * m->hd, kv_dim = m->KVH * m->hd, w = q_dim + 2 * kv_dim, half = m->rope_dim / 2;
     const size_t layer_sz = (size_t)c->block_tokens * kv_dim;
@@ -247,30 +245,10 @@ static void el_rope_store_rows(const el_rows_ctx *c, int t0, int t1) {
     }
 }
 
-static void el_add_rows(const el_rows_ctx *c, int t0, int t1) {
+static void el_add_rows(const void *args, int t0, int t1) {
+    const el_tok_ctx *c = args;
     const size_t d = (size_t)c->m->d;
     el_add(c->x + t0 * d, c->b->o + t0 * d, c->x + t0 * d, (size_t)(t1 - t0) * d);
-}
-
-typedef struct {
-    const el_rows_ctx *c;
-    void (*fn)(const el_rows_ctx *, int, int);
-} el_tok_job;
-
-static void el_tok_task(void *ctx, int task, int n_tasks) {
-    const el_tok_job *j = ctx;
-    (void)n_tasks;
-    const int t0 = task * EL_ROWS_PER_TASK;
-    j->fn(j->c, t0, EL_MIN(j->c->T, t0 + EL_ROWS_PER_TASK));
-}
-
-static void el_for_tokens(el_pool *pool, const el_rows_ctx *c, void (*fn)(const el_rows_ctx *, int, int)) {
-    if (c->T < EL_ROWS_PAR_MIN || !pool || el_pool_threads(pool) <= 1) {
-        fn(c, 0, c->T);
-        return;
-    }
-    el_tok_job j = {c, fn};
-    el_parallel_for(pool, (c->T + EL_ROWS_PER_TASK - 1) / EL_ROWS_PER_TASK, el_tok_task, &j);
 }
 
 int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x, int T,
@@ -297,26 +275,27 @@ int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_
 
     const el_chunk_bufs b = el_chunk_layout(&m, T, scratch);
     const int q_dim = m.H * m.hd;
-    el_rows_ctx rc_rows = {.m = &m, .b = &b, .x = x, .T = T, .pos = pos, .n_layers = n_layers, .kv_type = kv_type,
-                           .block_tokens = block_tokens, .cos = cos, .sin = sin, .k_pool = k_pool, .v_pool = v_pool,
-                           .block_table = block_table};
+    const int row_w = q_dim + 2 * m.KVH * m.hd;    /* a token's qkv row: its RoPE and K/V store work */
+    el_tok_ctx tok = {.m = &m, .b = &b, .x = x, .T = T, .pos = pos, .n_layers = n_layers, .kv_type = kv_type,
+                      .block_tokens = block_tokens, .cos = cos, .sin = sin, .k_pool = k_pool, .v_pool = v_pool,
+                      .block_table = block_table};
 
     for (int l = 0; l < n_layers; l++) {
         const el_layer *L = &layers[l];
-        rc_rows.layer = l;
+        tok.layer = l;
         if ((rc = el_rmsnorm(pool, x, L->attn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
         if ((rc = el_mm(pool, &L->qkv, b.h, b.qkv, T, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
-        el_for_tokens(pool, &rc_rows, el_rope_store_rows);
+        el_for_rows(pool, el_rope_store_rows, &tok, T, row_w);
         if ((rc = el_attention_pool(pool, b.q, b.att, T, m.H, m.KVH, m.hd, pos, k_pool, v_pool, kv_type,
                                     block_table, block_tokens, n_layers, l)) != EL_OK)
             return rc;
         if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, T, q_dim, NULL, b.mm)) != EL_OK) return rc;
-        el_for_tokens(pool, &rc_rows, el_add_rows);
+        el_for_rows(pool, el_add_rows, &tok, T, m.d);
         if ((rc = el_rmsnorm(pool, x, L->ffn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
         if ((rc = el_mm(pool, &L->gate_up, b.h, b.gu, T, m.d, NULL, b.mm)) != EL_OK) return rc;
         if ((rc = el_swiglu(pool, b.gu, b.act, T, m.ff)) != EL_OK) return rc;
         if ((rc = el_mm(pool, &L->down, b.act, b.o, T, m.ff, NULL, b.mm)) != EL_OK) return rc;
-        el_for_tokens(pool, &rc_rows, el_add_rows);
+        el_for_rows(pool, el_add_rows, &tok, T, m.d);
     }
     return EL_OK;
 }

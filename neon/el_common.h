@@ -69,6 +69,11 @@ static inline float32x4_t el_f16x4_load(const uint16_t *p) {
 float el_exp_sub_sum(float *x, int n, float m);
 float el_exp_sub_sum_generic(float *x, int n, float m);
 
+/* Runs fn(args, r0, r1) over rows [0, rows) of about `cols` elements' work each: inline when
+ * small, else split over the pool in tasks of a few thousand elements (elementwise.c) */
+typedef void (*el_rows_fn)(const void *args, int r0, int r1);
+void el_for_rows(el_pool *pool, el_rows_fn fn, const void *args, int rows, int cols);
+
 /* Stores nr (1..4) lanes of each of nx accumulators into y rows, adding the bias. */
 static inline void el_store_tile(const float32x4_t *acc, int nx, int nr, float *y, size_t ldy, const float *bias) {
     float32x4_t bv = vdupq_n_f32(0.0f);

@@ -146,8 +146,6 @@ float el_exp_sub_sum_generic(float *x, int n, float m) {
 
 /* ---- splitting a (rows, cols) op over the pool ----------------------------------------------- */
 
-typedef void (*el_rows_fn)(const void *args, int r0, int r1);
-
 typedef struct {
     el_rows_fn fn;
     const void *args;
@@ -163,7 +161,7 @@ static void el_rows_task(void *ctx, int t, int n_tasks) {
 
 /* Runs fn over rows [0, rows) of `cols` elements each: inline when small, else in tasks of
  * about EL_EW_TASK elements (at least one row) across the pool. */
-static void el_for_rows(el_pool *pool, el_rows_fn fn, const void *args, int rows, int cols) {
+void el_for_rows(el_pool *pool, el_rows_fn fn, const void *args, int rows, int cols) {
     size_t total = (size_t)rows * (size_t)cols;
     if (pool == NULL || el_pool_threads(pool) <= 1 || rows < 2 || total < EL_EW_PAR_MIN) {
         fn(args, 0, rows);
