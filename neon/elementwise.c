@@ -310,27 +310,20 @@ static inline float32x4_t el_silu_mul(float32x4_t g, float32x4_t u) {
 #if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
 /* x86 AVX2: el_silu_mul on 8 lanes with el_vexp8_f32, the same operations lane for lane
  * (negate, exp, 1 +, divide, multiply): bit-identical, ~5% of a cold prefill through SIMDe */
+static inline EL_NO_CONTRACT __m256 el_silu_mul8(__m256 g, __m256 u) {
+    const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), el_vexp8_f32(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f))));
+    return _mm256_mul_ps(_mm256_div_ps(g, den), u);
+}
+
 static EL_NO_CONTRACT void el_swiglu_avx2(const float *g, const float *u, float *y, int n) {
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     int i = 0;
-    for (; i < n; i += 8) {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, el_silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+    if (i < n) {   /* the tail through the same lanes, zero-padded */
         float gb[8] = {0}, ub[8] = {0}, yb[8];
-        const int k = EL_MIN(8, n - i);
-        const float *gp = g + i, *up = u + i;
-        if (k < 8) {   /* the tail through the same lanes, zero-padded */
-            memcpy(gb, gp, (size_t)k * sizeof(float));
-            memcpy(ub, up, (size_t)k * sizeof(float));
-            gp = gb, up = ub;
-        }
-        const __m256 gv = _mm256_loadu_ps(gp);
-        const __m256 den = _mm256_add_ps(one, el_vexp8_f32(_mm256_xor_ps(gv, sign)));
-        const __m256 r = _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(up));
-        if (k < 8) {
-            _mm256_storeu_ps(yb, r);
-            memcpy(y + i, yb, (size_t)k * sizeof(float));
-        } else {
-            _mm256_storeu_ps(y + i, r);
-        }
+        memcpy(gb, g + i, (size_t)(n - i) * sizeof(float));
+        memcpy(ub, u + i, (size_t)(n - i) * sizeof(float));
+        _mm256_storeu_ps(yb, el_silu_mul8(_mm256_loadu_ps(gb), _mm256_loadu_ps(ub)));
+        memcpy(y + i, yb, (size_t)(n - i) * sizeof(float));
     }
 }
 #endif

@@ -949,12 +949,9 @@ static void el_gemv_range_task(void *vctx, int task, int n_tasks) {
     }
 }
 
-/* 1: ran the GEMV as ranges; 0: the caller runs its chunks with el_parallel_for */
-static int el_gemv_ranges(el_pool *pool, el_mm_ctx *c, int threads) {
-    if (threads < 2 || threads > EL_GEMV_RANGES || c->M != 1) return 0;
-    c->rw = EL_MAX(16, EL_MIN(256, (c->N / (8 * threads)) & ~7));
-    c->n_wchunks = 0;
-    for (int s = 0; s < c->n_seg; s++) c->n_wchunks += (c->seg_rows[s] + c->rw - 1) / c->rw;
+/* 1: ran the GEMV's chunks as ranges; 0: the caller runs them with el_parallel_for */
+static int el_gemv_ranges(el_pool *pool, const el_mm_ctx *c, int threads) {
+    if (threads < 2 || threads > EL_GEMV_RANGES) return 0;
     el_gemv_job j;
     j.c = c;
     j.n_ranges = EL_MIN(threads, c->n_wchunks);
@@ -1050,11 +1047,11 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
         /* GEMV: memory-bound; chunks of W rows only. About 8 chunks per thread balance the
          * threads' different speeds (big.LITTLE) while keeping each chunk >= 16 rows long. */
 #if EL_SIMDE && defined(__AVX2__)
-        /* x86: whole 8-row tiles, and ~2 chunks per thread. Each chunk starts cold (its first
-         * tile waits on DRAM, see el_qrows_gemv): with 8 per thread the 576- and 960-row
-         * matrices took 20-30% longer than with 2 (2 threads, DRAM-resident weights, Zen 3
-         * guest). */
-        c.rw = EL_MAX(16, EL_MIN(256, (c.N / (2 * threads) + 7) & ~7));
+        /* x86: whole 8-row tiles, ~8 chunks per thread, each thread's a contiguous range
+         * (el_gemv_ranges). Claimed in index order, each chunk started cold (its first tile
+         * waits on DRAM, see el_qrows_gemv) and 8 per thread took 20-30% longer than 2; with 2,
+         * a thread starting late left the other 3 of 4 chunks. */
+        c.rw = EL_MAX(16, EL_MIN(256, (c.N / (8 * threads)) & ~7));
 #else
         c.rw = EL_MAX(16, EL_MIN(256, el_round4(c.N / (8 * threads))));
 #endif
@@ -1084,13 +1081,13 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
         const int xchunks = (M + c.cx - 1) / c.cx;
         while (c.rw > 16 && (long long)xchunks * ((c.N + c.rw - 1) / c.rw) < min_tasks) c.rw /= 2;
     }
+    for (int s = 0; s < n_seg; s++) c.n_wchunks += (seg_rows[s] + c.rw - 1) / c.rw;
 #if EL_SIMDE && defined(__AVX2__)
-    if (!c.generic && el_gemv_ranges(pool, &c, threads)) {
+    if (M == 1 && !c.generic && el_gemv_ranges(pool, &c, threads)) {
         free(owned);
         return EL_OK;
     }
 #endif
-    for (int s = 0; s < n_seg; s++) c.n_wchunks += (seg_rows[s] + c.rw - 1) / c.rw;
     const long long n_tasks = (long long)c.n_wchunks * ((M + c.cx - 1) / c.cx);
     if (n_tasks > INT_MAX) {
         free(owned);
