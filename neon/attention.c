@@ -242,25 +242,27 @@ static inline __attribute__((always_inline)) void
 el_scores_block_avx2(const int NR, const float *const *q, const float *kt, int ld, int nk, int hd, float *const *s) {
     const int half = hd / 2;
     for (int k0 = 0; k0 < nk; k0 += EL_ATTN_KB) {
-        __m256 a[4][2], part[4][2];
+        /* the first half's sums wait in s, not in registers: held, they left no register for
+         * the two key vectors, and every FMA reloaded its key from memory (12 loads per 8 FMAs) */
         for (int pass = 0; pass < 2; pass++) {
             const int d0 = pass ? half : 0, d1 = pass ? hd : half;
+            __m256 a[4][2];
             for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
             const float *kc = kt + (size_t)d0 * ld + k0;
             for (int d = d0; d < d1; d++, kc += ld) {
-                const __m256 k0v = _mm256_loadu_ps(kc), k1v = _mm256_loadu_ps(kc + 8);
+                __m256 k0v = _mm256_loadu_ps(kc), k1v = _mm256_loadu_ps(kc + 8);
+                __asm__("" : "+x"(k0v), "+x"(k1v));   /* in registers: gcc would fold a load into each FMA */
                 for (int r = 0; r < NR; r++) {
                     const __m256 qd = _mm256_broadcast_ss(q[r] + d);
                     a[r][0] = _mm256_fmadd_ps(k0v, qd, a[r][0]);
                     a[r][1] = _mm256_fmadd_ps(k1v, qd, a[r][1]);
                 }
             }
-            if (pass == 0)
-                for (int r = 0; r < NR; r++) part[r][0] = a[r][0], part[r][1] = a[r][1];
-        }
-        for (int r = 0; r < NR; r++) {
-            _mm256_storeu_ps(s[r] + k0, _mm256_add_ps(part[r][0], a[r][0]));
-            _mm256_storeu_ps(s[r] + k0 + 8, _mm256_add_ps(part[r][1], a[r][1]));
+            for (int r = 0; r < NR; r++)
+                for (int v = 0; v < 2; v++) {
+                    float *o = s[r] + k0 + 8 * v;
+                    _mm256_storeu_ps(o, pass ? _mm256_add_ps(_mm256_loadu_ps(o), a[r][v]) : a[r][v]);
+                }
         }
     }
 }
