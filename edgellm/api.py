@@ -17,7 +17,7 @@ from .backends import reference
 from .dispatch import Dispatcher
 from .ops import weight_formats
 from .engine import CancelToken, ModelRunner
-from .generation import Generation, GenerationStats  # noqa: F401 (GenerationStats: part of the API)
+from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (GenerationStats: part of the API)
 from .errors import ConfigError
 from .kv.pool import KVPool
 from .kv.ring import RingKV
@@ -67,6 +67,7 @@ class Engine:
         self.session_meta: dict = {}               # meta of the last session loaded
         self.threads = threads
         self.load_ms = load_ms
+        self.load_rss_mb = 0.0      # process peak RSS (MB) when load() returned: weights mapped, not yet read
         self.last_stats = GenerationStats()
         self._cancel = CancelToken()
         self.plan = None        # the dispatcher's Plan (set by load): units, placement, chunk, reasons
@@ -375,6 +376,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
             plan = replace(plan, warnings=warnings + tuple(w for w in plan.warnings if w not in warnings))
             placement = plan.placement()
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
+    eng.load_rss_mb = peak_rss_mb()
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
     eng.precision_plan, eng.quality_guard = pplan, guard
     return eng

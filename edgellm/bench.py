@@ -43,6 +43,16 @@ def prompt_of_length(engine: Engine, n_tokens: int) -> tuple[str, int]:
     return best
 
 
+def memory_fields(engine: Engine) -> dict:
+    """Peak RSS right after load and the bound it is held to: 1.5x the model file plus the KV
+    cache, which leaves room for the runtime only if the weights stay quantized and mapped
+    (a dequantized or repacked copy would not fit). MB = 2^20 bytes, as peak_rss_mb."""
+    file_mb = engine.model.file_size / 2**20
+    kv_mb = engine.kv.nbytes / 2**20
+    return {"rss_after_load_mb": round(engine.load_rss_mb, 1), "model_file_mb": round(file_mb, 1),
+            "kv_cache_mb": round(kv_mb, 1), "rss_bound_mb": round(1.5 * file_mb + kv_mb, 1)}
+
+
 def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
         on_run: Callable[[int, int, dict], None] | None = None,
         bandwidth: Callable[[], float | None] | None = None) -> list[dict]:
@@ -76,6 +86,7 @@ def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
             "decode_tps": round(statistics.median(decode_tps), 2),
             "peak_rss_mb": round(max(rss), 1),
             "load_ms": round(engine.load_ms, 1),
+            **memory_fields(engine),
             "gen_tokens": gen_tokens,
             "runs": runs,
             "threads": engine.threads,
@@ -166,6 +177,7 @@ def run_shared_prefix(engine: Engine, prefix_tokens: int, suffix_tokens: list[in
             "decode_tps": round(statistics.median(decode_tps), 2),
             "peak_rss_mb": round(max(rss), 1),
             "load_ms": round(engine.load_ms, 1),
+            **memory_fields(engine),
             "shared_prefix_tokens": prefix_tokens, "gen_tokens": gen_tokens, "runs": runs,
             "threads": engine.threads,
         })

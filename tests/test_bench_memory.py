@@ -1,0 +1,43 @@
+"""`edgellm bench`'s memory record: RSS right after load beside its bound, 1.5x the model file
+plus the KV cache (the bound of a runtime whose weights stay quantized and mapped)."""
+import json
+import os
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+from typer.testing import CliRunner
+
+from edgellm.cli import app
+
+from .synthetic import write_tiny_model
+
+runner = CliRunner()
+LAYERS, D, H, KVH = 2, 64, 4, 2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("mem") / "tiny.gguf", tensor_type=QT.Q8_0, n_layers=LAYERS,
+                            d_model=D, n_heads=H, n_kv_heads=KVH, seed=3, context_length=4096).path
+
+
+def _kv_cache_bytes(n_ctx: int, block_tokens: int = 16) -> int:
+    """The default fp16 KV pool of n_ctx tokens, from the model's shapes: K and V, every layer."""
+    blocks = -(-n_ctx // block_tokens)
+    return 2 * LAYERS * blocks * block_tokens * KVH * (D // H) * 2
+
+
+@pytest.mark.parametrize("extra", [[], ["--shared-prefix", "16"]])
+def test_bench_records_rss_after_load_and_its_bound(tiny, tmp_path, extra):
+    out = tmp_path / "b.json"
+    r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--gen-tokens", "3", "--runs", "1",
+                            "--no-floor", "--json", str(out), *extra])
+    assert r.exit_code == 0, r.output
+    rec = json.loads(out.read_text())[0]
+    file_mb = os.path.getsize(tiny) / 2**20
+    kv_mb = _kv_cache_bytes(2048) / 2**20      # bench loads a 2048-token context (the model allows 4096)
+    assert rec["model_file_mb"] == round(file_mb, 1)
+    assert rec["kv_cache_mb"] == round(kv_mb, 1)
+    assert rec["rss_bound_mb"] == round(1.5 * file_mb + kv_mb, 1)
+    assert 0 < rec["rss_after_load_mb"] <= rec["peak_rss_mb"]
+    assert f"bound 1.5 x {rec['model_file_mb']:.1f} MB file" in r.stdout
