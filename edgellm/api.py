@@ -298,6 +298,11 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     if isinstance(units, str):
         units = [u.strip() for u in units.split(",") if u.strip()]
     profile = device_profile(device)
+    if profile.gpu is not None and (units is None or "opencl" in units):
+        # the dispatcher needs the OpenCL probe's answer; its child process runs meanwhile
+        gpu_mod, _ = backends.get("opencl")
+        if hasattr(gpu_mod, "start_probe"):
+            gpu_mod.start_probe()
     t0 = time.perf_counter()
     path = resolve_model(None if model is None else os.fspath(model),
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +40,7 @@ PROBE_TIMEOUT_S = float(os.environ.get("EDGELLM_OPENCL_PROBE_TIMEOUT", "180"))
 _OPS = {"embedding", "rmsnorm", "matmul", "rope", "attention", "swiglu", "add", "lm_head"}
 _TYPES = {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"}
 
-_state: dict = {"probe": None, "rt": None, "probe_report": {}}
+_state: dict = {"probe": None, "rt": None, "probe_report": {}, "child": None}
 _lock = threading.Lock()
 
 
@@ -53,34 +54,67 @@ def available() -> tuple[bool, str]:
         return _state["probe"]
 
 
+def start_probe() -> None:
+    """Starts the probe child now, without waiting for it: load() calls this first, so that the
+    child (~0.6 s with PoCL, most of it importing pyopencl and opening the driver) runs while the
+    model file is parsed; available() then collects its answer. Does nothing once probed, or
+    when pyopencl is missing (available() says so)."""
+    with _lock:
+        if _state["probe"] is not None or _state["child"] is not None or not _has_pyopencl():
+            return
+        try:
+            _state["child"] = (_spawn(), time.monotonic())
+        except OSError:
+            pass        # available() runs it again and reports why it cannot start
+
+
 def reset() -> None:
     """Forget the probe result and the device (tests; a changed environment)."""
     with _lock:
-        _state.update(probe=None, rt=None, probe_report={})
+        child = _state["child"]
+        if child is not None:
+            child[0].kill()
+            child[0].communicate()
+        _state.update(probe=None, rt=None, probe_report={}, child=None)
+
+
+def _has_pyopencl() -> bool:
+    return importlib.util.find_spec("pyopencl") is not None
+
+
+def _spawn() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "edgellm.backends.opencl_probe"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
 def _probe() -> tuple[bool, str]:
-    if importlib.util.find_spec("pyopencl") is None:     # the cheap check first, in this process
+    """The probe child's answer: the one start_probe() began (with what is left of its
+    timeout), else a child started now."""
+    if not _has_pyopencl():     # the cheap check first, in this process
         return False, "pyopencl is not installed (pip install 'edgellm[opencl]')"
-    cmd = [sys.executable, "-m", "edgellm.backends.opencl_probe"]
+    child, _state["child"] = _state["child"], None
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return False, f"the OpenCL probe did not finish in {PROBE_TIMEOUT_S:.0f} s (driver hung?)"
+        proc, t0 = child if child is not None else (_spawn(), time.monotonic())
     except OSError as e:
         return False, f"the OpenCL probe could not start: {e}"
-    if r.returncode < 0:
+    try:
+        out, err = proc.communicate(timeout=max(0.0, PROBE_TIMEOUT_S - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return False, f"the OpenCL probe did not finish in {PROBE_TIMEOUT_S:.0f} s (driver hung?)"
+    if proc.returncode < 0:
         try:
-            sig = signal.Signals(-r.returncode).name
+            sig = signal.Signals(-proc.returncode).name
         except ValueError:
-            sig = f"signal {-r.returncode}"
-        tail = r.stderr.strip().splitlines()[-1:] or [""]
+            sig = f"signal {-proc.returncode}"
+        tail = err.strip().splitlines()[-1:] or [""]
         return False, f"the OpenCL probe crashed ({sig}) while probing the driver; {tail[0]}".rstrip("; ")
     try:
-        res = json.loads(r.stdout.strip().splitlines()[-1])
+        res = json.loads(out.strip().splitlines()[-1])
     except (IndexError, ValueError):
-        tail = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        return False, f"the OpenCL probe exited with code {r.returncode} without a result: {tail}"
+        tail = (err.strip().splitlines() or ["no output"])[-1]
+        return False, f"the OpenCL probe exited with code {proc.returncode} without a result: {tail}"
     _state["probe_report"] = res
     if not res.get("ok"):
         return False, str(res.get("reason", "probe failed"))
