@@ -203,12 +203,14 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def _parse_yaml(text: str, file: str) -> Any:
+    loader = _LOADER(text)
     try:
-        root = yaml.compose(text, Loader=_LOADER)  # nodes only, nothing constructed
-        if root is not None:
-            _check_tree(root, file, set())
+        root = loader.get_single_node()  # nodes only, nothing constructed: checked first
+        if root is None:
+            return None
+        _check_tree(root, file, set())
         try:
-            return yaml.load(text, Loader=_LOADER)
+            return loader.construct_document(root)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
             # PyYAML's safe constructors leak these for explicit tags on bad text ("!!int neon")
             raise ConfigError(f"{file}: YAML value cannot be read ({type(e).__name__}: {e})") from None
@@ -219,6 +221,8 @@ def _parse_yaml(text: str, file: str) -> Any:
         raise ConfigError(f"{file}: {where}YAML syntax error: {problem}") from None
     except RecursionError:
         raise ConfigError(f"{file}: YAML nested too deeply") from None
+    finally:
+        loader.dispose()
 
 
 def _profile_from_text(text: str, name: str, source: str) -> DeviceProfile:
