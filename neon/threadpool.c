@@ -15,8 +15,9 @@
  *              against generation g (the fields are seq_cst atomics for exactly that argument).
  *   remaining  tasks of the current job not yet finished; the caller returns when it is 0. The
  *              caller does not wait for idle workers to check in, only for the work.
- *   waiting    workers spin on `state` for EL_SPIN_NS, then sleep on a condition variable, so an
- *              idle pool costs no CPU; the caller broadcasts only when `sleepers` is non-zero
+ *   waiting    workers spin on `state` for EL_SPIN_NS, keep checking it with a sched_yield between
+ *              checks until EL_SLEEP_NS, then sleep on a condition variable, so an idle pool
+ *              costs no CPU; the caller broadcasts only when `sleepers` is non-zero
  *              (sleepers++ then re-check the generation in the worker, publish then read
  *              sleepers in the caller: both seq_cst, so one of the two always sees the other).
  *
@@ -40,10 +41,15 @@
 #endif
 
 #define EL_POOL_MAX_THREADS 256
-/* How long an idle worker spins before it sleeps: longer than the Python gap between two ops
- * of a decode step (a few us to tens of us), short enough that a pool left idle between
- * requests stops burning its cores almost at once. */
+/* How long an idle worker spins before it yields between checks: longer than the Python gap
+ * between two ops of a decode step (a few us to tens of us). */
 #define EL_SPIN_NS 100000L
+/* How long an idle worker keeps checking (yielding its core) before it sleeps: longer than the
+ * Python gap between two decode steps (sampling, the streamed piece, the next embedding: ~0.1 to
+ * 0.5 ms on x86), short enough that a pool left idle between requests stops polling almost at
+ * once. Sleeping after 100 us, a worker slept ~2 times per token (2267 sleeps in 1000 SmolLM2
+ * tokens; 24 when it polled for 1 ms), and each next step's first ops waited for its wake-up. */
+#define EL_SLEEP_NS 2000000L
 /* Worker stack: the attention tiles keep ~250 KB of scratch on the stack; bionic's default
  * thread stack is 1 MB, glibc's follows ulimit -s. Pages are only committed when touched. */
 #define EL_WORKER_STACK (2u << 20)
@@ -114,7 +120,8 @@ static void el_run_tasks(el_pool *p, uint32_t g) {
     }
 }
 
-/* Returns the first generation other than `seen`, spinning first and then sleeping. */
+/* Returns the first generation other than `seen`: spinning, then yielding between checks (a
+ * thread that needs this core gets it), then sleeping. */
 static uint32_t el_wait_job(el_pool *p, uint32_t seen) {
     int64_t t0 = 0;
     for (unsigned i = 1;; i++) {
@@ -124,7 +131,8 @@ static uint32_t el_wait_job(el_pool *p, uint32_t seen) {
         if ((i & 63) == 0) {
             int64_t t = el_now_ns();
             if (t0 == 0) t0 = t;
-            else if (t - t0 > EL_SPIN_NS) break;
+            else if (t - t0 > EL_SLEEP_NS) break;
+            else if (t - t0 > EL_SPIN_NS) sched_yield();
         }
     }
     pthread_mutex_lock(&p->mu);
