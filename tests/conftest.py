@@ -29,7 +29,8 @@ def real_engine(real_model_path):
 def cl_runtime(tmp_path_factory):
     """The OpenCL runtime on this machine's device (PoCL's CPU device in CI), with its binary
     cache in a temporary directory. Fails (not skips) without OpenCL: the test extra installs
-    pyopencl and PoCL, so a missing platform is a broken setup, not an absent unit."""
+    pyopencl and PoCL (and .ci/run Debian's PoCL, for CPUs the PyPI one cannot compile for), so a
+    missing platform is a broken setup, not an absent unit."""
     from edgellm.backends.opencl_runtime import ClRuntime
 
     return ClRuntime.create(cache_dir=tmp_path_factory.mktemp("cl_cache"))

@@ -218,6 +218,8 @@ def _parse_yaml(text: str, file: str) -> Any:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(e, "problem", None) or str(e)
+        if "nesting depth" in problem:   # libyaml >= 0.2.5 stops at its own depth limit
+            raise ConfigError(f"{file}: YAML nested too deeply ({where}{problem})") from None
         raise ConfigError(f"{file}: {where}YAML syntax error: {problem}") from None
     except RecursionError:
         raise ConfigError(f"{file}: YAML nested too deeply") from None
