@@ -17,7 +17,8 @@
  * needs ~26 of the 32 vector registers). M == 1 (GEMV) is the same code with a 4 x 1 tile, and
  * its chunks cover only W rows: the weights stream once, prefetched. x86 AVX2 builds run the GEMMs
  * (M > 1) on their own tile instead, from weights repacked per task (el_g_gemm_avx2), and Q4 GEMVs
- * on an 8-row, 2-block tile (el_qgemv8_q4_avx2).
+ * on an 8-row, 2-block tile (el_qgemv8_q4_avx2), or with AVX-512 VNNI + VBMI on 4 rows of 4-block
+ * registers (qgemv_avx512.h).
  */
 #include <limits.h>
 #include <stdatomic.h>
@@ -707,6 +708,8 @@ static __attribute__((noinline)) int el_g_gemm_avx2(const int wt, const uint8_t 
 }
 #endif
 
+#include "qgemv_avx512.h"
+
 /* 1: the AVX2 GEMM tile computed these rows; 0: run the portable tiles */
 static inline __attribute__((always_inline)) int el_qrows_gemm(const int wt, const uint8_t *w, size_t rb, int rows,
                                                                const el_xq *xq, int x0, int nx_all, float *y,
@@ -718,10 +721,18 @@ static inline __attribute__((always_inline)) int el_qrows_gemm(const int wt, con
     return 0;
 }
 
-/* 1: the AVX2 GEMV tile (Q4, one x row) computed these rows; 0: run the portable tiles */
+/* 1: the AVX-512 or AVX2 GEMV tile (Q4, one x row) computed these rows; 0: run the portable tiles */
 static inline __attribute__((always_inline)) int el_qrows_gemv(const int wt, const uint8_t *w, size_t rb, int rows,
                                                                const el_xq *xq, int x0, int nx_all, float *y,
                                                                const float *bias) {
+#if defined(EL_X5_GEMV)
+    if (nx_all == 1 && wt != EL_Q8_0 && xq->nb <= EL_X5_MAX_NB) {
+        const int nb = xq->nb;
+        el_qgemv_q4_avx512(wt, w, rb, rows, xq->q + (size_t)x0 * nb * QK, xq->d + (size_t)x0 * nb,
+                           xq->s + (size_t)x0 * nb, nb, y, bias);
+        return 1;
+    }
+#endif
 #if EL_SIMDE && defined(__AVX2__)
     if (nx_all == 1 && wt != EL_Q8_0) {
         const int nb = xq->nb;

@@ -1,0 +1,129 @@
+/* x86 AVX-512 (VNNI + VBMI) Q4 GEMV for development builds: included by quant_matmul.c, which
+ * owns the int8 blocks of x (el_xq) this reads. Same arithmetic per block as the other tiles
+ * (exact int32 block sums, then d_w d_x in fp32, plus m_w s_x), in another summation order, so
+ * results agree with the NEON / AVX2 tiles to fp32 rounding, not bit for bit.
+ *
+ * Why: on a Zen 5 the 8-row AVX2 tile (el_qgemv8_q4_avx2) is compute-bound at ~25-30 GB/s per
+ * core, so two cores stream weights at ~47 GB/s of the ~62 GB/s DRAM gives. Here one 512-bit
+ * register holds 4 blocks of a row: two VPERMT2B gather their 64 quant bytes and their 4 scales
+ * (replicated per 32-bit lane, so the fp32 scaling runs lane-wise across blocks), two VPDPBUSD
+ * form the 4 blocks' int32 sums (u8 nibbles x s8 x; each lane a partial sum of 8 products), and
+ * one horizontal reduction per row at the end replaces the per-block folds: ~16 instructions per
+ * row and 4 blocks, against ~40 for the AVX2 tile.
+ *
+ * x is laid out once per call (per group of 4 blocks: the low 16 bytes of each block, the high
+ * 16, d per lane, and s in the first lane of each block only, so that the 4 lanes of a block add
+ * m_w s_x once). Weight blocks past the row's end are read with masked loads (zeros: no fault at
+ * the matrix's end), and x is zero there: their terms are 0 * 0. */
+#if EL_SIMDE && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define EL_X5_GEMV 1
+/* K up to 16384 (x's layout lives on the stack: 256 bytes per 4 blocks, 32 KiB at most) */
+#define EL_X5_MAX_NB 512
+/* How far ahead of the 4 rows in use the one linear prefetch stream runs (like the AVX2 GEMV's),
+ * in bytes, at least 8 rows. A decode GEMV is short (0.1-0.6 MB per thread), so its stream must
+ * reach full speed at once: at 8 rows (2.9 KB at K = 576) SmolLM2's gate|up GEMV took ~55 kcycles
+ * a layer inside a decode step, at 32 rows (11.5 KB) ~44; 64 rows was slower again. */
+#define EL_X5_PF_BYTES 12288
+
+typedef struct {
+    __m512i lo, hi;   /* x bytes 0..15 | 16..31 of blocks 4k..4k+3, one 128-bit lane per block */
+    __m512 d, s;      /* d_x in every lane of its block; s_x in the block's first lane, 0 elsewhere */
+} el_x5_group;
+
+/* byte i of the result = byte idx[i] of the 128 bytes a | b (VPERMT2B) */
+static inline __m512i el_x5_idx(int base, int stride, int off) {
+    uint8_t idx[64];
+    for (int i = 0; i < 64; i++) idx[i] = (uint8_t)(base + stride * (i / 16) + off + i % 16);
+    return _mm512_loadu_si512(idx);
+}
+
+/* n bytes from p into a zeroed register (masked: nothing past p + n is touched) */
+static inline __m512i el_x5_load(const void *p, int n) {
+    const __mmask64 m = n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (n > 0 ? n : 0)) - 1);
+    return _mm512_maskz_loadu_epi8(m, p);
+}
+
+static inline void el_x5_layout(const int8_t *xq, const float *xd, const float *xs, int nb, el_x5_group *g) {
+    const __m512i lo_idx = el_x5_idx(0, QK, 0), hi_idx = el_x5_idx(0, QK, 16);
+    const __m512i rep = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (int b = 0, k = 0; b < nb; b += 4, k++) {
+        const int n = EL_MIN(4, nb - b), bytes = n * QK;
+        const __m512i a = el_x5_load(xq + (size_t)b * QK, bytes), c = el_x5_load(xq + (size_t)b * QK + 64, bytes - 64);
+        g[k].lo = _mm512_permutex2var_epi8(a, lo_idx, c);
+        g[k].hi = _mm512_permutex2var_epi8(a, hi_idx, c);
+        const __mmask16 first = (__mmask16)((1u << n) - 1);
+        const __m512 d4 = _mm512_maskz_loadu_ps(first, xd + b), s4 = _mm512_maskz_loadu_ps(first, xs + b);
+        g[k].d = _mm512_permutexvar_ps(rep, d4);
+        g[k].s = _mm512_maskz_permutexvar_ps((__mmask16)0x1111, rep, s4);
+    }
+}
+
+/* lane 0 of each 128-bit lane of the result: the sum of a[r] over all 16 lanes, r = 0..3 */
+static inline __m128 el_x5_sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    /* 128-bit lanes: a0 (2 partial), a0, a1, a1 | a2, a2, a3, a3 -> a0, a1, a2, a3 */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+    const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0x4E));
+    const __m512 t = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), t));
+}
+
+/* One row's group k of 4 blocks (G = 4 bs bytes at p, `left` bytes of the row from p on) -> acc */
+static inline __attribute__((always_inline)) __m512
+el_x5_step(const int wt, const uint8_t *p, int G, int left, const el_x5_group *x, __m512i qs_idx, __m512i dm_idx,
+           __m512 acc) {
+    __m512i a, c;
+    if (left >= G) {    /* bytes 0..63, then G - 64 (16 or 8) more: VPERMT2B reads them as 64.. */
+        a = _mm512_loadu_si512(p);
+        c = wt == EL_Q4_1 ? _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p + 64)))
+                          : _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(p + 64)));
+    } else {
+        a = el_x5_load(p, left);
+        c = el_x5_load(p + 64, left - 64);
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i q = _mm512_permutex2var_epi8(a, qs_idx, c), dm = _mm512_permutex2var_epi8(a, dm_idx, c);
+    const __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+    const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x->lo), hi, x->hi);
+    const __m512 dw = _mm512_cvtph_ps(_mm512_castsi512_si256(dm));
+    const __m512 mw = wt == EL_Q4_1 ? _mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1))
+                                    : _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, x->d), acc);
+    return _mm512_fmadd_ps(mw, x->s, acc);
+}
+
+/* Rows [0, rows) of a Q4_0 / Q4_1 chunk (rb bytes a row) against one int8 x row: y[r] (+ bias[r]) */
+static inline __attribute__((always_inline)) void
+el_qgemv_q4_avx512(const int wt, const uint8_t *w, size_t rb, int rows, const int8_t *xq, const float *xd,
+                   const float *xs, int nb, float *y, const float *bias) {
+    el_x5_group xg[EL_X5_MAX_NB / 4];
+    el_x5_layout(xq, xd, xs, nb, xg);
+    const int bs = el_qblock_bytes(wt), off = el_qoff(wt), ng = (nb + 3) / 4, G = 4 * bs;
+    /* from a group's bytes: the 4 blocks' quants; their d (bytes 0..31: each f16 d in 4
+     * slots, one per 32-bit lane of its block) and m (bytes 32..63, Q4_1) */
+    const __m512i qs_idx = el_x5_idx(off, bs, 0);
+    uint8_t dm[64];
+    for (int i = 0; i < 64; i++) dm[i] = (uint8_t)(bs * ((i % 32) / 8) + (i >= 32 ? 2 : 0) + i % 2);
+    const __m512i dm_idx = _mm512_loadu_si512(dm);
+    const size_t pfd = EL_MAX((size_t)8, (EL_X5_PF_BYTES + rb - 1) / rb) * rb, span = 4 * rb;
+    /* the chunk's first rows: nothing ran ahead of them */
+    for (size_t o = 0; o < EL_MIN(pfd, (size_t)rows * rb); o += 64) __builtin_prefetch(w + o);
+    for (int r0 = 0; r0 < rows; r0 += 4) {
+        const int nr = EL_MIN(4, rows - r0);
+        const uint8_t *row[4];
+        for (int r = 0; r < 4; r++) row[r] = w + (size_t)(r0 + EL_MIN(r, nr - 1)) * rb;
+        for (size_t o = 0; o < span; o += 64) __builtin_prefetch(row[0] + pfd + o);
+        __m512 acc[4];
+        for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
+        for (int k = 0; k < ng; k++) {
+            const int left = (nb - 4 * k) * bs;
+            for (int r = 0; r < 4; r++)
+                acc[r] = el_x5_step(wt, row[r] + (size_t)k * G, G, left, &xg[k], qs_idx, dm_idx, acc[r]);
+        }
+        __m128 v = el_x5_sum4(acc[0], acc[1], acc[2], acc[3]);
+        if (bias) v = _mm_add_ps(v, _mm_maskz_loadu_ps((__mmask8)((1u << nr) - 1), bias + r0));
+        _mm_mask_storeu_ps(y + r0, (__mmask8)((1u << nr) - 1), v);
+    }
+}
+#endif
