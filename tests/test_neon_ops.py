@@ -205,9 +205,11 @@ def _qkv(rng, T, H, KVH, hd, start):
 
 
 # (T, H, KVH, hd, start): one token, one head, GQA 3:1 as SmolLM2, hd 32, odd hd (vector tails),
-# a chunk after cached context, a prefill longer than a tile, a group wider than a tile (G = 20)
+# a chunk after cached context, a prefill longer than a tile, a group wider than a tile (G = 20);
+# decode tokens at hd 80, 48 and 20 (the decode blocks' 16-dim passes and their 4-dim tail)
 ATTN_CASES = [(1, 1, 1, 64, 0), (1, 9, 3, 64, 100), (5, 9, 3, 64, 0), (17, 4, 2, 32, 40), (3, 6, 2, 20, 7),
-              (40, 2, 1, 64, 0), (9, 20, 1, 18, 3), (1, 9, 3, 64, 700), (2, 8, 8, 64, 600), (2, 2, 1, 64, 600)]
+              (40, 2, 1, 64, 0), (9, 20, 1, 18, 3), (1, 9, 3, 64, 700), (2, 8, 8, 64, 600), (2, 2, 1, 64, 600),
+              (1, 6, 2, 80, 70), (1, 3, 1, 48, 9), (1, 4, 2, 20, 33)]
 
 
 @pytest.mark.parametrize("T,H,KVH,hd,start", ATTN_CASES)
@@ -264,7 +266,8 @@ def _gather(arena, table, layer, n):
 @pytest.mark.parametrize("kv_dtype", [np.float16, np.float32], ids=["f16", "f32"])
 @pytest.mark.parametrize("T,H,KVH,hd,start,block_tokens", [(1, 9, 3, 64, 0, 16), (1, 9, 3, 64, 44, 16),
                                                            (7, 9, 3, 64, 50, 32), (20, 4, 4, 32, 0, 16),
-                                                           (3, 2, 1, 36, 29, 16), (1, 9, 3, 64, 1023, 32)])
+                                                           (3, 2, 1, 36, 29, 16), (1, 9, 3, 64, 1023, 32),
+                                                           (1, 6, 2, 80, 70, 16)])
 @pytest.mark.parametrize("use_pool", [False, True])
 def test_attention_pool(el, pool2, kv_dtype, T, H, KVH, hd, start, block_tokens, use_pool):
     rng = np.random.default_rng(T * 13 + start + hd + block_tokens)
