@@ -565,12 +565,6 @@ static inline __attribute__((always_inline)) void el_g_repack8(const int wt, con
     }
 }
 
-/* ng (1, 2) groups of 8 repacked rows, their blocks interleaved (group g of block b at
- * wp + (b * ng + g) * EL_G_BLOCK), x nx x rows: acc[g * nx + c] lane r = y[c][row 8g + r]. Every
- * x broadcast feeds ng VPMADDUBSW: 16 x 2 needs 16 broadcasts per block where 8 x 4 needs 32,
- * and the FP pipes, not the multiplier, were the limit (~5% faster at M = 256).
- * Q8_0: signed weights take el_dot32_avx2's sign trick, VPMADDUBSW(|w|, x signed like w); its pair
- * sums (<= 2 * 128 * 127) leave no int16 headroom, so each goes to int32 (VPMADDWD) at once. */
 /* Q8_0 with VPDPBUSD (AVX-VNNI, or AVX512-VNNI on 256-bit registers): |w| x (x signed like w)
  * summed in fours straight into int32 lanes, one instruction for VPMADDUBSW + VPMADDWD + VPADDD;
  * the int32 block sums are the same exact integers, so results stay bit-identical. Each
@@ -620,6 +614,12 @@ static inline __attribute__((always_inline)) void el_g_tile_q8_vnni(const int ng
 }
 #endif
 
+/* ng (1, 2) groups of 8 repacked rows, their blocks interleaved (group g of block b at
+ * wp + (b * ng + g) * EL_G_BLOCK), x nx x rows: acc[g * nx + c] lane r = y[c][row 8g + r]. Every
+ * x broadcast feeds ng VPMADDUBSW: 16 x 2 needs 16 broadcasts per block where 8 x 4 needs 32,
+ * and the FP pipes, not the multiplier, were the limit (~5% faster at M = 256).
+ * Q8_0: signed weights take el_dot32_avx2's sign trick, VPMADDUBSW(|w|, x signed like w); its pair
+ * sums (<= 2 * 128 * 127) leave no int16 headroom, so each goes to int32 (VPMADDWD) at once. */
 static inline __attribute__((always_inline)) void el_g_tile_avx2(const int wt, const int ng, const int nx,
                                                                  const uint8_t *wp, const int8_t *xq, const float *xd,
                                                                  const float *xs, int nb, __m256 acc[4]) {
