@@ -23,7 +23,10 @@ from .kv.pool import KVPool
 from .kv.ring import RingKV
 from .kv.session_file import read_session, write_session
 from .kv.store import KVConfig, make_store
+from .model.gguf_file import file_memmap
 from .model.loader import ModelFile, open_model
+from .model.prefault import enabled_by_env
+from .model.prefault import start as start_prefault
 from .model.registry import resolve_model
 from .model.chat_template import ChatTemplate
 from .quality_guard import QualityGuard
@@ -67,7 +70,10 @@ class Engine:
         self.session_meta: dict = {}               # meta of the last session loaded
         self.threads = threads
         self.load_ms = load_ms
-        self.load_rss_mb = 0.0      # process peak RSS (MB) when load() returned: weights mapped, not yet read
+        self.load_rss_mb = 0.0      # process peak RSS (MB) once loaded: at load()'s return, raised by
+                                    # wait_loaded() to the end of the weights' background paging-in
+        self.prefault = None        # model.prefault.Prefault: the weights' background paging-in, or None
+        self._load_rss_final = False
         self.last_stats = GenerationStats()
         self._cancel = CancelToken()
         self.plan = None        # the dispatcher's Plan (set by load): units, placement, chunk, reasons
@@ -75,6 +81,17 @@ class Engine:
         self.pinning = None     # device.topology.PinResult of the compute threads
         self.precision_plan = None  # the PrecisionPlan loaded (None: each unit's own precision)
         self.quality_guard = None   # a QualityGuard, or None (off)
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """Waits for load()'s background work (paging the mapped weights in); True once done.
+        Called before any request, it makes load_rss_mb the resident memory of the loaded model."""
+        if self.prefault is None:
+            return True
+        done = self.prefault.wait(timeout)
+        if done and not self._load_rss_final:
+            self.load_rss_mb = max(self.load_rss_mb, peak_rss_mb())
+            self._load_rss_final = True
+        return done
 
     # -- text <-> ids --------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -250,7 +267,7 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None,
 def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_CTX,
          threads: int | None = None, prefill_chunk: int | None = None, kv: str = "pool",
          kv_precision: str | None = None, window: int = 1024, sinks: int = 4, units: Sequence[str] | None = None,
-         precision=None, quality_guard=None,
+         precision=None, quality_guard=None, prefault: bool | None = None,
          progress: Callable[[str, int, int], None] | None = None) -> Engine:
     """Load a model (a GGUF path, a registry name, or None for the default, pulled when missing).
 
@@ -272,6 +289,9 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     whose next-token entropy or top-1 probability crosses a threshold switches the next steps'
     compute to the `quality` plan's (fp32), with one log line per switch.
     threads: compute threads; default one per big core. Threads are pinned to the big cores.
+    prefault: page the mapped weights in on a background thread when a unit reads them in place
+    (neon), so that the first request does not fault them in (model/prefault.py); None: on unless
+    EDGELLM_PREFAULT=0. Engine.wait_loaded() waits for it.
     progress(stage, done, total) is called while pulling and while preparing weights.
     """
     from .device.topology import detect_clusters, pin_threads, select_big
@@ -351,6 +371,10 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
             mod.configure(threads=threads, cores=big)
         if hasattr(mod, "use_plan"):       # a unit whose weight form follows the precision plan
             mod.use_plan(pplan)
+    paging = None
+    if (prefault if prefault is not None else enabled_by_env()) and \
+            any(getattr(backends.get(name)[0], "MAPS_WEIGHTS", False) for name in plan.units_used()):
+        paging = start_prefault(file_memmap(mf.gguf), mf.gguf.data_offset, mf.gguf.file_size - mf.gguf.data_offset)
     exclude: dict[tuple[str, str], str] = {}
     while True:
         try:
@@ -382,6 +406,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
             placement = plan.placement()
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.load_rss_mb = peak_rss_mb()
+    eng.prefault = paging
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
     eng.precision_plan, eng.quality_guard = pplan, guard
     return eng

@@ -44,9 +44,10 @@ def prompt_of_length(engine: Engine, n_tokens: int) -> tuple[str, int]:
 
 
 def memory_fields(engine: Engine) -> dict:
-    """Peak RSS right after load and the bound it is held to: 1.5x the model file plus the KV
-    cache, which leaves room for the runtime only if the weights stay quantized and mapped
-    (a dequantized or repacked copy would not fit). MB = 2^20 bytes, as peak_rss_mb."""
+    """Peak RSS right after load (engine.load_rss_mb: with the mapped weights paged in when load
+    pages them, once the caller has waited for that) and the bound it is held to: 1.5x the model
+    file plus the KV cache, which leaves room for the runtime only if the weights stay quantized
+    and mapped (a dequantized or repacked copy would not fit). MB = 2^20 bytes, as peak_rss_mb."""
     file_mb = engine.model.file_size / 2**20
     kv_mb = engine.kv.nbytes / 2**20
     return {"rss_after_load_mb": round(engine.load_rss_mb, 1), "model_file_mb": round(file_mb, 1),

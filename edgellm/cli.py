@@ -312,6 +312,7 @@ def bench(
         raise ConfigError("--shared-prefix must be >= 0")
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
     eng = _load(model, max(2048, need), threads, device=device, units=units, precision=precision)
+    eng.wait_loaded()   # the weights' paging-in belongs to load: its RSS, not the first run's TTFT
     plan_name = eng.precision_plan.name if eng.precision_plan is not None else "none"
     typer.echo(f"model {eng.config.name}, threads {eng.threads}, load {eng.load_ms:.0f} ms, profile "
                f"{eng.profile.name}, units {','.join(eng.plan.units_used())}, chunk {eng.plan.chunk.tokens}, "

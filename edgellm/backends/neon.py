@@ -21,6 +21,8 @@ from .neon_lib import fptr
 
 NAME = "neon"
 KIND = "cpu"
+# prepare() keeps views of the memory-mapped file: load() pages the mapping in (model/prefault.py)
+MAPS_WEIGHTS = True
 
 _GGML_TO_EL = {"F32": neon_lib.EL_F32, "F16": neon_lib.EL_F16, "Q4_0": neon_lib.EL_Q4_0,
                "Q4_1": neon_lib.EL_Q4_1, "Q8_0": neon_lib.EL_Q8_0}

@@ -445,6 +445,18 @@ def _parse(path: str, buf: Any, size: int) -> GGUFFile:
                     metadata_types=metadata_types)
 
 
+def file_memmap(gguf_file: GGUFFile) -> np.memmap:
+    """The read-only memmap of the whole file that every tensor view shares (opened once)."""
+    mm = gguf_file._cache.get("memmap")
+    if mm is None:
+        mm = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
+        if mm.shape[0] != gguf_file.file_size:
+            raise ModelFormatError(gguf_file.path, "file", f"expected {gguf_file.file_size} bytes as "
+                                   f"parsed, found {mm.shape[0]}: the file changed after it was read")
+        gguf_file._cache["memmap"] = mm
+    return mm
+
+
 def tensor_view(gguf_file: GGUFFile, info: TensorInfo) -> np.ndarray:
     """A read-only, zero-copy view of one tensor's data, backed by a memmap of the file that is
     opened once per GGUFFile.
@@ -454,14 +466,7 @@ def tensor_view(gguf_file: GGUFFile, info: TensorInfo) -> np.ndarray:
     many leading axes as the tensor has), row_bytes = ne[0] / block_size * type_size."""
     if gguf_file.tensors.get(info.name) != info:
         raise ValueError(f"tensor {info.name!r} is not a tensor of {gguf_file.path}")
-    mm = gguf_file._cache.get("memmap")
-    if mm is None:
-        mm = np.memmap(gguf_file.path, dtype=np.uint8, mode="r")
-        if mm.shape[0] != gguf_file.file_size:
-            raise ModelFormatError(gguf_file.path, "file", f"expected {gguf_file.file_size} bytes as "
-                                   f"parsed, found {mm.shape[0]}: the file changed after it was read")
-        gguf_file._cache["memmap"] = mm
-    raw = mm[info.offset:info.offset + info.nbytes]
+    raw = file_memmap(gguf_file)[info.offset:info.offset + info.nbytes]
     np_shape = tuple(reversed(info.shape))
     dt = _NUMPY_TENSOR_DTYPES.get(info.ggml_type)
     if dt is not None:

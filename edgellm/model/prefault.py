@@ -1,0 +1,102 @@
+"""Pages a model's tensor data into the process's page tables in the background, at load.
+
+Why: units that read the weights in place (neon) read them from the memory-mapped GGUF, so the
+first request takes a page fault for every page it touches. On SmolLM2-135M (94 MB) on the x86
+development machine the first request after load had a TTFT of 22-31 ms against 15 ms for the
+next; with the mapping paged in first, 16-17 ms. A 1-3B model has 5-30x the pages, and on a phone
+those faults may also read the file from flash. So load() starts a thread that populates the
+mapping while load finishes and the user types; the first request then finds its pages mapped
+(or, if it comes sooner, shares the work with the thread).
+
+Nothing is allocated: the pages are the file's own (page cache). RSS counts them now instead of
+during the first request. MADV_POPULATE_READ (Linux >= 5.14) does it in one system call, which
+releases the GIL; elsewhere the thread reads one byte per page, in slices, so other Python
+threads keep running between them. EDGELLM_PREFAULT=0 (or load(prefault=False)) turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+log = logging.getLogger("edgellm.load")
+
+MADV_POPULATE_READ = 22          # linux/mman.h: populate (prefault) page tables, readable
+_TOUCH_SLICE = 4 << 20           # bytes read per numpy call in the fallback (1024 pages)
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get("EDGELLM_PREFAULT", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class Prefault:
+    """A running (or finished) paging-in of [offset, offset + nbytes) of a mapping."""
+    nbytes: int
+    method: str = ""                  # "madvise" or "touch", once known
+    seconds: float | None = None      # wall time, once done
+    error: str | None = None          # why it stopped early (the mapping stays usable)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the pages are in (or the attempt ended)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+
+def _madvise_populate(addr: int, length: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn(addr, length, MADV_POPULATE_READ) == 0    # EINVAL before Linux 5.14
+
+
+def _touch(mm: np.ndarray, start: int, end: int) -> None:
+    page = mmap.PAGESIZE
+    for s in range(start, end, _TOUCH_SLICE):
+        int(mm[s:min(s + _TOUCH_SLICE, end):page].max())
+
+
+def _run(job: Prefault, mm: np.ndarray, start: int, end: int) -> None:
+    t0 = time.perf_counter()
+    try:
+        page = mmap.PAGESIZE
+        addr = mm.ctypes.data + start
+        aligned = addr & ~(page - 1)
+        if _madvise_populate(aligned, addr + (end - start) - aligned):
+            job.method = "madvise"
+        else:
+            job.method = "touch"
+            _touch(mm, start, end)
+    except (OSError, ValueError) as e:   # e.g. the file shrank under the mapping (SIGBUS is not this)
+        job.error = f"{type(e).__name__}: {e}"
+    job.seconds = time.perf_counter() - t0
+    if job.error:
+        log.warning("paging in the weights stopped: %s (they load on first use instead)", job.error)
+    else:
+        log.info("weights paged in: %.0f MiB in %.0f ms (%s, in the background)", job.nbytes / 2**20,
+                 job.seconds * 1e3, job.method)
+
+
+def start(mm: np.ndarray, offset: int, nbytes: int) -> Prefault:
+    """Pages in mm[offset:offset + nbytes] on a daemon thread; returns at once."""
+    end = min(offset + max(nbytes, 0), mm.shape[0])
+    job = Prefault(nbytes=max(end - offset, 0))
+    if job.nbytes == 0:
+        job.seconds = 0.0
+        return job
+    job._thread = threading.Thread(target=_run, args=(job, mm, offset, end), name="edgellm-prefault", daemon=True)
+    job._thread.start()
+    return job
