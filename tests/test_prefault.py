@@ -1,6 +1,7 @@
 """Paging the mapped weights in at load (model/prefault.py): the pages of the mapping become
 resident (by MADV_POPULATE_READ, or by reading one byte per page where that is refused), and
 load() does it only for a unit that reads the mapping in place (neon), unless turned off."""
+import errno
 import os
 
 import numpy as np
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="
 @pytest.mark.parametrize("madvise_works", [True, False], ids=["madvise", "touch"])
 def test_start_makes_the_mapping_resident(tmp_path, monkeypatch, madvise_works):
     if not madvise_works:
-        monkeypatch.setattr(prefault, "_madvise_populate", lambda addr, length: False)
+        monkeypatch.setattr(prefault, "_madvise_populate", lambda addr, length: errno.EINVAL)
     p = _file(tmp_path, "w.bin")
     mm = np.memmap(p, dtype=np.uint8, mode="r")
     before = _mapped_rss(p)
@@ -52,6 +53,28 @@ def test_start_makes_the_mapping_resident(tmp_path, monkeypatch, madvise_works):
     assert job.error is None and job.seconds is not None
     # a kernel before 5.14 refuses MADV_POPULATE_READ: then the thread reads the pages itself
     assert job.method in (("madvise", "touch") if madvise_works else ("touch",))
+
+
+def test_a_file_shrunk_under_the_mapping_is_an_error_not_a_crash(tmp_path):
+    """Pages past the file's new end cannot be read (a read would be SIGBUS): the madvise ends
+    with EFAULT, the job says so, and nothing touches those pages."""
+    p = _file(tmp_path, "s.bin")
+    mm = np.memmap(p, dtype=np.uint8, mode="r")
+    os.truncate(p, 1 * MB)
+    job = prefault.start(mm, 0, mm.shape[0])
+    assert job.wait(30)
+    assert job.error, job
+    assert ("Bad address" in job.error) if job.method == "madvise" else ("shorter than" in job.error)
+
+
+def test_the_fallback_does_not_read_a_file_shrunk_under_the_mapping(tmp_path, monkeypatch):
+    monkeypatch.setattr(prefault, "_madvise_populate", lambda addr, length: errno.EINVAL)
+    p = _file(tmp_path, "t.bin")
+    mm = np.memmap(p, dtype=np.uint8, mode="r")
+    os.truncate(p, 1 * MB)
+    job = prefault.start(mm, 0, mm.shape[0])
+    assert job.wait(30)
+    assert job.method == "touch" and "shorter than" in (job.error or ""), job
 
 
 def test_start_with_nothing_to_do(tmp_path):

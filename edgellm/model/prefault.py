@@ -11,11 +11,14 @@ mapping while load finishes and the user types; the first request then finds its
 Nothing is allocated: the pages are the file's own (page cache). RSS counts them now instead of
 during the first request. MADV_POPULATE_READ (Linux >= 5.14) does it in one system call, which
 releases the GIL; elsewhere the thread reads one byte per page, in slices, so other Python
-threads keep running between them. EDGELLM_PREFAULT=0 (or load(prefault=False)) turns it off.
+threads keep running between them. A page that cannot be read (the file shrank after it was
+parsed) ends the madvise with EFAULT, reported with a warning; before reading pages itself the
+thread checks the file's size (a file cut short would make the read a SIGBUS). EDGELLM_PREFAULT=0 (or load(prefault=False)) turns it off.
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -52,15 +55,18 @@ class Prefault:
         return True
 
 
-def _madvise_populate(addr: int, length: int) -> bool:
+def _madvise_populate(addr: int, length: int) -> int:
+    """0 when done, else the errno: EINVAL where the kernel lacks MADV_POPULATE_READ (before 5.14,
+    or no madvise at all); EFAULT where a page cannot be read (the file shrank under the
+    mapping: reading it would be a SIGBUS)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.madvise
     except (OSError, AttributeError):
-        return False
+        return errno.EINVAL
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn(addr, length, MADV_POPULATE_READ) == 0    # EINVAL before Linux 5.14
+    return 0 if fn(addr, length, MADV_POPULATE_READ) == 0 else ctypes.get_errno()
 
 
 def _touch(mm: np.ndarray, start: int, end: int) -> None:
@@ -75,12 +81,20 @@ def _run(job: Prefault, mm: np.ndarray, start: int, end: int) -> None:
         page = mmap.PAGESIZE
         addr = mm.ctypes.data + start
         aligned = addr & ~(page - 1)
-        if _madvise_populate(aligned, addr + (end - start) - aligned):
+        err = _madvise_populate(aligned, addr + (end - start) - aligned)
+        if err == 0:
             job.method = "madvise"
+        elif err in (errno.EINVAL, errno.ENOSYS, errno.EPERM):
+            job.method = "touch"     # the kernel refuses the advice: read the pages instead
+            path = getattr(mm, "filename", None)
+            if path is not None and os.path.getsize(path) < mm.shape[0]:
+                job.error = f"{path} is shorter than when it was read: not reading its pages"
+            else:
+                _touch(mm, start, end)
         else:
-            job.method = "touch"
-            _touch(mm, start, end)
-    except (OSError, ValueError) as e:   # e.g. the file shrank under the mapping (SIGBUS is not this)
+            job.method = "madvise"
+            job.error = f"madvise(MADV_POPULATE_READ): {os.strerror(err)}"
+    except (OSError, ValueError) as e:
         job.error = f"{type(e).__name__}: {e}"
     job.seconds = time.perf_counter() - t0
     if job.error:
