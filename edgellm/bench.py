@@ -62,9 +62,12 @@ def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
     (bench_floor.floor_fields)."""
     gen = GenerationConfig(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
     records = []
+    first = None    # (TTFT ms, prompt tokens) of the engine's first request: the cold start's second half
     for n in prompt_tokens:
         text, actual = prompt_of_length(engine, n)
         engine.generate(text, config=gen)  # warm-up: page in weights, BLAS thread start
+        if first is None:
+            first = (engine.last_stats.ttft_ms, engine.last_stats.prompt_tokens)
         bw = [bandwidth()] if bandwidth else []
         ttft, prefill_tps, decode_tps, rss = [], [], [], []
         for r in range(runs):
@@ -87,6 +90,8 @@ def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
             "decode_tps": round(statistics.median(decode_tps), 2),
             "peak_rss_mb": round(max(rss), 1),
             "load_ms": round(engine.load_ms, 1),
+            "first_request_ttft_ms": round(first[0], 2),
+            "first_request_tokens": first[1],
             **memory_fields(engine),
             "gen_tokens": gen_tokens,
             "runs": runs,

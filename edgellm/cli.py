@@ -334,6 +334,9 @@ def bench(
         typer.echo(f"{r['prompt_tokens']:>7} {r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p95']:>6.0f}ms "
                    f"{r['prefill_tps']:>5.0f}t/s {r['decode_tps']:>5.1f}t/s {r['peak_rss_mb']:>6.0f} MB")
     m = recs[0]
+    if "first_request_ttft_ms" in m:
+        typer.echo(f"cold start: load {m['load_ms']:.0f} ms, then the first request's TTFT "
+                   f"{m['first_request_ttft_ms']:.0f} ms ({m['first_request_tokens']} tokens)")
     typer.echo(f"memory: peak RSS {max(r['peak_rss_mb'] for r in recs):.0f} MB, {m['rss_after_load_mb']:.0f} MB "
                f"right after load; bound 1.5 x {m['model_file_mb']:.1f} MB file + {m['kv_cache_mb']:.1f} MB KV "
                f"cache = {m['rss_bound_mb']:.1f} MB")

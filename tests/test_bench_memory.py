@@ -41,3 +41,6 @@ def test_bench_records_rss_after_load_and_its_bound(tiny, tmp_path, extra):
     assert rec["rss_bound_mb"] == round(1.5 * file_mb + kv_mb, 1)
     assert 0 < rec["rss_after_load_mb"] <= rec["peak_rss_mb"]
     assert f"bound 1.5 x {rec['model_file_mb']:.1f} MB file" in r.stdout
+    if not extra:   # the cold start: load, then the engine's first request (before the warm runs)
+        assert rec["first_request_ttft_ms"] > 0 and rec["first_request_tokens"] == rec["prompt_tokens"]
+        assert f"first request's TTFT {rec['first_request_ttft_ms']:.0f} ms" in r.stdout
