@@ -13,7 +13,8 @@ during the first request. MADV_POPULATE_READ (Linux >= 5.14) does it in one syst
 releases the GIL; elsewhere the thread reads one byte per page, in slices, so other Python
 threads keep running between them. A page that cannot be read (the file shrank after it was
 parsed) ends the madvise with EFAULT, reported with a warning; before reading pages itself the
-thread checks the file's size (a file cut short would make the read a SIGBUS). EDGELLM_PREFAULT=0 (or load(prefault=False)) turns it off.
+thread checks the file's size (a file cut short would make the read a SIGBUS).
+EDGELLM_PREFAULT=0 (or load(prefault=False)) turns it off.
 """
 from __future__ import annotations
 
