@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 
 from . import backends
-from .backends import reference
+from .backends import opencl_child, reference
 from .dispatch import Dispatcher
 from .ops import weight_formats
 from .engine import CancelToken, ModelRunner
@@ -318,11 +318,14 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     if isinstance(units, str):
         units = [u.strip() for u in units.split(",") if u.strip()]
     profile = device_profile(device)
-    if profile.gpu is not None and (units is None or "opencl" in units):
-        # the dispatcher needs the OpenCL probe's answer; its child process runs meanwhile
+    if profile.gpu is not None:
+        # the dispatcher probes the OpenCL unit (whatever `units` says: the plan shows every unit
+        # with its reason); its child process runs meanwhile, started already by edgellm.load
         gpu_mod, _ = backends.get("opencl")
         if hasattr(gpu_mod, "start_probe"):
             gpu_mod.start_probe()
+    else:
+        opencl_child.discard()   # edgellm.load started it for a GPU this profile does not list
     t0 = time.perf_counter()
     path = resolve_model(None if model is None else os.fspath(model),
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)

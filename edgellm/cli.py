@@ -58,9 +58,17 @@ class Progress:
         sys.stderr.flush()
 
 
+def _start_probe_child() -> None:
+    """The OpenCL probe child, started before the runtime is imported (backends/opencl_child.py);
+    a command that ends before loading leaves it to finish on its own (~0.4 s)."""
+    from .backends import opencl_child
+
+    opencl_child.spawn()
+
+
 def _load(model, ctx, threads, kv="pool", kv_precision=None, window=1024, sinks=4, device=None, units=None,
           precision=None, quality_guard=False):
-    from .api import load
+    from . import load   # starts the OpenCL probe child before importing the runtime
 
     eng = load(model, device, n_ctx=ctx, threads=threads, kv=kv, kv_precision=kv_precision, window=window,
                sinks=sinks, units=_units(units), precision=precision, quality_guard=quality_guard,
@@ -133,6 +141,7 @@ def run(
     quality_guard: bool = typer.Option(False, "--quality-guard/--no-quality-guard", help=GUARD_HELP),
 ):
     """Generate text from a prompt, streamed to stdout."""
+    _start_probe_child()
     from .api import generation_config
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -193,6 +202,7 @@ def chat(
 ):
     """Interactive chat. Ctrl-C stops the current answer; Ctrl-D or /exit quits; /reset forgets.
     Earlier turns stay in the KV cache, so each answer starts after computing only the new turn."""
+    _start_probe_child()
     from .api import generation_config
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -299,6 +309,7 @@ def bench(
                                "does) before and after each length's runs; ~3 s per probe"),
 ):
     """Measure TTFT (median, p95), prefill and decode tok/s, peak RSS, decode vs its memory floor."""
+    _start_probe_child()
     from . import bench as b
     from .errors import ConfigError
 

@@ -11,13 +11,11 @@ Weights stay in their GGUF block formats, repacked once at prepare() into device
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,7 +25,7 @@ import numpy as np
 from .. import quant
 from ..model import layout
 from ..model.config import ModelConfig
-from . import UnitFailed
+from . import UnitFailed, opencl_child
 from .opencl_runtime import ClRuntime, KernelBuildError, OpenCLUnavailable
 
 NAME = "opencl"
@@ -40,7 +38,7 @@ PROBE_TIMEOUT_S = float(os.environ.get("EDGELLM_OPENCL_PROBE_TIMEOUT", "180"))
 _OPS = {"embedding", "rmsnorm", "matmul", "rope", "attention", "swiglu", "add", "lm_head"}
 _TYPES = {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"}
 
-_state: dict = {"probe": None, "rt": None, "probe_report": {}, "child": None}
+_state: dict = {"probe": None, "rt": None, "probe_report": {}}
 _lock = threading.Lock()
 
 
@@ -51,52 +49,40 @@ def available() -> tuple[bool, str]:
     with _lock:
         if _state["probe"] is None:
             _state["probe"] = _probe()
+            opencl_child.set_answered(True)
         return _state["probe"]
 
 
 def start_probe() -> None:
-    """Starts the probe child now, without waiting for it: load() calls this first, so that the
-    child (~0.6 s with PoCL, most of it importing pyopencl and opening the driver) runs while the
-    model file is parsed; available() then collects its answer. Does nothing once probed, or
-    when pyopencl is missing (available() says so)."""
+    """Starts the probe child now, without waiting for it (backends/opencl_child.py: edgellm.load
+    starts it before importing the runtime), so that it runs while load() works; available()
+    then collects its answer. Does nothing once probed, while a child runs, or when pyopencl is
+    missing (available() says so)."""
     with _lock:
-        if _state["probe"] is not None or _state["child"] is not None or not _has_pyopencl():
-            return
-        try:
-            _state["child"] = (_spawn(), time.monotonic())
-        except OSError:
-            pass        # available() runs it again and reports why it cannot start
+        if _state["probe"] is None:
+            opencl_child.spawn()
 
 
 def reset() -> None:
     """Forget the probe result and the device (tests; a changed environment)."""
     with _lock:
-        child = _state["child"]
-        if child is not None:
-            child[0].kill()
-            child[0].communicate()
-        _state.update(probe=None, rt=None, probe_report={}, child=None)
-
-
-def _has_pyopencl() -> bool:
-    return importlib.util.find_spec("pyopencl") is not None
-
-
-def _spawn() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "edgellm.backends.opencl_probe"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+        opencl_child.discard()
+        opencl_child.set_answered(False)
+        _state.update(probe=None, rt=None, probe_report={})
 
 
 def _probe() -> tuple[bool, str]:
     """The probe child's answer: the one start_probe() began (with what is left of its
     timeout), else a child started now."""
-    if not _has_pyopencl():     # the cheap check first, in this process
+    if not opencl_child.has_pyopencl():     # the cheap check first, in this process
         return False, "pyopencl is not installed (pip install 'edgellm[opencl]')"
-    child, _state["child"] = _state["child"], None
-    try:
-        proc, t0 = child if child is not None else (_spawn(), time.monotonic())
-    except OSError as e:
-        return False, f"the OpenCL probe could not start: {e}"
+    child = opencl_child.take()
+    if child is None:
+        err = opencl_child.spawn()
+        if err is not None:
+            return False, f"the OpenCL probe could not start: {err}"
+        child = opencl_child.take()
+    proc, t0 = child
     try:
         out, err = proc.communicate(timeout=max(0.0, PROBE_TIMEOUT_S - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
