@@ -30,12 +30,21 @@ def friendly(fn):
         try:
             return fn(*a, **k)
         except EdgeLLMError as e:
+            _stop_probe_child()
             _err(str(e))
             raise typer.Exit(1)
         except KeyboardInterrupt:
+            _stop_probe_child()
             typer.echo("", err=True)
             raise typer.Exit(130)
     return wrapper
+
+
+def _stop_probe_child() -> None:
+    # a command that fails before its load used the OpenCL probe child it started: stop it
+    from .backends import opencl_child
+
+    opencl_child.discard()
 
 
 class Progress:
@@ -60,7 +69,7 @@ class Progress:
 
 def _start_probe_child() -> None:
     """The OpenCL probe child, started before the runtime is imported (backends/opencl_child.py);
-    a command that ends before loading leaves it to finish on its own (~0.4 s)."""
+    a command that fails before its load took the child's answer stops it (friendly)."""
     from .backends import opencl_child
 
     opencl_child.spawn()

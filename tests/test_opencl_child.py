@@ -70,3 +70,16 @@ def test_load_discards_the_early_child_when_the_profile_has_no_gpu(tiny, monkeyp
     assert spawned == [1] and opencl_child._child == []      # started early, then killed
     (gpu,) = [u for u in eng.plan.units if u.name == "opencl"]
     assert not gpu.available and "no OpenCL GPU" in gpu.reason
+
+
+def test_a_command_that_fails_before_loading_stops_its_child(monkeypatch):
+    from typer.testing import CliRunner
+
+    from edgellm.cli import app
+
+    spawned = []
+    real_spawn = opencl_child.spawn
+    monkeypatch.setattr(opencl_child, "spawn", lambda: spawned.append(1) or real_spawn())
+    r = CliRunner().invoke(app, ["run", "x", "--temperature", "-1"])
+    assert r.exit_code == 1 and "temperature" in r.output
+    assert spawned == [1] and opencl_child._child == []
