@@ -79,9 +79,9 @@ def _probe() -> tuple[bool, str]:
     child = opencl_child.take()
     if child is None:
         err = opencl_child.spawn()
-        if err is not None:
-            return False, f"the OpenCL probe could not start: {err}"
         child = opencl_child.take()
+        if child is None:
+            return False, f"the OpenCL probe could not start: {err or 'no child process'}"
     proc, t0 = child
     try:
         out, err = proc.communicate(timeout=max(0.0, PROBE_TIMEOUT_S - (time.monotonic() - t0)))
