@@ -239,8 +239,9 @@ static inline __attribute__((always_inline)) void el_g_repack8(const int wt, con
  * the int32 block sums are the same exact integers, so results stay bit-identical. Each
  * accumulator runs two 4-long chains (even, odd dwords). Zen 5, 2 threads, Q8_0 3072 x 576 and
  * 576 x 1536 at M = 256: 345-350 -> 440-455 GFLOPS (M = 32: 320-330 -> 395-415). Q4 keeps
- * VPMADDUBSW: its int16 sums need one VPMADDWD per block only, and with VPDPBUSD in the shared
- * tile its GEMM went 545-565 -> 485-490. */
+ * VPMADDUBSW: its int16 sums need one VPMADDWD per block only, and with VPDPBUSD its GEMM went
+ * 545-565 -> 485-490. This is a tile of its own, not a branch in el_g_tile_avx2, because the
+ * branch there alone cost the Q4 code gcc generates 8% (563 -> 517 GFLOPS at M = 256). */
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define EL_G_VNNI 1
 static inline __m256i el_dpbusd256(__m256i acc, __m256i u8, __m256i s8) {
