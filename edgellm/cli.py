@@ -455,7 +455,7 @@ def profile(
 ):
     """Measure this machine: pinned GEMM throughput per CPU cluster and precision, memory read
     bandwidth, and each available unit's GEMM throughput by rows and per-call overhead."""
-    from .device.probes import measure_host
+    from .device.probes import gemm_peak_share, measure_host
 
     tty = sys.stderr.isatty()
 
@@ -470,6 +470,9 @@ def profile(
     typer.echo(f"memory read bandwidth {m.memory_read_bandwidth / 1e9:.1f} GB/s")
     for name, figs in m.clusters.items():
         typer.echo(f"cluster {name}: " + ", ".join(f"{p} {f / 1e9:.1f} GFLOPS" for p, f in figs.items()))
+    for c in result.profile.clusters:
+        typer.echo(f"cluster {c.name}: peak per core " + ", ".join(
+            f"{p} {f / 1e9:.0f} G{'OPS' if p.startswith('int') else 'FLOPS'}" for p, f in c.peak_per_core.items()))
     for name, u in m.units.items():
         curve = ", ".join(f"{g.m}:{g.flops / 1e9:.0f}" for g in u.gemm)
         attn = "".join(f", attention GFLOPS by (tokens after cached) "
@@ -477,6 +480,9 @@ def profile(
                        for _ in [0] if u.attention)
         typer.echo(f"unit {name}: {u.threads} threads, call overhead {u.call_overhead_s * 1e6:.1f} us, "
                    f"GEMM GFLOPS by rows {curve}{attn}")
+        share = gemm_peak_share(result.profile, name, u)
+        if share:
+            typer.echo(f"unit {name}: {share}")
     for note in result.notes:
         typer.echo(f"note: {note}", err=True)
     typer.echo(f"profile written to {result.path} in {result.seconds:.1f} s (use --device host)", err=True)

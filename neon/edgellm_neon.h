@@ -41,6 +41,12 @@ EL_API unsigned el_features(void);          /* compiled-in paths of this variant
 EL_API const char *el_build_info(void);     /* "variant=dotprod simde=1 compiler=gcc 12.2.0 ..." */
 EL_API void el_use_generic(int on);         /* 1: every kernel runs its _generic twin */
 
+/* The arithmetic peak of the calling core (peak_probe.c): iters rounds of 12 independent chains
+ * of this build's widest multiply-accumulate for the kind; *ops = multiplies + adds done. The
+ * caller times it. EL_EUNSUPPORTED: no such arithmetic here (fp16 without Arm fp16 vectors). */
+enum { EL_PEAK_FP32 = 0, EL_PEAK_FP16 = 1, EL_PEAK_INT8 = 2 };
+EL_API int el_peak_probe(int kind, long iters, double *ops);
+
 /* ---- thread pool ------------------------------------------------------------------------- */
 /* A persistent pool: n_threads - 1 workers plus the calling thread. Workers are pinned to
  * cores[] (round robin) when cores != NULL; they spin briefly, then sleep, between jobs. */

@@ -485,6 +485,23 @@ static void builtin_checks(int threads, const char *path) {
         snprintf(name, sizeof name, "%s%s", bad[i].name, path);
         check(name, bad[i].rc < 0, buf);
     }
+
+    /* the peak probe (its figure is a timing, not checkable here): 12 chains of 2 ops per lane
+     * and iteration, fp32 and int8 always, fp16 only with Arm fp16 vector arithmetic */
+    static const char *const peak_names[3] = {"fp32", "fp16", "int8"};
+    const unsigned feats = el_features();
+    for (int kind = 0; kind < 3; kind++) {
+        double ops = 0.0, ops2 = 0.0;
+        const int rc = el_peak_probe(kind, 1000, &ops), rc2 = el_peak_probe(kind, 2000, &ops2);
+        const double lanes = ops / (1000.0 * 12 * 2);
+        const int native_fp16 = (feats & EL_FEAT_FP16) && !(feats & EL_FEAT_SIMDE);
+        int ok;
+        if (kind == EL_PEAK_FP16 && !native_fp16) ok = rc == EL_EUNSUPPORTED;
+        else ok = rc == EL_OK && rc2 == EL_OK && ops2 == 2 * ops && lanes >= 4 && lanes == (double)(long)lanes;
+        snprintf(buf, sizeof buf, "rc=%d ops=%.0f (%.2f lanes per chain step)", rc, ops, lanes);
+        snprintf(name, sizeof name, "peak/%s%s", peak_names[kind], path);
+        check(name, ok, buf);
+    }
 }
 
 /* ---- main -------------------------------------------------------------------------------- */

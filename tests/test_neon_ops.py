@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import threading
@@ -450,3 +451,48 @@ def test_cross_compiles_for_aarch64(variant, tmp_path):
                "-o", str(tmp_path / (src + ".o"))]
         r = subprocess.run(cmd, capture_output=True, text=True)
         assert r.returncode == 0, f"{src} ({variant}):\n{r.stderr}"
+
+
+# ---- the peak probe (peak_probe.c): no numeric output to compare, so its contract ------------------
+
+PEAK_FP32, PEAK_FP16, PEAK_INT8 = 0, 1, 2
+
+
+def _peak(lib, kind, iters):
+    ops = ctypes.c_double(-1.0)
+    rc = lib.el_peak_probe(kind, iters, ctypes.byref(ops))
+    return rc, ops.value
+
+
+@pytest.mark.parametrize("kind, lanes", [(PEAK_FP32, (4, 8, 16)), (PEAK_INT8, (8, 16, 32, 64))])
+def test_peak_probe_counts_12_chains_of_its_widest_mac(lib, kind, lanes):
+    rc, ops = _peak(lib, kind, 1000)
+    assert rc == 0
+    per_chain_step = ops / (1000 * 12 * 2)          # MACs per instruction of this build
+    assert per_chain_step in lanes
+    rc, ops2 = _peak(lib, kind, 3000)
+    assert rc == 0 and ops2 == 3 * ops
+
+
+def test_peak_probe_fp16_is_native_or_unsupported(lib):
+    rc, ops = _peak(lib, PEAK_FP16, 100)
+    if platform.machine().lower() not in ("aarch64", "arm64"):
+        assert rc == -3            # x86 has no fp16 FMA here; SIMDe would time an emulation
+    else:
+        assert (rc, ops) == (0, 100 * 12 * 8 * 2) or rc == -3
+
+
+@pytest.mark.parametrize("kind, iters", [(7, 10), (-1, 10), (PEAK_FP32, 0), (PEAK_INT8, -5)])
+def test_peak_probe_rejects_bad_arguments(lib, kind, iters):
+    assert _peak(lib, kind, iters)[0] == -1
+    assert lib.el_peak_probe(PEAK_FP32, 10, None) == -1
+
+
+def test_peak_per_core_reports_positive_rates():
+    from edgellm.backends import neon, neon_probe
+    if not neon.available()[0]:
+        pytest.skip(f"neon unit unavailable: {neon.available()[1]}")
+    peaks, note = neon_probe.peak_per_core(seconds=0.002, runs=3)
+    assert set(peaks) == {"fp32", "fp16", "int8"} and all(v > 0 for v in peaks.values())
+    if "fp16" in note:              # no native fp16: its work runs in fp32, at the fp32 rate
+        assert peaks["fp16"] == peaks["fp32"]

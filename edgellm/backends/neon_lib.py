@@ -26,6 +26,7 @@ _SIGNATURES = {
     "el_features": (c_uint, []),
     "el_build_info": (ctypes.c_char_p, []),
     "el_use_generic": (None, [c_int]),
+    "el_peak_probe": (c_int, [c_int, ctypes.c_long, POINTER(ctypes.c_double)]),
     "el_pool_create": (c_void_p, [c_int, _c_int_p, c_int]),
     "el_pool_destroy": (None, [c_void_p]),
     "el_pool_threads": (c_int, [c_void_p]),

@@ -7,7 +7,9 @@ median_seconds): as for the numpy unit, every call reads a different weight matr
 several times the caches, so one-row GEMVs stream from DRAM as decode does."""
 from __future__ import annotations
 
+import ctypes
 import math
+import time
 
 import numpy as np
 
@@ -59,3 +61,44 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
     return UnitMeasurement(precision_flops=flops, gemm=tuple(curve), call_overhead_s=overhead, threads=threads,
                            attention=op_probe.measure_attention(attend, sizes, overhead, progress),
                            elementwise=op_probe.measure_elementwise(neon, sizes, overhead, progress))
+
+
+PEAK_KINDS = {"fp32": 0, "fp16": 1, "int8": 2}    # EL_PEAK_* of neon/edgellm_neon.h
+
+
+def peak_per_core(seconds: float = 0.02, runs: int = 5) -> tuple[dict[str, float], str] | None:
+    """The calling core's arithmetic peak per precision (op/s, multiplies and adds counted as
+    GEMM FLOPS are), from el_peak_probe: chains of the widest multiply-accumulate this build
+    issues, timed on the calling thread (pin it first), the median of `runs` of ~`seconds`.
+    Returns (peaks, note), or None when the neon library is not available. Without fp16 vector
+    arithmetic (x86, Armv8.0) fp16 work runs in fp32, so its peak is the fp32 one (said in the note)."""
+    from . import neon
+
+    ok, _ = neon.available()
+    if not ok:
+        return None
+    lib = neon._lib()
+    peaks, notes = {}, []
+    for name, kind in PEAK_KINDS.items():
+        ops = ctypes.c_double()
+
+        def once(iters: int) -> tuple[float, float]:
+            t = time.perf_counter()
+            rc = lib.el_peak_probe(kind, iters, ctypes.byref(ops))
+            return rc, time.perf_counter() - t
+
+        rc, _ = once(1)
+        if rc != 0:
+            notes.append(f"{name}: no native {name} arithmetic, its work runs in fp32")
+            continue
+        iters = 1 << 10
+        while True:   # calibrate: a run of about `seconds`, then the median of `runs`
+            _, t = once(iters)
+            if t >= seconds / 4 or iters >= 1 << 40:
+                break
+            iters *= 4
+        iters = max(1, int(iters * seconds / max(t, 1e-9)))
+        times = sorted(once(iters)[1] for _ in range(runs))
+        peaks[name] = ops.value / times[len(times) // 2]
+    peaks.setdefault("fp16", peaks["fp32"])
+    return peaks, "; ".join(notes)

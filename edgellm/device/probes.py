@@ -4,7 +4,9 @@ and write the figures into the `host` device profile the cost model plans with.
 measure_host() starts from the estimate of edgellm.device.host (clusters, caches, ISA features)
 and measures, each step pinned to the cores it is about:
 - per CPU cluster: GEMM throughput per precision (fp32 through BLAS sgemm; fp16 and int8 as
-  numpy computes them, without BLAS: slow, and that is the true figure for the numpy unit);
+  numpy computes them, without BLAS: slow, and that is the true figure for the numpy unit), and
+  the arithmetic peak of one core (the neon library's multiply-accumulate chains), which replaces
+  the nominal peak_per_core of the estimate;
 - DRAM read bandwidth with all big cores: a decode-shaped matmul (one row of activations against
   a weight matrix many times the last-level cache), as decode streams its weights;
 - every registered unit probe (register_probe): the reference (numpy) unit's GEMM-throughput-by-
@@ -276,6 +278,52 @@ def measure_cluster(sizes: ProbeSizes) -> dict[str, float]:
             "int8": _gemm_rate(*sizes.small_gemm, np.int8, sizes)}
 
 
+def measure_peak_per_core(cluster: str, notes: list[str], sizes: ProbeSizes) -> dict[str, float] | None:
+    """The arithmetic peak of one core of the cluster the caller is pinned to, per precision,
+    from the neon library's multiply-accumulate chains (backends.neon_probe.peak_per_core);
+    None, noted, when the library is not available (the profile keeps the nominal figures)."""
+    try:
+        from ..backends import neon_probe
+
+        # runs of 20 ms: the chains reach their rate within microseconds, a run only has to
+        # outlast the timer's resolution and a scheduler tick (tests' tiny budgets: shorter)
+        got = neon_probe.peak_per_core(seconds=min(0.02, sizes.budget_s / 10), runs=max(sizes.min_runs, 5))
+    except Exception as e:  # noqa: BLE001 - a broken library must not end the profile run
+        notes.append(f"cluster {cluster}: peak per core not measured ({type(e).__name__}: {e}); nominal figures kept")
+        return None
+    if got is None:
+        notes.append(f"cluster {cluster}: peak per core not measured (the neon library is not available); "
+                     f"nominal figures kept")
+        return None
+    peaks, note = got
+    if note:
+        notes.append(f"cluster {cluster}: {note}")
+    return peaks
+
+
+# the precision a CPU unit's GEMM curve computes in (neon: int8 dot products of the Q4_1 path)
+_GEMM_PRECISION = {"neon": "int8", "reference": "fp32"}
+
+
+def gemm_peak_share(profile: DeviceProfile, unit: str, u: UnitMeasurement) -> str | None:
+    """'best GEMM G = x% of the big cores' <precision> peak (n x per core)' for a CPU unit, None
+    for the others (a GPU's peak is the unit's own measurement)."""
+    from ..costmodel import big_cpu, cpu_peak
+
+    precision = _GEMM_PRECISION.get(unit)
+    if precision is None or not u.gemm:
+        return None
+    big = big_cpu(profile)
+    n_big = sum(len(c.cores) for c in big)
+    n = min(u.threads, n_big) if u.threads else n_big
+    peak = cpu_peak(big, precision) * n / n_big
+    if peak <= 0:
+        return None
+    best = max(u.gemm, key=lambda g: g.flops)
+    return (f"best GEMM {best.flops / 1e9:.0f} G{'OPS' if precision == 'int8' else 'FLOPS'} at {best.m} rows = "
+            f"{100 * best.flops / peak:.0f}% of {n} big cores' {precision} peak ({peak / 1e9:.0f})")
+
+
 def measure_read_bandwidth(sizes: ProbeSizes) -> float:
     """bytes/s: one row of activations against a (rows, gemm_k) fp32 matrix far larger than the
     caches, through the reference backend's matmul: the sgemv every decode matmul does, on all
@@ -426,6 +474,7 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
 
     step = iter(range(total))
     clusters: dict[str, dict[str, float]] = {}
+    peaks: dict[str, dict[str, float]] = {}
     for c in est.clusters:
         i = next(step)
         report(i)
@@ -436,6 +485,9 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
                     clusters[c.name] = measure_cluster(sizes)
                 except (MemoryError, ArithmeticError, EdgeLLMError) as e:
                     notes.append(f"cluster {c.name}: not measured ({type(e).__name__}: {e})")
+                peak = measure_peak_per_core(c.name, notes, sizes)
+                if peak:
+                    peaks[c.name] = peak
         report(i, done=i + 1)
 
     i = next(step)
@@ -482,6 +534,9 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
     if busy:
         notes.append(busy)
     tool = f"edgellm profile {__version__}" + (" --quick" if quick else "")
+    # a measured peak stands in for the nominal one (clock x lanes x an assumed port count)
+    est = replace(est, clusters=tuple(replace(c, peak_per_core={**c.peak_per_core, **peaks[c.name]})
+                                      if c.name in peaks else c for c in est.clusters))
     profile = replace(
         est, name="host",
         soc=re.sub(r",\s*estimated$", "", est.soc),
