@@ -302,6 +302,14 @@ el_pv_block_avx2(const int NR, float *const *acc, const float *alpha, const floa
         }
     }
 }
+#if defined(__AVX512F__)
+#include "attn_avx512.h"
+#define el_scores_block_x86 el_scores_block_avx512
+#define el_pv_block_x86 el_pv_block_avx512
+#else
+#define el_scores_block_x86 el_scores_block_avx2
+#define el_pv_block_x86 el_pv_block_avx2
+#endif
 #else
 #define EL_ATTN_NR 2
 #endif
@@ -309,7 +317,7 @@ el_pv_block_avx2(const int NR, float *const *acc, const float *alpha, const floa
 /* Scores and PV for query rows qi..qi+nr-1 (nr <= EL_ATTN_NR) of a tile */
 static void el_scores_rows(int nr, const float *const *q, const float *kt, int ld, int nk, int hd, float *const *s) {
 #if EL_ATTN_NR == 4
-    EL_BY_ROWS(nr, el_scores_block_avx2, q, kt, ld, nk, hd, s);
+    EL_BY_ROWS(nr, el_scores_block_x86, q, kt, ld, nk, hd, s);
 #else
     if (nr == 2) el_scores_block(2, q, kt, ld, nk, hd, s);
     else el_scores_block(1, q, kt, ld, nk, hd, s);
@@ -319,7 +327,7 @@ static void el_scores_rows(int nr, const float *const *q, const float *kt, int l
 static void el_pv_rows(int nr, float *const *acc, const float *alpha, const float *const *p, const float *const *rows,
                        int nk, int hd) {
 #if EL_ATTN_NR == 4
-    EL_BY_ROWS(nr, el_pv_block_avx2, acc, alpha, p, rows, nk, hd);
+    EL_BY_ROWS(nr, el_pv_block_x86, acc, alpha, p, rows, nk, hd);
 #else
     if (nr == 2) el_pv_block(2, acc, alpha, p, rows, nk, hd);
     else el_pv_block(1, acc, alpha, p, rows, nk, hd);
