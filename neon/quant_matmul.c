@@ -284,6 +284,7 @@ static inline int32x4_t el_dot32_q8(int8x16_t w0, int8x16_t w1, int8x16_t x0, in
 }
 
 #include "qmatmul_avx2.h"
+#include "qmatmul_avx512.h"
 #include "qgemv_avx512.h"
 
 /* One register tile: 4 weight rows (w[r] = row r's first block; rows past the matrix repeat the
@@ -338,10 +339,13 @@ el_qtile(const int wt, const int nx, const uint8_t *const w[4], const int8_t *xq
 }
 
 
-/* 1: the AVX2 GEMM tile computed these rows; 0: run the portable tiles */
+/* 1: the AVX-512 or AVX2 GEMM tile computed these rows; 0: run the portable tiles */
 static inline __attribute__((always_inline)) int el_qrows_gemm(const int wt, const uint8_t *w, size_t rb, int rows,
                                                                const el_xq *xq, int x0, int nx_all, float *y,
                                                                size_t ldy, const float *bias) {
+#if defined(EL_G5)
+    if (nx_all >= EL_G_MIN_NX && el_g5_gemm(wt, w, rb, rows, xq, x0, nx_all, y, ldy, bias)) return 1;
+#endif
 #if EL_SIMDE && defined(__AVX2__)
     if (nx_all >= EL_G_MIN_NX) return el_g_gemm_avx2(wt, w, rb, rows, xq, x0, nx_all, y, ldy, bias);
 #endif

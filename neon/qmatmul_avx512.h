@@ -1,0 +1,146 @@
+/* x86 AVX-512 (BW) GEMM tile for Q4_0 / Q4_1 weights, development builds on AVX-512 CPUs:
+ * el_g_gemm_avx2 (qmatmul_avx2.h) on 16-lane registers. Included by quant_matmul.c after the
+ * AVX2 header, whose repack it reuses.
+ *
+ * The AVX2 tile is bound by its SIMD ports, not by memory (about a quarter of the int8 peak that
+ * el_peak_probe measures on a Zen 5 core); a Zen 5 core issues its 512-bit integer and FP
+ * operations at the 256-bit rate, so the same work in registers twice as wide takes about half
+ * the instructions. Layout: 16 weight rows per register (lane r = row r; per block, register j
+ * holds dword j of the 16 rows: the two 8-row halves of el_g_repack8_block side by side), then
+ * the 16 rows' d and m. Tile: 1 or 2 groups of 16 rows x up to 4 x rows, 32 zmm registers being
+ * enough for 8 fp32 and 8 int16 accumulators. Per lane the operations are the AVX2 tile's, in
+ * the same order (exact int16 / int32 block sums, one FMA by d_w d_x, one by m_w s_x), so the
+ * results are bit-identical to it. Q8_0 stays on the AVX2 / VNNI tile (SmolLM2-class Q4 files
+ * keep only the head, a GEMV, in Q8_0). */
+#if EL_SIMDE && defined(__AVX512F__) && defined(__AVX512BW__)
+#define EL_G5 1
+#define EL_G5_ROWS 16
+/* a repacked block of 16 rows: 8 registers of 16 rows x 4 bytes, then d of the 16 rows, then m */
+#define EL_G5_QBYTES (EL_G5_ROWS * QK)
+#define EL_G5_BLOCK (EL_G5_QBYTES + 2 * EL_G5_ROWS * (int)sizeof(float))
+/* repack buffers (32 rows) up to this size live on the stack: K <= 2048 */
+#define EL_G5_STACK (2 * 64 * EL_G5_BLOCK)
+
+/* nb blocks of 16 rows (w[r] = row r's first block) -> out, block b at out + b * stride */
+static inline __attribute__((always_inline)) void el_g5_repack16(const int wt, const uint8_t *const w[16], int nb,
+                                                                 uint8_t *out, size_t stride) {
+    for (int b = 0; b < nb; b++, out += stride) {
+        float *d = (float *)(out + EL_G5_QBYTES);
+        for (int h = 0; h < 2; h++)
+            el_g_repack8_block(wt, w + 8 * h, b, out + 32 * h, 64, d + 8 * h, d + EL_G5_ROWS + 8 * h);
+    }
+}
+
+/* ng (1, 2) groups of 16 repacked rows (group g of block b at wp + (b * ng + g) * EL_G5_BLOCK)
+ * x nx (1..4) x rows: acc[g * nx + c] lane r = y[c][row 16g + r] */
+static inline __attribute__((always_inline)) void el_g5_tile(const int wt, const int ng, const int nx,
+                                                             const uint8_t *wp, const int8_t *xq, const float *xd,
+                                                             const float *xs, int nb, __m512 acc[8]) {
+    const __m512i ones = _mm512_set1_epi16(1);
+    for (int i = 0; i < ng * nx; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++, wp += ng * EL_G5_BLOCK) {
+        __m512i s[8];
+        for (int j = 0; j < 8; j++) {
+            __m512i w[2];
+            for (int g = 0; g < ng; g++) w[g] = _mm512_loadu_si512((const void *)(wp + g * EL_G5_BLOCK + 64 * j));
+            for (int c = 0; c < nx; c++) {
+                const __m512i x = _mm512_set1_epi32(el_ld32((const uint8_t *)xq + ((size_t)c * nb + b) * QK + 4 * j));
+                for (int g = 0; g < ng; g++) {
+                    const int i = g * nx + c;
+                    const __m512i p = _mm512_maddubs_epi16(w[g], x);
+                    s[i] = j ? _mm512_add_epi16(s[i], p) : p;
+                    __asm__("" : "+v"(s[i]));   /* the add chain stays a chain (see el_g_tile_avx2) */
+                }
+            }
+        }
+        for (int g = 0; g < ng; g++) {
+            const float *sc = (const float *)(wp + g * EL_G5_BLOCK + EL_G5_QBYTES);
+            const __m512 dw = _mm512_loadu_ps(sc);
+            for (int c = 0; c < nx; c++) {
+                const int i = g * nx + c;
+                const __m512 t = _mm512_cvtepi32_ps(_mm512_madd_epi16(s[i], ones));
+                acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(dw, _mm512_set1_ps(xd[(size_t)c * nb + b])), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(sc + EL_G5_ROWS), _mm512_set1_ps(xs[(size_t)c * nb + b]),
+                                         acc[i]);
+            }
+        }
+    }
+    (void)wt;
+}
+
+/* acc[c] lanes 0..nr-1 (+ bias) -> y row c */
+static inline void el_g5_store(const __m512 *acc, int nx, int nr, float *y, size_t ldy, const float *bias) {
+    const __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(keep, bias) : _mm512_setzero_ps();
+    for (int c = 0; c < nx; c++) _mm512_mask_storeu_ps(y + c * ldy, keep, _mm512_add_ps(acc[c], bv));
+}
+
+/* One panel of ng * 16 rows (nr real) against all nx_all x rows, in tiles of 4 x rows. pf,
+ * pf_bytes: the next panel's weights, prefetched a share before each tile. */
+static inline __attribute__((always_inline)) void el_g5_panel(const int wt, const int ng, const uint8_t *buf, int nr,
+                                                              const el_xq *xq, int x0, int nx_all, float *y,
+                                                              size_t ldy, const float *bias, const uint8_t *pf,
+                                                              size_t pf_bytes) {
+    const int nb = xq->nb;
+    const int tiles = (nx_all + 3) / 4;
+    const size_t pf_step = (pf_bytes / 64 + (size_t)tiles) / (size_t)tiles * 64;   /* bytes per tile */
+    for (int c0 = 0; c0 < nx_all; c0 += 4) {
+        const int nx = EL_MIN(4, nx_all - c0);
+        for (size_t o = 0; o < pf_step && o < pf_bytes; o += 64) __builtin_prefetch(pf + o);
+        if (pf_bytes > pf_step) pf += pf_step, pf_bytes -= pf_step;
+        else pf_bytes = 0;
+        const size_t xr = (size_t)(x0 + c0);
+        const int8_t *q = xq->q + xr * nb * QK;
+        const float *d = xq->d + xr * nb, *s = xq->s + xr * nb;
+        __m512 acc[8];
+        float *yt = y + (size_t)c0 * ldy;
+        switch (ng * 8 + nx) {
+        case 9: el_g5_tile(wt, 1, 1, buf, q, d, s, nb, acc); break;
+        case 10: el_g5_tile(wt, 1, 2, buf, q, d, s, nb, acc); break;
+        case 11: el_g5_tile(wt, 1, 3, buf, q, d, s, nb, acc); break;
+        case 12: el_g5_tile(wt, 1, 4, buf, q, d, s, nb, acc); break;
+        case 17: el_g5_tile(wt, 2, 1, buf, q, d, s, nb, acc); break;
+        case 18: el_g5_tile(wt, 2, 2, buf, q, d, s, nb, acc); break;
+        case 19: el_g5_tile(wt, 2, 3, buf, q, d, s, nb, acc); break;
+        default: el_g5_tile(wt, 2, 4, buf, q, d, s, nb, acc); break;
+        }
+        for (int g = 0; g < ng && EL_G5_ROWS * g < nr; g++)
+            el_g5_store(acc + g * nx, nx, EL_MIN(EL_G5_ROWS, nr - EL_G5_ROWS * g), yt + EL_G5_ROWS * g, ldy,
+                        bias ? bias + EL_G5_ROWS * g : NULL);
+    }
+}
+
+/* 1: computed (Q4_0 / Q4_1); 0: the caller runs the AVX2 tile (Q8_0, or no memory for a large K) */
+static __attribute__((noinline)) int el_g5_gemm(const int wt, const uint8_t *w, size_t rb, int rows, const el_xq *xq,
+                                                int x0, int nx_all, float *y, size_t ldy, const float *bias) {
+    if (wt == EL_Q8_0) return 0;
+    const int nb = xq->nb;
+    _Alignas(64) uint8_t stack_buf[EL_G5_STACK];
+    uint8_t *buf = stack_buf, *owned = NULL;
+    if ((size_t)nb * 2 * EL_G5_BLOCK > sizeof stack_buf) {
+        buf = owned = (uint8_t *)malloc((size_t)nb * 2 * EL_G5_BLOCK);
+        if (!owned) return 0;
+    }
+    /* as el_g_gemm_avx2: the first panel's weights all at once, each next one a share per tile */
+    for (size_t o = 0; o < (size_t)EL_MIN(rows, 2 * EL_G5_ROWS) * rb; o += 64) __builtin_prefetch(w + o);
+    for (int r0 = 0; r0 < rows;) {
+        /* 32-row panels; a last 1..16 rows take one group (17..31 pad the second group) */
+        const int ng = rows - r0 > EL_G5_ROWS ? 2 : 1, nr = EL_MIN(ng * EL_G5_ROWS, rows - r0);
+        const uint8_t *pf = w + (size_t)(r0 + nr) * rb;
+        const size_t pf_bytes = (size_t)EL_MIN(rows - r0 - nr, 2 * EL_G5_ROWS) * rb;
+        for (int g = 0; g < ng; g++) {
+            const uint8_t *wr[EL_G5_ROWS];
+            for (int r = 0; r < EL_G5_ROWS; r++)
+                wr[r] = w + (size_t)(r0 + EL_MIN(g * EL_G5_ROWS + r, nr - 1)) * rb;
+            el_g5_repack16(wt, wr, nb, buf + g * EL_G5_BLOCK, (size_t)ng * EL_G5_BLOCK);
+        }
+        float *yr = y + r0;
+        const float *br = bias ? bias + r0 : NULL;
+        if (ng == 1) el_g5_panel(wt, 1, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);
+        else el_g5_panel(wt, 2, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);
+        r0 += nr;
+    }
+    free(owned);
+    return 1;
+}
+#endif
