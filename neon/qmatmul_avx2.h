@@ -405,8 +405,8 @@ static inline __attribute__((always_inline)) void el_g_panel_avx2(const int wt, 
 
 /* noinline: keeps the repack buffer out of the GEMV's stack frame (its code shares the caller) */
 static __attribute__((noinline)) int el_g_gemm_avx2(const int wt, const uint8_t *w, size_t rb, int rows,
-                                                    const el_xq *xq, int x0, int nx_all, float *y, size_t ldy,
-                                                    const float *bias) {
+                                                    int rows_after, const el_xq *xq, int x0, int nx_all, float *y,
+                                                    size_t ldy, const float *bias) {
     const int nb = xq->nb;
     _Alignas(64) uint8_t stack_buf[EL_G_STACK];
     uint8_t *buf = stack_buf, *owned = NULL;
@@ -423,7 +423,8 @@ static __attribute__((noinline)) int el_g_gemm_avx2(const int wt, const uint8_t 
         /* 16-row panels; a last 1..8 rows take one group (9..15 pad the second group) */
         const int ng = rows - r0 > EL_G_ROWS ? 2 : 1, nr = EL_MIN(ng * EL_G_ROWS, rows - r0);
         const uint8_t *pf = w + (size_t)(r0 + nr) * rb;
-        const size_t pf_bytes = (size_t)EL_MIN(rows - r0 - nr, 2 * EL_G_ROWS) * rb;
+        /* the next panel, or after the last one the first rows of the chunk that follows */
+        const size_t pf_bytes = (size_t)EL_MIN(r0 + nr < rows ? rows - r0 - nr : rows_after, 2 * EL_G_ROWS) * rb;
         for (int g = 0; g < ng; g++) {
             const uint8_t *wr[EL_G_ROWS];
             for (int r = 0; r < EL_G_ROWS; r++)

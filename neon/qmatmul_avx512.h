@@ -111,8 +111,9 @@ static inline __attribute__((always_inline)) void el_g5_panel(const int wt, cons
 }
 
 /* 1: computed (Q4_0 / Q4_1); 0: the caller runs the AVX2 tile (Q8_0, or no memory for a large K) */
-static __attribute__((noinline)) int el_g5_gemm(const int wt, const uint8_t *w, size_t rb, int rows, const el_xq *xq,
-                                                int x0, int nx_all, float *y, size_t ldy, const float *bias) {
+static __attribute__((noinline)) int el_g5_gemm(const int wt, const uint8_t *w, size_t rb, int rows, int rows_after,
+                                                const el_xq *xq, int x0, int nx_all, float *y, size_t ldy,
+                                                const float *bias) {
     if (wt == EL_Q8_0) return 0;
     const int nb = xq->nb;
     _Alignas(64) uint8_t stack_buf[EL_G5_STACK];
@@ -127,7 +128,10 @@ static __attribute__((noinline)) int el_g5_gemm(const int wt, const uint8_t *w, 
         /* 32-row panels; a last 1..16 rows take one group (17..31 pad the second group) */
         const int ng = rows - r0 > EL_G5_ROWS ? 2 : 1, nr = EL_MIN(ng * EL_G5_ROWS, rows - r0);
         const uint8_t *pf = w + (size_t)(r0 + nr) * rb;
-        const size_t pf_bytes = (size_t)EL_MIN(rows - r0 - nr, 2 * EL_G5_ROWS) * rb;
+        /* the next panel, or after the last one the first rows of the chunk that follows: with
+         * chunks of one panel (576 rows, M = 32: 18 chunks of 32 rows) every panel used to start
+         * cold from DRAM; a cached 400-token prefix + 32-token turn 3-4% faster (7 alternating runs) */
+        const size_t pf_bytes = (size_t)EL_MIN(r0 + nr < rows ? rows - r0 - nr : rows_after, 2 * EL_G5_ROWS) * rb;
         for (int g = 0; g < ng; g++) {
             const uint8_t *wr[EL_G5_ROWS];
             for (int r = 0; r < EL_G5_ROWS; r++)

@@ -341,15 +341,16 @@ el_qtile(const int wt, const int nx, const uint8_t *const w[4], const int8_t *xq
 
 /* 1: the AVX-512 or AVX2 GEMM tile computed these rows; 0: run the portable tiles */
 static inline __attribute__((always_inline)) int el_qrows_gemm(const int wt, const uint8_t *w, size_t rb, int rows,
-                                                               const el_xq *xq, int x0, int nx_all, float *y,
-                                                               size_t ldy, const float *bias) {
+                                                               int rows_after, const el_xq *xq, int x0, int nx_all,
+                                                               float *y, size_t ldy, const float *bias) {
 #if defined(EL_G5)
-    if (nx_all >= EL_G_MIN_NX && el_g5_gemm(wt, w, rb, rows, xq, x0, nx_all, y, ldy, bias)) return 1;
+    if (nx_all >= EL_G_MIN_NX && el_g5_gemm(wt, w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias)) return 1;
 #endif
 #if EL_SIMDE && defined(__AVX2__)
-    if (nx_all >= EL_G_MIN_NX) return el_g_gemm_avx2(wt, w, rb, rows, xq, x0, nx_all, y, ldy, bias);
+    if (nx_all >= EL_G_MIN_NX) return el_g_gemm_avx2(wt, w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias);
 #endif
-    (void)wt, (void)w, (void)rb, (void)rows, (void)xq, (void)x0, (void)nx_all, (void)y, (void)ldy, (void)bias;
+    (void)wt, (void)w, (void)rb, (void)rows, (void)rows_after, (void)xq, (void)x0, (void)nx_all, (void)y, (void)ldy,
+        (void)bias;
     return 0;
 }
 
@@ -388,10 +389,10 @@ static inline __attribute__((always_inline)) int el_qrows_gemv(const int wt, con
 }
 
 #define EL_QROWS_FN(name, wt)                                                                         \
-    static void name(const uint8_t *w, size_t rb, int rows, const el_xq *xq, int x0, int nx_all,    \
-                     float *y, size_t ldy, const float *bias) {                                       \
+    static void name(const uint8_t *w, size_t rb, int rows, int rows_after, const el_xq *xq, int x0, \
+                     int nx_all, float *y, size_t ldy, const float *bias) {                           \
         const int nb = xq->nb;                                                                        \
-        if (el_qrows_gemm(wt, w, rb, rows, xq, x0, nx_all, y, ldy, bias)) return;                     \
+        if (el_qrows_gemm(wt, w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias)) return;         \
         if (el_qrows_gemv(wt, w, rb, rows, xq, x0, nx_all, y, bias)) return;                          \
         for (int r0 = 0; r0 < rows; r0 += 4) {                                                        \
             const int nr = EL_MIN(4, rows - r0);                                                      \
@@ -539,6 +540,9 @@ static void el_mm_task(void *vctx, int task, int n_tasks) {
     const int r0 = wi * c->rw, rows = EL_MIN(c->rw, c->seg_rows[s] - r0);
     const int x0 = xi * c->cx, nx = EL_MIN(c->cx, c->M - x0);
     const uint8_t *w = (const uint8_t *)c->seg_ptr[s] + (size_t)r0 * c->row_bytes;
+    /* rows of the segment after this chunk: the next chunk, which a thread walking its range
+     * claims next; the GEMM tiles prefetch the first of them while finishing their own */
+    const int rows_after = c->seg_rows[s] - r0 - rows;
     const size_t ldy = (size_t)c->N;
     float *y = c->y + (size_t)x0 * ldy + col0 + r0;
     const float *bias = c->bias ? c->bias + col0 + r0 : NULL;
@@ -555,11 +559,11 @@ static void el_mm_task(void *vctx, int task, int n_tasks) {
     } else if (c->generic) {
         el_qrows_generic(c->wtype, w, c->row_bytes, rows, &c->xq, x0, nx, y, ldy, bias);
     } else if (c->wtype == EL_Q4_0) {
-        el_qrows_q4_0(w, c->row_bytes, rows, &c->xq, x0, nx, y, ldy, bias);
+        el_qrows_q4_0(w, c->row_bytes, rows, rows_after, &c->xq, x0, nx, y, ldy, bias);
     } else if (c->wtype == EL_Q4_1) {
-        el_qrows_q4_1(w, c->row_bytes, rows, &c->xq, x0, nx, y, ldy, bias);
+        el_qrows_q4_1(w, c->row_bytes, rows, rows_after, &c->xq, x0, nx, y, ldy, bias);
     } else {
-        el_qrows_q8_0(w, c->row_bytes, rows, &c->xq, x0, nx, y, ldy, bias);
+        el_qrows_q8_0(w, c->row_bytes, rows, rows_after, &c->xq, x0, nx, y, ldy, bias);
     }
 }
 
