@@ -24,6 +24,7 @@
 
 #include <limits.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -692,8 +693,9 @@ static EL_AI void el_dec_chunk_pv(const int NR, const int F16, const el_attn_job
     el_dec_pv_x(NR, F16, ar, alpha + h0, p, vr, c, J->hd, pf, npf);
 }
 
-/* Keys [j_lo, j_hi) for every query head: split `split` of the job */
-static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_lo, int j_hi, int split) {
+/* Keys [j_lo, j_hi) for every query head: split `split` of the job. Its last chunk prefetches
+ * the keys after it up to pf_hi (>= j_hi): the next split, when this thread takes it next. */
+static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_lo, int j_hi, int pf_hi, int split) {
     const int hd = J->hd, H = J->H, G = J->G, esz = F16 ? 2 : 4;
     float acc[EL_ATTN_DEC_ACC];
     float sc[EL_ATTN_DEC_HMAX][EL_ATTN_DEC_CH];
@@ -724,7 +726,7 @@ static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_l
     }
     for (int j0 = j_lo; j0 < j_hi; j0 += EL_ATTN_DEC_CH, cur ^= 1) {
         const int c = EL_MIN(EL_ATTN_DEC_CH, j_hi - j0);
-        const int c_next = EL_MAX(0, EL_MIN(EL_ATTN_DEC_CH, j_hi - j0 - c));
+        const int c_next = EL_MAX(0, EL_MIN(EL_ATTN_DEC_CH, (j0 + c < j_hi ? j_hi : pf_hi) - j0 - c));
         const size_t *on = c_next > 0 ? off[cur ^ 1] : NULL;
         if (c_next > 0) el_row_offsets(&J->kv, j0 + c, c_next, off[cur ^ 1]);
 
@@ -766,12 +768,48 @@ static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_l
     for (int h = 0; h < H; h++) el_attn_row_out(J, (size_t)h, acc + (size_t)h * hd, m[h], l[h], split);
 }
 
+/* Split `split` of a decode job; pf_next: prefetch the first keys of the split after it */
+static void el_attn_dec_split(const el_attn_job *J, int split, int pf_next) {
+    const int n = J->start + 1, j_lo = split * J->split_len, j_hi = EL_MIN(n, j_lo + J->split_len);
+    const int pf_hi = pf_next ? EL_MIN(n, j_hi + EL_ATTN_DEC_CH) : j_hi;
+    if (J->kv.f16) el_attn_dec_range(1, J, j_lo, j_hi, pf_hi, split);
+    else el_attn_dec_range(0, J, j_lo, j_hi, pf_hi, split);
+}
+
 static void el_attn_dec_task(void *ctx, int task, int n_tasks) {
-    const el_attn_job *J = ctx;
     (void)n_tasks;
-    const int n = J->start + 1, j_lo = task * J->split_len, j_hi = EL_MIN(n, j_lo + J->split_len);
-    if (J->kv.f16) el_attn_dec_range(1, J, j_lo, j_hi, task);
-    else el_attn_dec_range(0, J, j_lo, j_hi, task);
+    el_attn_dec_split(ctx, task, 0);
+}
+
+/* The splits as contiguous ranges, one per thread, as the x86 GEMV walks its chunks: a thread
+ * takes its own range's splits in key order, each prefetching the next one's first keys while it
+ * ends, then splits left in the others' ranges. Claimed one by one in index order, every split
+ * started cold: its KV rows come from DRAM (a decode step streams ~100 MB of weights between
+ * two visits of a layer's KV), one wait per split. Zen 5, SmolLM2 decode, 2 threads, attention
+ * a layer (rdtsc inside el_chunk_step, alternating runs): 500-700 keys 24.5-27.2 us -> 19.1-19.6
+ * with these ranges and 2 splits per thread, 1000-1200 keys 38-42 -> 31-33. More than one split
+ * per thread is kept: a thread that starts late (descheduled, a slower core) leaves its second
+ * to the others. */
+#define EL_ATTN_RANGES 16
+typedef struct {
+    _Alignas(128) atomic_int next;   /* next split of this range to claim */
+    int end;
+} el_attn_range;
+
+typedef struct {
+    const el_attn_job *J;
+    int n_ranges;
+    el_attn_range r[EL_ATTN_RANGES];
+} el_attn_ranges;
+
+static void el_attn_dec_range_task(void *ctx, int task, int n_tasks) {
+    el_attn_ranges *R = ctx;
+    (void)n_tasks;
+    for (int k = 0; k < R->n_ranges; k++) {     /* own range first, then the others' */
+        el_attn_range *r = &R->r[(task + k) % R->n_ranges];
+        for (int s; (s = atomic_fetch_add_explicit(&r->next, 1, memory_order_relaxed)) < r->end;)
+            el_attn_dec_split(R->J, s, s + 1 < r->end);
+    }
 }
 
 static int el_attn_dec_fits(const el_attn_job *J) {
@@ -781,7 +819,10 @@ static int el_attn_dec_fits(const el_attn_job *J) {
 /* Decode: tasks are key ranges over all heads, whole pool blocks each where possible */
 static void el_attn_dec_run(el_pool *pool, el_attn_job *J) {
     const int n = J->start + 1, threads = el_pool_threads(pool);
-    int S = threads > 1 ? EL_MAX(1, EL_MIN(4 * threads, n / EL_ATTN_DEC_SPLIT_MIN)) : 1;
+    /* 2 splits per thread, not 4: each split costs its own start (its first keys' wait, its
+     * partial state, its share of the merge); at 500-700 keys 4 per thread took 22-23 us a layer
+     * against 19-20 (ranges, below, in both cases) */
+    int S = threads > 1 ? EL_MAX(1, EL_MIN(2 * threads, n / EL_ATTN_DEC_SPLIT_MIN)) : 1;
     int len = (n + S - 1) / S;
     if (J->kv.table) len = (len + J->kv.bt - 1) / J->kv.bt * J->kv.bt;
     S = (n + len - 1) / len;
@@ -794,7 +835,18 @@ static void el_attn_dec_run(el_pool *pool, el_attn_job *J) {
     }
     J->n_split = S;
     J->split_len = len;
-    el_parallel_for(pool, S, el_attn_dec_task, J);
+    if (S > 1 && threads > 1 && threads <= EL_ATTN_RANGES) {
+        el_attn_ranges R;
+        R.J = J;
+        R.n_ranges = EL_MIN(threads, S);
+        for (int t = 0; t < R.n_ranges; t++) {
+            atomic_init(&R.r[t].next, (int)((long long)S * t / R.n_ranges));
+            R.r[t].end = (int)((long long)S * (t + 1) / R.n_ranges);
+        }
+        el_parallel_for(pool, R.n_ranges, el_attn_dec_range_task, &R);
+    } else {
+        el_parallel_for(pool, S, el_attn_dec_task, J);
+    }
     if (S > 1) {
         el_attn_merge(J);
         free(J->part);
