@@ -24,7 +24,6 @@
 
 #include <limits.h>
 #include <math.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -776,41 +775,15 @@ static void el_attn_dec_split(const el_attn_job *J, int split, int pf_next) {
     else el_attn_dec_range(0, J, j_lo, j_hi, pf_hi, split);
 }
 
-static void el_attn_dec_task(void *ctx, int task, int n_tasks) {
-    (void)n_tasks;
-    el_attn_dec_split(ctx, task, 0);
-}
-
-/* The splits as contiguous ranges, one per thread, as the x86 GEMV walks its chunks: a thread
- * takes its own range's splits in key order, each prefetching the next one's first keys while it
- * ends, then splits left in the others' ranges. Claimed one by one in index order, every split
- * started cold: its KV rows come from DRAM (a decode step streams ~100 MB of weights between
- * two visits of a layer's KV), one wait per split. Zen 5, SmolLM2 decode, 2 threads, attention
- * a layer (rdtsc inside el_chunk_step, alternating runs): 500-700 keys 24.5-27.2 us -> 19.1-19.6
- * with these ranges and 2 splits per thread, 1000-1200 keys 38-42 -> 31-33. More than one split
- * per thread is kept: a thread that starts late (descheduled, a slower core) leaves its second
- * to the others. */
-#define EL_ATTN_RANGES 16
-typedef struct {
-    _Alignas(128) atomic_int next;   /* next split of this range to claim */
-    int end;
-} el_attn_range;
-
-typedef struct {
-    const el_attn_job *J;
-    int n_ranges;
-    el_attn_range r[EL_ATTN_RANGES];
-} el_attn_ranges;
-
-static void el_attn_dec_range_task(void *ctx, int task, int n_tasks) {
-    el_attn_ranges *R = ctx;
-    (void)n_tasks;
-    for (int k = 0; k < R->n_ranges; k++) {     /* own range first, then the others' */
-        el_attn_range *r = &R->r[(task + k) % R->n_ranges];
-        for (int s; (s = atomic_fetch_add_explicit(&r->next, 1, memory_order_relaxed)) < r->end;)
-            el_attn_dec_split(R->J, s, s + 1 < r->end);
-    }
-}
+/* The splits as el_parallel_ranges items: a thread takes its own range's splits in key order,
+ * each prefetching the next one's first keys while it ends, then splits left in the others'.
+ * Claimed one by one in index order, every split started cold: its KV rows come from DRAM (a
+ * decode step streams ~100 MB of weights between two visits of a layer's KV), one wait per
+ * split. Zen 5, SmolLM2 decode, 2 threads, attention a layer (rdtsc inside el_chunk_step,
+ * alternating runs): 500-700 keys 24.5-27.2 us -> 19.1-19.6 with ranges and 2 splits per thread,
+ * 1000-1200 keys 38-42 -> 31-33. More than one split per thread is kept: a thread that starts
+ * late (descheduled, a slower core) leaves its second to the others. */
+static void el_attn_dec_item(void *ctx, int split, int more) { el_attn_dec_split(ctx, split, more); }
 
 static int el_attn_dec_fits(const el_attn_job *J) {
     return J->T == 1 && J->hd % 4 == 0 && J->H <= EL_ATTN_DEC_HMAX && (size_t)J->H * J->hd <= EL_ATTN_DEC_ACC;
@@ -835,18 +808,7 @@ static void el_attn_dec_run(el_pool *pool, el_attn_job *J) {
     }
     J->n_split = S;
     J->split_len = len;
-    if (S > 1 && threads > 1 && threads <= EL_ATTN_RANGES) {
-        el_attn_ranges R;
-        R.J = J;
-        R.n_ranges = EL_MIN(threads, S);
-        for (int t = 0; t < R.n_ranges; t++) {
-            atomic_init(&R.r[t].next, (int)((long long)S * t / R.n_ranges));
-            R.r[t].end = (int)((long long)S * (t + 1) / R.n_ranges);
-        }
-        el_parallel_for(pool, R.n_ranges, el_attn_dec_range_task, &R);
-    } else {
-        el_parallel_for(pool, S, el_attn_dec_task, J);
-    }
+    el_parallel_ranges(pool, S, el_attn_dec_item, J);
     if (S > 1) {
         el_attn_merge(J);
         free(J->part);

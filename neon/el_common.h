@@ -3,6 +3,7 @@
 #define EL_COMMON_H
 
 #include "edgellm_neon.h"
+#include "el_ranges.h"
 
 #include <string.h>
 

@@ -344,7 +344,8 @@ static inline __attribute__((always_inline)) int el_qrows_gemm(const int wt, con
                                                                int rows_after, const el_xq *xq, int x0, int nx_all,
                                                                float *y, size_t ldy, const float *bias) {
 #if defined(EL_G5)
-    if (nx_all >= EL_G_MIN_NX && el_g5_gemm(wt, w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias)) return 1;
+    if (wt != EL_Q8_0 && nx_all >= EL_G_MIN_NX && el_g5_gemm(wt, w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias))
+        return 1;
 #endif
 #if EL_SIMDE && defined(__AVX2__)
     if (nx_all >= EL_G_MIN_NX) return el_g_gemm_avx2(wt, w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias);
@@ -568,47 +569,16 @@ static void el_mm_task(void *vctx, int task, int n_tasks) {
 }
 
 #if EL_SIMDE && defined(__AVX2__)
-/* x86 AVX2 GEMV: each thread streams a contiguous range of W chunks and, when its range is
- * done, takes chunks from the others' ranges. Plain claiming in index order (el_parallel_for
- * over the chunks) interleaves the threads, so each thread's reads jump between rows and every
- * chunk starts a new DRAM stream; with few chunks (4 for a 576-row matrix on 2 threads), one
- * thread starting late left the other 3 of the 4. Here a range is one stream, cut in ~8 small
- * chunks per thread so that the end evens out to within one of them. */
-#define EL_GEMV_RANGES 16
-typedef struct {
-    _Alignas(128) atomic_int next;   /* next chunk of this range to claim */
-    int end;
-} el_gemv_range;
-
-typedef struct {
-    const el_mm_ctx *c;
-    int n_ranges;
-    el_gemv_range r[EL_GEMV_RANGES];
-} el_gemv_job;
-
-static void el_gemv_range_task(void *vctx, int task, int n_tasks) {
-    el_gemv_job *j = (el_gemv_job *)vctx;
-    (void)n_tasks;
-    for (int k = 0; k < j->n_ranges; k++) {     /* own range first, then the others' */
-        el_gemv_range *r = &j->r[(task + k) % j->n_ranges];
-        for (int i; (i = atomic_fetch_add_explicit(&r->next, 1, memory_order_relaxed)) < r->end;)
-            el_mm_task((void *)j->c, i, j->c->n_wchunks);
-    }
-}
-
-/* 1: ran the chunks (a GEMV's, or a GEMM's with one x chunk) as ranges; 0: the caller runs them
- * with el_parallel_for */
-static int el_gemv_ranges(el_pool *pool, const el_mm_ctx *c, int threads) {
-    if (threads < 2 || threads > EL_GEMV_RANGES) return 0;
-    el_gemv_job j;
-    j.c = c;
-    j.n_ranges = EL_MIN(threads, c->n_wchunks);
-    for (int t = 0; t < j.n_ranges; t++) {
-        atomic_init(&j.r[t].next, (int)((long long)c->n_wchunks * t / j.n_ranges));
-        j.r[t].end = (int)((long long)c->n_wchunks * (t + 1) / j.n_ranges);
-    }
-    el_parallel_for(pool, j.n_ranges, el_gemv_range_task, &j);
-    return 1;
+/* x86 GEMVs (and GEMMs with one x chunk): the W chunks as el_parallel_ranges items, so each
+ * thread streams a contiguous range of them and, when its range is done, takes chunks from the
+ * others' ranges. Plain claiming in index order (el_parallel_for over the chunks) interleaves the
+ * threads, so each thread's reads jump between rows and every chunk starts a new DRAM stream;
+ * with few chunks (4 for a 576-row matrix on 2 threads), one thread starting late left the other
+ * 3 of the 4. Here a range is one stream, cut in ~8 small chunks per thread so that the end
+ * evens out to within one of them. */
+static void el_mm_item(void *vctx, int item, int more) {
+    (void)more;   /* the GEMM tiles prefetch the following rows themselves (rows_after) */
+    el_mm_task(vctx, item, ((const el_mm_ctx *)vctx)->n_wchunks);
 }
 #endif
 
@@ -696,7 +666,7 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
          * threads' different speeds (big.LITTLE) while keeping each chunk >= 16 rows long. */
 #if EL_SIMDE && defined(__AVX2__)
         /* x86: whole 8-row tiles, ~8 chunks per thread, each thread's a contiguous range
-         * (el_gemv_ranges). Claimed in index order, each chunk started cold (its first tile
+         * (el_parallel_ranges). Claimed in index order, each chunk started cold (its first tile
          * waits on DRAM, see el_qrows_gemv) and 8 per thread took 20-30% longer than 2; with 2,
          * a thread starting late left the other 3 of 4 chunks. */
         c.rw = EL_MAX(16, EL_MIN(256, (c.N / (8 * threads)) & ~7));
@@ -737,7 +707,8 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
      * weights streaming from DRAM, M = 32: 576 x 576 350-360 -> 383-393 GFLOPS, 3072 x 576
      * 444-465 -> 483-505; M = 128 +1-3%; a cached 400-token prefix + 32-token turn 2-4% faster */
     const int one_x_chunk = quantized && c.cx >= M;
-    if ((M == 1 || one_x_chunk) && !c.generic && el_gemv_ranges(pool, &c, threads)) {
+    if ((M == 1 || one_x_chunk) && !c.generic) {
+        el_parallel_ranges(pool, c.n_wchunks, el_mm_item, &c);
         free(owned);
         return EL_OK;
     }

@@ -26,6 +26,7 @@
  */
 #define _GNU_SOURCE
 #include "edgellm_neon.h"
+#include "el_ranges.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -321,4 +322,44 @@ void el_parallel_for(el_pool *pool, int n_tasks, el_task_fn fn, void *ctx) {
         }
     }
     atomic_store_explicit(&p->busy, 0, memory_order_release);
+}
+
+/* ---- ranges ----------------------------------------------------------------------------------- */
+#define EL_RANGES_MAX 16
+typedef struct {
+    _Alignas(128) atomic_int next;   /* next item of this range to claim */
+    int end;
+} el_range;
+
+typedef struct {
+    el_item_fn fn;
+    void *ctx;
+    int n_ranges;
+    el_range r[EL_RANGES_MAX];
+} el_ranges_job;
+
+static void el_ranges_task(void *vctx, int task, int n_tasks) {
+    el_ranges_job *j = (el_ranges_job *)vctx;
+    (void)n_tasks;
+    for (int k = 0; k < j->n_ranges; k++) {     /* own range first, then the others' */
+        el_range *r = &j->r[(task + k) % j->n_ranges];
+        for (int i; (i = atomic_fetch_add_explicit(&r->next, 1, memory_order_relaxed)) < r->end;)
+            j->fn(j->ctx, i, i + 1 < r->end);
+    }
+}
+
+void el_parallel_ranges(el_pool *pool, int n_items, el_item_fn fn, void *ctx) {
+    if (n_items <= 0 || fn == NULL) return;
+    int n = el_pool_threads(pool);   /* one range per thread (one in all: a serial walk) */
+    if (n > n_items) n = n_items;
+    if (n > EL_RANGES_MAX) n = EL_RANGES_MAX;
+    el_ranges_job j;
+    j.fn = fn;
+    j.ctx = ctx;
+    j.n_ranges = n;
+    for (int t = 0; t < j.n_ranges; t++) {
+        atomic_init(&j.r[t].next, (int)((long long)n_items * t / j.n_ranges));
+        j.r[t].end = (int)((long long)n_items * (t + 1) / j.n_ranges);
+    }
+    el_parallel_for(pool, j.n_ranges, el_ranges_task, &j);
 }
