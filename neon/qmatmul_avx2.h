@@ -403,41 +403,47 @@ static inline __attribute__((always_inline)) void el_g_panel_avx2(const int wt, 
     }
 }
 
-/* noinline: keeps the repack buffer out of the GEMV's stack frame (its code shares the caller) */
-static __attribute__((noinline)) int el_g_gemm_avx2(const int wt, const uint8_t *w, size_t rb, int rows,
-                                                    int rows_after, const el_xq *xq, int x0, int nx_all, float *y,
-                                                    size_t ldy, const float *bias) {
-    const int nb = xq->nb;
-    _Alignas(64) uint8_t stack_buf[EL_G_STACK];
-    uint8_t *buf = stack_buf, *owned = NULL;
-    if ((size_t)nb * 2 * EL_G_BLOCK > sizeof stack_buf) {
-        buf = owned = (uint8_t *)malloc((size_t)nb * 2 * EL_G_BLOCK);
-        if (!owned) return 0;   /* the caller runs the 4-row tiles instead */
+/* The panel loop of an x86 GEMM tile family (this 8-row one, qmatmul_avx512.h's 16-row one):
+ * panels of 2 groups of ROWS rows (a last 1..ROWS rows take one group; ROWS+1..2 ROWS-1 pad the
+ * second), each repacked into buf, then run against all nx_all x rows. Returns 0 (the caller runs
+ * other tiles) only when a large K's buffer cannot be allocated. noinline: keeps the repack buffer
+ * out of the GEMV's stack frame (its code shares the caller).
+ * The repack's loads were the tile's stall at small M: a panel's weights (16 rows, 5.6 KiB at
+ * K = 576) come from L3 or DRAM, and its 8 row streams kept few misses in flight (~20% of the
+ * GEMM's cycles at M = 32, ~2% at M = 256). The first panel is prefetched all at once; each next
+ * one a share per tile while the tiles of the current one run; after the last one, the first
+ * rows of the chunk that follows (rows_after of them), the chunk a thread walking its range
+ * takes next: with one-panel chunks (576 rows at M = 32) every panel used to start cold. */
+#define EL_G_GEMM_FN(name, ROWS, BLOCK, STACK, repack, panel)                                                        \
+    static __attribute__((noinline)) int name(const int wt, const uint8_t *w, size_t rb, int rows, int rows_after,  \
+                                              const el_xq *xq, int x0, int nx_all, float *y, size_t ldy,            \
+                                              const float *bias) {                                                  \
+        const int nb = xq->nb;                                                                                       \
+        _Alignas(64) uint8_t stack_buf[STACK];                                                                       \
+        uint8_t *buf = stack_buf, *owned = NULL;                                                                     \
+        if ((size_t)nb * 2 * (BLOCK) > sizeof stack_buf) {                                                           \
+            buf = owned = (uint8_t *)malloc((size_t)nb * 2 * (BLOCK));                                               \
+            if (!owned) return 0;                                                                                    \
+        }                                                                                                            \
+        for (size_t o = 0; o < (size_t)EL_MIN(rows, 2 * (ROWS)) * rb; o += 64) __builtin_prefetch(w + o);            \
+        for (int r0 = 0; r0 < rows;) {                                                                               \
+            const int ng = rows - r0 > (ROWS) ? 2 : 1, nr = EL_MIN(ng * (ROWS), rows - r0);                          \
+            const uint8_t *pf = w + (size_t)(r0 + nr) * rb;                                                          \
+            const size_t pf_bytes = (size_t)EL_MIN(r0 + nr < rows ? rows - r0 - nr : rows_after, 2 * (ROWS)) * rb;   \
+            for (int g = 0; g < ng; g++) {                                                                           \
+                const uint8_t *wr[ROWS];                                                                             \
+                for (int r = 0; r < (ROWS); r++) wr[r] = w + (size_t)(r0 + EL_MIN(g * (ROWS) + r, nr - 1)) * rb;     \
+                repack(wt, wr, nb, buf + g * (BLOCK), (size_t)ng * (BLOCK));                                         \
+            }                                                                                                        \
+            float *yr = y + r0;                                                                                      \
+            const float *br = bias ? bias + r0 : NULL;                                                               \
+            if (ng == 1) panel(wt, 1, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);                           \
+            else panel(wt, 2, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);                                   \
+            r0 += nr;                                                                                                \
+        }                                                                                                            \
+        free(owned);                                                                                                 \
+        return 1;                                                                                                    \
     }
-    /* The repack's loads were the tile's stall at small M: a panel's weights (16 rows, 5.6 KiB at
-     * K = 576) come from L3 or DRAM, and its 8 row streams kept few misses in flight (~20% of the
-     * GEMM's cycles at M = 32, ~2% at M = 256). The first panel is prefetched all at once; each
-     * next one a share per tile while the tiles of the current one run. */
-    for (size_t o = 0; o < (size_t)EL_MIN(rows, 2 * EL_G_ROWS) * rb; o += 64) __builtin_prefetch(w + o);
-    for (int r0 = 0; r0 < rows;) {
-        /* 16-row panels; a last 1..8 rows take one group (9..15 pad the second group) */
-        const int ng = rows - r0 > EL_G_ROWS ? 2 : 1, nr = EL_MIN(ng * EL_G_ROWS, rows - r0);
-        const uint8_t *pf = w + (size_t)(r0 + nr) * rb;
-        /* the next panel, or after the last one the first rows of the chunk that follows */
-        const size_t pf_bytes = (size_t)EL_MIN(r0 + nr < rows ? rows - r0 - nr : rows_after, 2 * EL_G_ROWS) * rb;
-        for (int g = 0; g < ng; g++) {
-            const uint8_t *wr[EL_G_ROWS];
-            for (int r = 0; r < EL_G_ROWS; r++)
-                wr[r] = w + (size_t)(r0 + EL_MIN(g * EL_G_ROWS + r, nr - 1)) * rb;
-            el_g_repack8(wt, wr, nb, buf + g * EL_G_BLOCK, (size_t)ng * EL_G_BLOCK);
-        }
-        float *yr = y + r0;
-        const float *br = bias ? bias + r0 : NULL;
-        if (ng == 1) el_g_panel_avx2(wt, 1, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);
-        else el_g_panel_avx2(wt, 2, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);
-        r0 += nr;
-    }
-    free(owned);
-    return 1;
-}
+
+EL_G_GEMM_FN(el_g_gemm_avx2, EL_G_ROWS, EL_G_BLOCK, EL_G_STACK, el_g_repack8, el_g_panel_avx2)
 #endif

@@ -110,41 +110,6 @@ static inline __attribute__((always_inline)) void el_g5_panel(const int wt, cons
     }
 }
 
-/* 1: computed (Q4_0 / Q4_1); 0: the caller runs the AVX2 tile (Q8_0, or no memory for a large K) */
-static __attribute__((noinline)) int el_g5_gemm(const int wt, const uint8_t *w, size_t rb, int rows, int rows_after,
-                                                const el_xq *xq, int x0, int nx_all, float *y, size_t ldy,
-                                                const float *bias) {
-    if (wt == EL_Q8_0) return 0;
-    const int nb = xq->nb;
-    _Alignas(64) uint8_t stack_buf[EL_G5_STACK];
-    uint8_t *buf = stack_buf, *owned = NULL;
-    if ((size_t)nb * 2 * EL_G5_BLOCK > sizeof stack_buf) {
-        buf = owned = (uint8_t *)malloc((size_t)nb * 2 * EL_G5_BLOCK);
-        if (!owned) return 0;
-    }
-    /* as el_g_gemm_avx2: the first panel's weights all at once, each next one a share per tile */
-    for (size_t o = 0; o < (size_t)EL_MIN(rows, 2 * EL_G5_ROWS) * rb; o += 64) __builtin_prefetch(w + o);
-    for (int r0 = 0; r0 < rows;) {
-        /* 32-row panels; a last 1..16 rows take one group (17..31 pad the second group) */
-        const int ng = rows - r0 > EL_G5_ROWS ? 2 : 1, nr = EL_MIN(ng * EL_G5_ROWS, rows - r0);
-        const uint8_t *pf = w + (size_t)(r0 + nr) * rb;
-        /* the next panel, or after the last one the first rows of the chunk that follows: with
-         * chunks of one panel (576 rows, M = 32: 18 chunks of 32 rows) every panel used to start
-         * cold from DRAM; a cached 400-token prefix + 32-token turn 3-4% faster (7 alternating runs) */
-        const size_t pf_bytes = (size_t)EL_MIN(r0 + nr < rows ? rows - r0 - nr : rows_after, 2 * EL_G5_ROWS) * rb;
-        for (int g = 0; g < ng; g++) {
-            const uint8_t *wr[EL_G5_ROWS];
-            for (int r = 0; r < EL_G5_ROWS; r++)
-                wr[r] = w + (size_t)(r0 + EL_MIN(g * EL_G5_ROWS + r, nr - 1)) * rb;
-            el_g5_repack16(wt, wr, nb, buf + g * EL_G5_BLOCK, (size_t)ng * EL_G5_BLOCK);
-        }
-        float *yr = y + r0;
-        const float *br = bias ? bias + r0 : NULL;
-        if (ng == 1) el_g5_panel(wt, 1, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);
-        else el_g5_panel(wt, 2, buf, nr, xq, x0, nx_all, yr, ldy, br, pf, pf_bytes);
-        r0 += nr;
-    }
-    free(owned);
-    return 1;
-}
+/* Q4_0 / Q4_1 only (the caller keeps Q8_0 on the AVX2 / VNNI tile) */
+EL_G_GEMM_FN(el_g5_gemm, EL_G5_ROWS, EL_G5_BLOCK, EL_G5_STACK, el_g5_repack16, el_g5_panel)
 #endif
