@@ -28,6 +28,10 @@
         }                                                                                                \
     } while (0)
 
+/* the 12 chains summed (into the sink) with ADD */
+#define EL_SUM12(ADD) \
+    ADD(ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7))), ADD(ADD(a8, a9), ADD(a10, a11)))
+
 /* chains of `type`, each started from a different value so the compiler cannot merge them */
 #define EL_CHAIN_VARS(type, init) type a0 = init(1), a1 = init(2), a2 = init(3), a3 = init(4), a4 = init(5), \
     a5 = init(6), a6 = init(7), a7 = init(8), a8 = init(9), a9 = init(10), a10 = init(11), a11 = init(12)
@@ -40,7 +44,7 @@ static double el_peak_fp32(long iters, volatile float *sink, float mul, float ad
 #define EL_OP(a) _mm512_fmadd_ps(a, m, c)
     EL_CHAIN_VARS(__m512, EL_I);
     EL_CHAINS(EL_OP);
-    *sink = _mm512_reduce_add_ps(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11);
+    *sink = _mm512_reduce_add_ps(EL_SUM12(_mm512_add_ps));
     return (double)iters * EL_PEAK_CHAINS * 16 * 2;
 #undef EL_I
 #undef EL_OP
@@ -50,7 +54,7 @@ static double el_peak_fp32(long iters, volatile float *sink, float mul, float ad
 #define EL_OP(a) _mm256_fmadd_ps(a, m, c)
     EL_CHAIN_VARS(__m256, EL_I);
     EL_CHAINS(EL_OP);
-    const __m256 s = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
+    const __m256 s = EL_SUM12(_mm256_add_ps);
     *sink = s[0] + s[7];
     return (double)iters * EL_PEAK_CHAINS * 8 * 2;
 #undef EL_I
@@ -61,10 +65,7 @@ static double el_peak_fp32(long iters, volatile float *sink, float mul, float ad
 #define EL_OP(a) vfmaq_f32(c, a, m)
     EL_CHAIN_VARS(float32x4_t, EL_I);
     EL_CHAINS(EL_OP);
-    const float32x4_t s = vaddq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)),
-                                    vaddq_f32(vaddq_f32(vaddq_f32(a4, a5), vaddq_f32(a6, a7)),
-                                              vaddq_f32(vaddq_f32(a8, a9), vaddq_f32(a10, a11))));
-    *sink = vaddvq_f32(s);
+    *sink = vaddvq_f32(EL_SUM12(vaddq_f32));
     return (double)iters * EL_PEAK_CHAINS * 4 * 2;
 #undef EL_I
 #undef EL_OP
@@ -81,10 +82,7 @@ static double el_peak_fp16(long iters, volatile float *sink, float mul, float ad
 #define EL_OP(a) vfmaq_f16(c, a, m)
     EL_CHAIN_VARS(float16x8_t, EL_I);
     EL_CHAINS(EL_OP);
-    float16x8_t s = vaddq_f16(vaddq_f16(vaddq_f16(a0, a1), vaddq_f16(a2, a3)),
-                              vaddq_f16(vaddq_f16(a4, a5), vaddq_f16(a6, a7)));
-    s = vaddq_f16(s, vaddq_f16(vaddq_f16(a8, a9), vaddq_f16(a10, a11)));
-    *sink = vaddvq_f32(vcvt_f32_f16(vget_low_f16(s)));
+    *sink = vaddvq_f32(vcvt_f32_f16(vget_low_f16(EL_SUM12(vaddq_f16))));
     return (double)iters * EL_PEAK_CHAINS * 8 * 2;
 #undef EL_I
 #undef EL_OP
@@ -101,7 +99,7 @@ static double el_peak_int8(long iters, volatile float *sink, int8_t bv) {
 #define EL_OP(a) _mm512_dpbusd_epi32(a, u, s)
     EL_CHAIN_VARS(__m512i, EL_I);
     EL_CHAINS(EL_OP);
-    *sink = (float)_mm512_reduce_add_epi32(a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11);
+    *sink = (float)_mm512_reduce_add_epi32(EL_SUM12(_mm512_add_epi32));
     return (double)iters * EL_PEAK_CHAINS * 64 * 2;
 #undef EL_I
 #undef EL_OP
@@ -111,7 +109,7 @@ static double el_peak_int8(long iters, volatile float *sink, int8_t bv) {
 #define EL_OP(a) _mm256_dpbusd_avx_epi32(a, u, s)
     EL_CHAIN_VARS(__m256i, EL_I);
     EL_CHAINS(EL_OP);
-    const __m256i t = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
+    const __m256i t = EL_SUM12(_mm256_add_epi32);
     *sink = (float)(_mm256_extract_epi32(t, 0) + _mm256_extract_epi32(t, 7));
     return (double)iters * EL_PEAK_CHAINS * 32 * 2;
 #undef EL_I
@@ -124,8 +122,7 @@ static double el_peak_int8(long iters, volatile float *sink, int8_t bv) {
 #define EL_OP(a) _mm256_maddubs_epi16(u, a)
     EL_CHAIN_VARS(__m256i, EL_I);
     EL_CHAINS(EL_OP);
-    const __m256i t = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
-    *sink = (float)_mm256_extract_epi16(t, 0);
+    *sink = (float)_mm256_extract_epi16(EL_SUM12(_mm256_add_epi16), 0);
     return (double)iters * EL_PEAK_CHAINS * 32 * 2;
 #undef EL_I
 #undef EL_OP
@@ -135,10 +132,7 @@ static double el_peak_int8(long iters, volatile float *sink, int8_t bv) {
 #define EL_OP(a) vdotq_s32(a, u, s)
     EL_CHAIN_VARS(int32x4_t, EL_I);
     EL_CHAINS(EL_OP);
-    const int32x4_t t = vaddq_s32(vaddq_s32(vaddq_s32(vaddq_s32(a0, a1), vaddq_s32(a2, a3)),
-                                            vaddq_s32(vaddq_s32(a4, a5), vaddq_s32(a6, a7))),
-                                  vaddq_s32(vaddq_s32(a8, a9), vaddq_s32(a10, a11)));
-    *sink = (float)vaddvq_s32(t);
+    *sink = (float)vaddvq_s32(EL_SUM12(vaddq_s32));
     return (double)iters * EL_PEAK_CHAINS * 16 * 2;
 #undef EL_I
 #undef EL_OP
@@ -149,10 +143,7 @@ static double el_peak_int8(long iters, volatile float *sink, int8_t bv) {
 #define EL_OP(a) vmlal_s8(a, u, s)
     EL_CHAIN_VARS(int16x8_t, EL_I);
     EL_CHAINS(EL_OP);
-    const int16x8_t t = vaddq_s16(vaddq_s16(vaddq_s16(vaddq_s16(a0, a1), vaddq_s16(a2, a3)),
-                                            vaddq_s16(vaddq_s16(a4, a5), vaddq_s16(a6, a7))),
-                                  vaddq_s16(vaddq_s16(a8, a9), vaddq_s16(a10, a11)));
-    *sink = (float)vaddvq_s16(t);
+    *sink = (float)vaddvq_s16(EL_SUM12(vaddq_s16));
     return (double)iters * EL_PEAK_CHAINS * 8 * 2;
 #undef EL_I
 #undef EL_OP
