@@ -21,7 +21,6 @@
  * registers; those x86 tiles live in qmatmul_avx2.h and qgemv_avx512.h.
  */
 #include <limits.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 

@@ -306,8 +306,8 @@ _GEMM_PRECISION = {"neon": "int8", "reference": "fp32"}
 
 
 def gemm_peak_share(profile: DeviceProfile, unit: str, u: UnitMeasurement) -> str | None:
-    """'best GEMM G = x% of the big cores' <precision> peak (n x per core)' for a CPU unit, None
-    for the others (a GPU's peak is the unit's own measurement)."""
+    """'best GEMM <G> at <m> rows = <x>% of <n> big cores' <precision> peak (<total>)' for a CPU
+    unit (n: the threads it ran with), None for the others (a GPU's peak is its own measurement)."""
     from ..costmodel import big_cpu, cpu_peak
 
     precision = _GEMM_PRECISION.get(unit)
