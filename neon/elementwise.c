@@ -351,8 +351,20 @@ static inline EL_NO_CONTRACT __m256 el_silu_mul8(__m256 g, __m256 u) {
     return _mm256_mul_ps(_mm256_div_ps(g, den), u);
 }
 
+#if defined(__AVX512F__)
+/* 16 lanes with el_vexp16_f32, the same operations again (lanewise: bit-identical) */
+static inline EL_NO_CONTRACT __m512 el_silu_mul16(__m512 g, __m512 u) {
+    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), el_vexp16_f32(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f))));
+    return _mm512_mul_ps(_mm512_div_ps(g, den), u);
+}
+#endif
+
 static EL_NO_CONTRACT void el_swiglu_avx2(const float *g, const float *u, float *y, int n) {
     int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, el_silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+#endif
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, el_silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
     if (i < n) {   /* the tail through the same lanes, zero-padded */
         float gb[8] = {0}, ub[8] = {0}, yb[8];
