@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "edgellm_neon.h"
+#include "el_ranges.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the cases file is little-endian; this reader assumes a little-endian host"
@@ -434,6 +435,14 @@ static void pf_task(void *ctx, int task, int n_tasks) {
     __atomic_fetch_add(&((pf_ctx *)ctx)->hits[task], 1, __ATOMIC_RELAXED);
 }
 
+typedef struct { int hits[97], more[97]; } pr_ctx;
+
+static void pr_item(void *ctx, int item, int more) {
+    pr_ctx *c = (pr_ctx *)ctx;
+    __atomic_fetch_add(&c->hits[item], 1, __ATOMIC_RELAXED);
+    c->more[item] = more;
+}
+
 static void check(const char *name, int ok, const char *detail) {
     printf("%s %s%s%s\n", ok ? "PASS" : "FAIL", name, detail ? " " : "", detail ? detail : "");
     if (ok) g_passed++; else g_failed++;
@@ -455,6 +464,23 @@ static void builtin_checks(int threads, const char *path) {
         snprintf(buf, sizeof buf, "n_tasks=%d", n);
         snprintf(name, sizeof name, "pool/parallel_for%s", path);
         check(name, !bad, buf);
+    }
+
+    /* el_parallel_ranges: every item exactly once; `more` is 0 on the last item of each range
+     * only, so there are as many such items as ranges (one per thread, at most one per item) */
+    for (int round = 0; round < 3; round++) {
+        pr_ctx ctx;
+        memset(&ctx, 0, sizeof ctx);
+        const int n = round == 0 ? 97 : round == 1 ? 1 : threads + 1;
+        const int pt = el_pool_threads(g_pool), cap = pt < 16 ? pt : 16;   /* 16: EL_RANGES_MAX */
+        const int ranges = cap < n ? cap : n;
+        int bad = 0, last = 0;
+        el_parallel_ranges(g_pool, n, pr_item, &ctx);
+        for (int i = 0; i < 97; i++) bad |= ctx.hits[i] != (i < n);
+        for (int i = 0; i < n; i++) last += !ctx.more[i];
+        snprintf(buf, sizeof buf, "n_items=%d range_ends=%d expected=%d", n, last, ranges);
+        snprintf(name, sizeof name, "pool/parallel_ranges%s", path);
+        check(name, !bad && last == ranges && !ctx.more[n - 1], buf);
     }
 
     /* arguments the header rules out: the answer is a negative code, never an abort or a write */
