@@ -371,6 +371,18 @@ static inline void el_store_tile8(const __m256 *acc, int nx, int nr, float *y, s
     }
 }
 
+/* The next panel's weights (pf, pf_bytes) are prefetched in equal shares, one before each of a
+ * panel's `tiles` tiles: el_g_pf_step gives the share, el_g_pf_share issues one and moves on. */
+static inline __attribute__((always_inline)) size_t el_g_pf_step(size_t pf_bytes, int tiles) {
+    return (pf_bytes / 64 + (size_t)tiles) / (size_t)tiles * 64;
+}
+
+static inline __attribute__((always_inline)) void el_g_pf_share(const uint8_t **pf, size_t *pf_bytes, size_t pf_step) {
+    for (size_t o = 0; o < pf_step && o < *pf_bytes; o += 64) __builtin_prefetch(*pf + o);
+    if (*pf_bytes > pf_step) *pf += pf_step, *pf_bytes -= pf_step;
+    else *pf_bytes = 0;
+}
+
 /* One panel of ng * 8 rows (nr real) against all nx_all x rows: 8 x 4 tiles for a single group,
  * 16 x 2 for two. pf, pf_bytes: the next panel's weights, prefetched a share before each tile. */
 static inline __attribute__((always_inline)) void el_g_panel_avx2(const int wt, const int ng, const uint8_t *buf,
@@ -379,12 +391,10 @@ static inline __attribute__((always_inline)) void el_g_panel_avx2(const int wt, 
                                                                   const uint8_t *pf, size_t pf_bytes) {
     const int nb = xq->nb, cmax = ng == 1 ? 4 : 2;
     const int tiles = (nx_all + cmax - 1) / cmax;
-    const size_t pf_step = (pf_bytes / 64 + (size_t)tiles) / (size_t)tiles * 64;   /* bytes per tile */
+    const size_t pf_step = el_g_pf_step(pf_bytes, tiles);
     for (int c0 = 0; c0 < nx_all; c0 += cmax) {
         const int nx = EL_MIN(cmax, nx_all - c0);
-        for (size_t o = 0; o < pf_step && o < pf_bytes; o += 64) __builtin_prefetch(pf + o);
-        if (pf_bytes > pf_step) pf += pf_step, pf_bytes -= pf_step;
-        else pf_bytes = 0;
+        el_g_pf_share(&pf, &pf_bytes, pf_step);
         const size_t xr = (size_t)(x0 + c0);
         const int8_t *q = xq->q + xr * nb * QK;
         const float *d = xq->d + xr * nb, *s = xq->s + xr * nb;

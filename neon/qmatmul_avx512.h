@@ -97,12 +97,10 @@ static inline __attribute__((always_inline)) void el_g5_panel(const int wt, cons
                                                               size_t pf_bytes) {
     const int nb = xq->nb;
     const int tiles = (nx_all + 3) / 4;
-    const size_t pf_step = (pf_bytes / 64 + (size_t)tiles) / (size_t)tiles * 64;   /* bytes per tile */
+    const size_t pf_step = el_g_pf_step(pf_bytes, tiles);
     for (int c0 = 0; c0 < nx_all; c0 += 4) {
         const int nx = EL_MIN(4, nx_all - c0);
-        for (size_t o = 0; o < pf_step && o < pf_bytes; o += 64) __builtin_prefetch(pf + o);
-        if (pf_bytes > pf_step) pf += pf_step, pf_bytes -= pf_step;
-        else pf_bytes = 0;
+        el_g_pf_share(&pf, &pf_bytes, pf_step);
         const size_t xr = (size_t)(x0 + c0);
         const int8_t *q = xq->q + xr * nb * QK;
         const float *d = xq->d + xr * nb, *s = xq->s + xr * nb;
