@@ -11,6 +11,7 @@
  * chunk. fn(ctx, item, more): more = 1 when item + 1 is in the same range, the item this thread
  * most likely takes next (worth prefetching into). */
 typedef void (*el_item_fn)(void *ctx, int item, int more);
+#define EL_RANGES_MAX 16   /* ranges at most: more threads than this share them */
 void el_parallel_ranges(el_pool *pool, int n_items, el_item_fn fn, void *ctx);
 
 #endif

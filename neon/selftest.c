@@ -472,7 +472,7 @@ static void builtin_checks(int threads, const char *path) {
         pr_ctx ctx;
         memset(&ctx, 0, sizeof ctx);
         const int n = round == 0 ? 97 : round == 1 ? 1 : threads + 1;
-        const int pt = el_pool_threads(g_pool), cap = pt < 16 ? pt : 16;   /* 16: EL_RANGES_MAX */
+        const int pt = el_pool_threads(g_pool), cap = pt < EL_RANGES_MAX ? pt : EL_RANGES_MAX;
         const int ranges = cap < n ? cap : n;
         int bad = 0, last = 0;
         el_parallel_ranges(g_pool, n, pr_item, &ctx);

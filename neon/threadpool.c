@@ -325,7 +325,6 @@ void el_parallel_for(el_pool *pool, int n_tasks, el_task_fn fn, void *ctx) {
 }
 
 /* ---- ranges ----------------------------------------------------------------------------------- */
-#define EL_RANGES_MAX 16
 typedef struct {
     _Alignas(128) atomic_int next;   /* next item of this range to claim */
     int end;
