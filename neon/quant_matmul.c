@@ -549,7 +549,10 @@ static void el_mm_task(void *vctx, int task, int n_tasks) {
 
     if (c->wtype == EL_F32 || c->wtype == EL_F16) {
         el_matmul_float_rows(c->wtype, c->generic, w, rows, c->x + (size_t)x0 * c->K, nx, c->K, y, ldy, bias);
-#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
+#if defined(EL_X5_GEMV)
+    } else if (c->f32act && !c->generic && c->wtype == EL_Q8_0 && nx == 1) {
+        el_f32act_q8_gemv_avx512(w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, c->K, y, bias);
+#elif EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
     } else if (c->f32act && !c->generic && c->wtype == EL_Q8_0 && nx == 1) {
         el_f32act_q8_gemv_avx2(w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, c->K, y, bias);
 #endif
