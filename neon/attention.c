@@ -666,8 +666,14 @@ static EL_AI void el_dec_pv_avx2(const int NR, const int F16, float *const *acc,
         el_dec_pv(NR, F16, at, alpha, p, tail, c, hd - d, NULL, 0);
     }
 }
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "attn_dec_avx512.h"
+#define el_dec_scores4_x el_dec_scores4_avx512
+#define el_dec_pv_x el_dec_pv_avx512
+#else
 #define el_dec_scores4_x el_dec_scores4_avx2
 #define el_dec_pv_x el_dec_pv_avx2
+#endif
 #else
 #define el_dec_scores4_x el_dec_scores4
 #define el_dec_pv_x el_dec_pv

@@ -207,10 +207,11 @@ def _qkv(rng, T, H, KVH, hd, start):
 
 # (T, H, KVH, hd, start): one token, one head, GQA 3:1 as SmolLM2, hd 32, odd hd (vector tails),
 # a chunk after cached context, a prefill longer than a tile, a group wider than a tile (G = 20);
-# decode tokens at hd 80, 48 and 20 (the decode blocks' 16-dim passes and their 4-dim tail)
+# decode tokens at hd 80, 48, 20 and 36 (the decode blocks' 64- and 16-dim passes, their masked and
+# 4-dim tails), and with 4 and 5 query heads a kv head (a 4-row block, then 4 + 1)
 ATTN_CASES = [(1, 1, 1, 64, 0), (1, 9, 3, 64, 100), (5, 9, 3, 64, 0), (17, 4, 2, 32, 40), (3, 6, 2, 20, 7),
               (40, 2, 1, 64, 0), (9, 20, 1, 18, 3), (1, 9, 3, 64, 700), (2, 8, 8, 64, 600), (2, 2, 1, 64, 600),
-              (1, 6, 2, 80, 70), (1, 3, 1, 48, 9), (1, 4, 2, 20, 33)]
+              (1, 6, 2, 80, 70), (1, 3, 1, 48, 9), (1, 4, 2, 20, 33), (1, 8, 2, 64, 90), (1, 10, 2, 36, 50)]
 
 
 @pytest.mark.parametrize("T,H,KVH,hd,start", ATTN_CASES)
