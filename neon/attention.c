@@ -803,7 +803,9 @@ static void el_attn_dec_split(const el_attn_job *J, int split, int pf_next) {
  * alternating runs): 500-700 keys 24.5-27.2 us -> 19.1-19.6 with ranges and 2 splits per thread,
  * 1000-1200 keys 38-42 -> 31-33. More than one split per thread is kept: a thread that starts
  * late (descheduled, a slower core) leaves its second to the others. */
-static void el_attn_dec_item(void *ctx, int split, int more) { el_attn_dec_split(ctx, split, more); }
+static void el_attn_dec_item(void *ctx, int split, int flags) {
+    el_attn_dec_split(ctx, split, (flags & EL_ITEM_MORE) != 0);
+}
 
 static int el_attn_dec_fits(const el_attn_job *J) {
     return J->T == 1 && J->hd % 4 == 0 && J->H <= EL_ATTN_DEC_HMAX && (size_t)J->H * J->hd <= EL_ATTN_DEC_ACC;

@@ -28,7 +28,7 @@
 
 /* matmul_float.c: rows [0, rows) of an F32 / F16 weight chunk against nx rows of x (K floats
  * each), y rows ldy apart, bias already offset to the chunk. (Internal: hidden by
- * -fvisibility=hidden; the only caller is el_mm_task below.) */
+ * -fvisibility=hidden; the only caller is el_mm_chunk below.) */
 void el_matmul_float_rows(int wtype, int generic, const uint8_t *w, int rows, const float *x, int nx, int K,
                           float *y, size_t ldy, const float *bias);
 /* matmul_float.c: the same for block weights (Q4_0, Q4_1, Q8_0, rows rb bytes apart) against
@@ -354,15 +354,17 @@ static inline __attribute__((always_inline)) int el_qrows_gemm(const int wt, con
     return 0;
 }
 
-/* 1: the AVX-512 or AVX2 GEMV tile (Q4, one x row) computed these rows; 0: run the portable tiles */
+/* 1: the AVX-512 or AVX2 GEMV tile (Q4, one x row) computed these rows; 0: run the portable tiles.
+ * after: the thread's previous chunk ended at w (EL_ITEM_AFTER): its prefetch stream ran on into
+ * these rows. */
 static inline __attribute__((always_inline)) int el_qrows_gemv(const int wt, const uint8_t *w, size_t rb, int rows,
                                                                const el_xq *xq, int x0, int nx_all, float *y,
-                                                               const float *bias) {
+                                                               const float *bias, int after) {
 #if defined(EL_X5_GEMV)
     if (nx_all == 1 && wt != EL_Q8_0 && xq->nb <= EL_X5_MAX_NB) {
         const int nb = xq->nb;
         el_qgemv_q4_avx512(wt, w, rb, rows, xq->q + (size_t)x0 * nb * QK, xq->d + (size_t)x0 * nb,
-                           xq->s + (size_t)x0 * nb, nb, y, bias);
+                           xq->s + (size_t)x0 * nb, nb, y, bias, after);
         return 1;
     }
 #endif
@@ -372,8 +374,9 @@ static inline __attribute__((always_inline)) int el_qrows_gemv(const int wt, con
         const int8_t *q = xq->q + (size_t)x0 * nb * QK;
         const float *d = xq->d + (size_t)x0 * nb, *s = xq->s + (size_t)x0 * nb;
         const size_t pfd = 8 * rb;
-        /* the chunk's first tile: nothing ran ahead of it (the other thread works elsewhere) */
-        for (size_t o = 0; o < EL_MIN(pfd, (size_t)rows * rb); o += 64) __builtin_prefetch(w + o);
+        /* the chunk's first tile, when nothing ran ahead of it (the other thread works elsewhere) */
+        if (!after)
+            for (size_t o = 0; o < EL_MIN(pfd, (size_t)rows * rb); o += 64) __builtin_prefetch(w + o);
         for (int r0 = 0; r0 < rows; r0 += 8) {
             const int nr = EL_MIN(8, rows - r0);
             const uint8_t *wr[8];
@@ -384,16 +387,16 @@ static inline __attribute__((always_inline)) int el_qrows_gemv(const int wt, con
         return 1;
     }
 #endif
-    (void)wt, (void)w, (void)rb, (void)rows, (void)xq, (void)x0, (void)nx_all, (void)y, (void)bias;
+    (void)wt, (void)w, (void)rb, (void)rows, (void)xq, (void)x0, (void)nx_all, (void)y, (void)bias, (void)after;
     return 0;
 }
 
 #define EL_QROWS_FN(name, wt)                                                                         \
     static void name(const uint8_t *w, size_t rb, int rows, int rows_after, const el_xq *xq, int x0, \
-                     int nx_all, float *y, size_t ldy, const float *bias) {                           \
+                     int nx_all, float *y, size_t ldy, const float *bias, int after) {                \
         const int nb = xq->nb;                                                                        \
         if (el_qrows_gemm(wt, w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias)) return;         \
-        if (el_qrows_gemv(wt, w, rb, rows, xq, x0, nx_all, y, bias)) return;                          \
+        if (el_qrows_gemv(wt, w, rb, rows, xq, x0, nx_all, y, bias, after)) return;                   \
         for (int r0 = 0; r0 < rows; r0 += 4) {                                                        \
             const int nr = EL_MIN(4, rows - r0);                                                      \
             const uint8_t *wr[4];                                                                     \
@@ -463,10 +466,11 @@ static void el_qrows_generic(int wt, const uint8_t *w, size_t rb, int rows, cons
  * tile's own (el_bqtile_avx2): the same 8-lane chain of one multiply and 3 FMAs, its two halves
  * added, the same pairwise sums, one FMA by d: results are bit-identical to it. */
 static void el_f32act_q8_gemv_avx2(const uint8_t *w, size_t rb, int rows, const float *x, int K, float *y,
-                                   const float *bias) {
+                                   const float *bias, int after) {
     const int nb = K / QK, bs = el_qblock_bytes(EL_Q8_0), off = el_qoff(EL_Q8_0);
     const size_t pfd = 8 * rb;
-    for (size_t o = 0; o < EL_MIN(pfd, (size_t)rows * rb); o += 64) __builtin_prefetch(w + o);
+    if (!after)   /* nothing ran ahead of the chunk's first rows */
+        for (size_t o = 0; o < EL_MIN(pfd, (size_t)rows * rb); o += 64) __builtin_prefetch(w + o);
     /* the sums come out in lanes 0, 2, 4, 6 | 1, 3, 5, 7 (VHADDPS works per 128-bit half) */
     const __m256i row_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int r0 = 0; r0 < rows; r0 += 8) {
@@ -525,9 +529,8 @@ typedef struct {
     const float *bias;
 } el_mm_ctx;
 
-static void el_mm_task(void *vctx, int task, int n_tasks) {
-    (void)n_tasks;
-    const el_mm_ctx *c = (const el_mm_ctx *)vctx;
+/* Task `task` of the grid; after: EL_ITEM_AFTER of a GEMV's ranges walk (see el_qrows_gemv) */
+static void el_mm_chunk(const el_mm_ctx *c, int task, int after) {
     int wi = task % c->n_wchunks, xi = task / c->n_wchunks;
     /* find the segment holding W chunk wi; col0 = its first output column */
     int s = 0, col0 = 0;
@@ -551,10 +554,10 @@ static void el_mm_task(void *vctx, int task, int n_tasks) {
         el_matmul_float_rows(c->wtype, c->generic, w, rows, c->x + (size_t)x0 * c->K, nx, c->K, y, ldy, bias);
 #if defined(EL_X5_GEMV)
     } else if (c->f32act && !c->generic && c->wtype == EL_Q8_0 && nx == 1) {
-        el_f32act_q8_gemv_avx512(w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, c->K, y, bias);
+        el_f32act_q8_gemv_avx512(w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, c->K, y, bias, after);
 #elif EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
     } else if (c->f32act && !c->generic && c->wtype == EL_Q8_0 && nx == 1) {
-        el_f32act_q8_gemv_avx2(w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, c->K, y, bias);
+        el_f32act_q8_gemv_avx2(w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, c->K, y, bias, after);
 #endif
     } else if (c->f32act) {
         el_matmul_f32act_rows(c->wtype, c->generic, w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, nx, c->K, y,
@@ -562,12 +565,17 @@ static void el_mm_task(void *vctx, int task, int n_tasks) {
     } else if (c->generic) {
         el_qrows_generic(c->wtype, w, c->row_bytes, rows, &c->xq, x0, nx, y, ldy, bias);
     } else if (c->wtype == EL_Q4_0) {
-        el_qrows_q4_0(w, c->row_bytes, rows, rows_after, &c->xq, x0, nx, y, ldy, bias);
+        el_qrows_q4_0(w, c->row_bytes, rows, rows_after, &c->xq, x0, nx, y, ldy, bias, after);
     } else if (c->wtype == EL_Q4_1) {
-        el_qrows_q4_1(w, c->row_bytes, rows, rows_after, &c->xq, x0, nx, y, ldy, bias);
+        el_qrows_q4_1(w, c->row_bytes, rows, rows_after, &c->xq, x0, nx, y, ldy, bias, after);
     } else {
-        el_qrows_q8_0(w, c->row_bytes, rows, rows_after, &c->xq, x0, nx, y, ldy, bias);
+        el_qrows_q8_0(w, c->row_bytes, rows, rows_after, &c->xq, x0, nx, y, ldy, bias, after);
     }
+}
+
+static void el_mm_task(void *vctx, int task, int n_tasks) {
+    (void)n_tasks;
+    el_mm_chunk((const el_mm_ctx *)vctx, task, 0);
 }
 
 #if EL_SIMDE && defined(__AVX2__)
@@ -578,9 +586,9 @@ static void el_mm_task(void *vctx, int task, int n_tasks) {
  * with few chunks (4 for a 576-row matrix on 2 threads), one thread starting late left the other
  * 3 of the 4. Here a range is one stream, cut in ~8 small chunks per thread so that the end
  * evens out to within one of them. */
-static void el_mm_item(void *vctx, int item, int more) {
-    (void)more;   /* the GEMM tiles prefetch the following rows themselves (rows_after) */
-    el_mm_task(vctx, item, ((const el_mm_ctx *)vctx)->n_wchunks);
+static void el_mm_item(void *vctx, int item, int flags) {
+    /* (the GEMM tiles prefetch the following rows themselves: rows_after) */
+    el_mm_chunk((const el_mm_ctx *)vctx, item, (flags & EL_ITEM_AFTER) != 0);
 }
 #endif
 

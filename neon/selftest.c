@@ -435,12 +435,13 @@ static void pf_task(void *ctx, int task, int n_tasks) {
     __atomic_fetch_add(&((pf_ctx *)ctx)->hits[task], 1, __ATOMIC_RELAXED);
 }
 
-typedef struct { int hits[97], more[97]; } pr_ctx;
+typedef struct { int hits[97], more[97], after[97]; } pr_ctx;
 
-static void pr_item(void *ctx, int item, int more) {
+static void pr_item(void *ctx, int item, int flags) {
     pr_ctx *c = (pr_ctx *)ctx;
     __atomic_fetch_add(&c->hits[item], 1, __ATOMIC_RELAXED);
-    c->more[item] = more;
+    c->more[item] = (flags & EL_ITEM_MORE) != 0;
+    c->after[item] = (flags & EL_ITEM_AFTER) != 0;
 }
 
 static void check(const char *name, int ok, const char *detail) {
@@ -467,20 +468,23 @@ static void builtin_checks(int threads, const char *path) {
     }
 
     /* el_parallel_ranges: every item exactly once; `more` is 0 on the last item of each range
-     * only, so there are as many such items as ranges (one per thread, at most one per item) */
+     * only, so there are as many such items as ranges (one per thread, at most one per item);
+     * `after` is never on item 0 (no thread did item -1) and, with one range (a serial walk in
+     * order), on every other item */
     for (int round = 0; round < 3; round++) {
         pr_ctx ctx;
         memset(&ctx, 0, sizeof ctx);
         const int n = round == 0 ? 97 : round == 1 ? 1 : threads + 1;
         const int pt = el_pool_threads(g_pool), cap = pt < EL_RANGES_MAX ? pt : EL_RANGES_MAX;
         const int ranges = cap < n ? cap : n;
-        int bad = 0, last = 0;
+        int bad = 0, last = 0, starts = 0;
         el_parallel_ranges(g_pool, n, pr_item, &ctx);
         for (int i = 0; i < 97; i++) bad |= ctx.hits[i] != (i < n);
         for (int i = 0; i < n; i++) last += !ctx.more[i];
-        snprintf(buf, sizeof buf, "n_items=%d range_ends=%d expected=%d", n, last, ranges);
+        for (int i = 0; i < n; i++) starts += !ctx.after[i];
+        snprintf(buf, sizeof buf, "n_items=%d range_ends=%d expected=%d walk_starts=%d", n, last, ranges, starts);
         snprintf(name, sizeof name, "pool/parallel_ranges%s", path);
-        check(name, !bad && last == ranges && !ctx.more[n - 1], buf);
+        check(name, !bad && last == ranges && !ctx.more[n - 1] && !ctx.after[0] && (ranges > 1 || starts == 1), buf);
     }
 
     /* arguments the header rules out: the answer is a negative code, never an abort or a write */

@@ -340,10 +340,11 @@ typedef struct {
 static void el_ranges_task(void *vctx, int task, int n_tasks) {
     el_ranges_job *j = (el_ranges_job *)vctx;
     (void)n_tasks;
+    int prev = -2;
     for (int k = 0; k < j->n_ranges; k++) {     /* own range first, then the others' */
         el_range *r = &j->r[(task + k) % j->n_ranges];
-        for (int i; (i = atomic_fetch_add_explicit(&r->next, 1, memory_order_relaxed)) < r->end;)
-            j->fn(j->ctx, i, i + 1 < r->end);
+        for (int i; (i = atomic_fetch_add_explicit(&r->next, 1, memory_order_relaxed)) < r->end; prev = i)
+            j->fn(j->ctx, i, (i + 1 < r->end ? EL_ITEM_MORE : 0) | (i == prev + 1 ? EL_ITEM_AFTER : 0));
     }
 }
 
