@@ -7,7 +7,8 @@
  * ~90 ms, of which ~10 ms was this). Here the layer loop runs in C and calls the kernels' public
  * entry points directly (el_rmsnorm, el_matmul, el_rope, el_attention_pool, el_swiglu, el_add), in
  * the order and with the arguments of the per-op path (engine.py ModelRunner._layers), so the
- * results are the same bit for bit: same kernels, same task splits, same pool. el_use_generic
+ * results are the same bit for bit: same kernels, same task splits, same pool (a residual add
+ * and the RMSNorm after it run row by row in one pass: the same kernels on the same rows). el_use_generic
  * routes those kernels to their twins, and the fp16 K/V store below to its scalar twin.
  *
  * The only new arithmetic is the fp32 -> fp16 rounding of the K/V store, which must equal
@@ -222,6 +223,8 @@ typedef struct {
     const el_model_dims *m;
     const el_chunk_bufs *b;
     float *x;                   /* residual adds: x += b->o */
+    const float *norm_w;        /* el_add_norm_rows: the RMSNorm after the add, into b->h */
+    float eps;
     int T, pos, layer, n_layers, kv_type, block_tokens;
     const float *cos, *sin;
     void *k_pool, *v_pool;
@@ -260,6 +263,19 @@ static void el_add_rows(const void *args, int t0, int t1) {
     el_add(c->x + t0 * d, c->b->o + t0 * d, c->x + t0 * d, (size_t)(t1 - t0) * d);
 }
 
+/* The residual add and the RMSNorm that follows it, row by row: the row is still in L1 for the
+ * norm, where the two passes over all T rows read x twice and cost two trips through the pool.
+ * The same kernels on the same rows: the same results. */
+static void el_add_norm_rows(const void *args, int t0, int t1) {
+    const el_tok_ctx *c = args;
+    const size_t d = (size_t)c->m->d;
+    for (int t = t0; t < t1; t++) {
+        float *x = c->x + t * d;
+        el_add(x, c->b->o + t * d, x, d);
+        (void)el_rmsnorm(NULL, x, c->norm_w, c->b->h + t * d, 1, (int)d, c->eps);   /* checked up front */
+    }
+}
+
 int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x, int T,
                   int pos, const float *cos, const float *sin, void *k_pool, void *v_pool, int kv_type,
                   const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
@@ -285,26 +301,33 @@ int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_
     const el_chunk_bufs b = el_chunk_layout(&m, T, scratch);
     const int q_dim = m.H * m.hd;
     const int row_w = q_dim + 2 * m.KVH * m.hd;    /* a token's qkv row: its RoPE and K/V store work */
-    el_tok_ctx tok = {.m = &m, .b = &b, .x = x, .T = T, .pos = pos, .n_layers = n_layers, .kv_type = kv_type,
-                      .block_tokens = block_tokens, .cos = cos, .sin = sin, .k_pool = k_pool, .v_pool = v_pool,
-                      .block_table = block_table};
+    el_tok_ctx tok = {.m = &m, .b = &b, .x = x, .eps = m.eps, .T = T, .pos = pos, .n_layers = n_layers,
+                      .kv_type = kv_type, .block_tokens = block_tokens, .cos = cos, .sin = sin, .k_pool = k_pool,
+                      .v_pool = v_pool, .block_table = block_table};
 
+    /* each layer's attn_norm runs with the residual add before it (the previous layer's FFN);
+     * the first layer's has no add */
+    if ((rc = el_rmsnorm(pool, x, layers[0].attn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
     for (int l = 0; l < n_layers; l++) {
         const el_layer *L = &layers[l];
         tok.layer = l;
-        if ((rc = el_rmsnorm(pool, x, L->attn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
         if ((rc = el_mm(pool, &L->qkv, b.h, b.qkv, T, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
         el_for_rows(pool, el_rope_store_rows, &tok, T, row_w);
         if ((rc = el_attention_pool(pool, b.q, b.att, T, m.H, m.KVH, m.hd, pos, k_pool, v_pool, kv_type,
                                     block_table, block_tokens, n_layers, l)) != EL_OK)
             return rc;
         if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, T, q_dim, NULL, b.mm)) != EL_OK) return rc;
-        el_for_rows(pool, el_add_rows, &tok, T, m.d);
-        if ((rc = el_rmsnorm(pool, x, L->ffn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
+        tok.norm_w = L->ffn_norm;
+        el_for_rows(pool, el_add_norm_rows, &tok, T, 2 * m.d);
         if ((rc = el_mm(pool, &L->gate_up, b.h, b.gu, T, m.d, NULL, b.mm)) != EL_OK) return rc;
         if ((rc = el_swiglu(pool, b.gu, b.act, T, m.ff)) != EL_OK) return rc;
         if ((rc = el_mm(pool, &L->down, b.act, b.o, T, m.ff, NULL, b.mm)) != EL_OK) return rc;
-        el_for_rows(pool, el_add_rows, &tok, T, m.d);
+        if (l + 1 < n_layers) {
+            tok.norm_w = layers[l + 1].attn_norm;
+            el_for_rows(pool, el_add_norm_rows, &tok, T, 2 * m.d);
+        } else {
+            el_for_rows(pool, el_add_rows, &tok, T, m.d);
+        }
     }
     return EL_OK;
 }
