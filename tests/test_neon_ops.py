@@ -265,11 +265,16 @@ def _gather(arena, table, layer, n):
     return f32(rows.astype(np.float32).transpose(1, 0, 2))
 
 
+# (T, H, KVH, hd, start, block_tokens). Several tiles read each kv head's keys in: 40 tokens of a
+# 3-head group (2 token tiles), an 80-head group (2 head slices), hd 36, and 2 token tiles of one
+# kv head on 2 threads (keys split as well)
+POOL_ATTN_CASES = [(1, 9, 3, 64, 0, 16), (1, 9, 3, 64, 44, 16), (7, 9, 3, 64, 50, 32), (20, 4, 4, 32, 0, 16),
+                   (3, 2, 1, 36, 29, 16), (1, 9, 3, 64, 1023, 32), (1, 6, 2, 80, 70, 16), (40, 9, 3, 64, 30, 16),
+                   (5, 80, 1, 32, 70, 16), (30, 6, 2, 36, 100, 16), (40, 3, 1, 64, 472, 16)]
+
+
 @pytest.mark.parametrize("kv_dtype", [np.float16, np.float32], ids=["f16", "f32"])
-@pytest.mark.parametrize("T,H,KVH,hd,start,block_tokens", [(1, 9, 3, 64, 0, 16), (1, 9, 3, 64, 44, 16),
-                                                           (7, 9, 3, 64, 50, 32), (20, 4, 4, 32, 0, 16),
-                                                           (3, 2, 1, 36, 29, 16), (1, 9, 3, 64, 1023, 32),
-                                                           (1, 6, 2, 80, 70, 16)])
+@pytest.mark.parametrize("T,H,KVH,hd,start,block_tokens", POOL_ATTN_CASES)
 @pytest.mark.parametrize("use_pool", [False, True])
 def test_attention_pool(el, pool2, kv_dtype, T, H, KVH, hd, start, block_tokens, use_pool):
     rng = np.random.default_rng(T * 13 + start + hd + block_tokens)
@@ -286,6 +291,27 @@ def test_attention_pool(el, pool2, kv_dtype, T, H, KVH, hd, start, block_tokens,
     ref = reference.attention(q, _gather(k, table, layer, n), _gather(v, table, layer, n), start)
     err = nmse(out, ref)
     assert err <= ATTN_BOUND, err
+
+
+@pytest.mark.parametrize("T,H,KVH,hd,start,block_tokens", POOL_ATTN_CASES)
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_attention_f16_pool_equals_f32(el, pool2, T, H, KVH, hd, start, block_tokens, use_pool):
+    """fp16 K/V widen to fp32 exactly, and the f16 path (each tile converting its chunks, the
+    decode path converting rows in registers) runs the same blocks on the same values as the f32
+    path reading the arena in place: the outputs are equal bit for bit."""
+    rng = np.random.default_rng(T * 7 + H + start)
+    n, n_layers, layer = start + T, 2, 1
+    k, v, table = _pool_arena(rng, n, n_layers, block_tokens, KVH, hd, np.float16)
+    q = f32(rng.standard_normal((T, H, hd)) * 2)
+    outs = []
+    for arena_k, arena_v, kv_type in ((k, v, EL_F16), (k.astype(np.float32), v.astype(np.float32), EL_F32)):
+        out = np.full((T, H * hd), np.nan, np.float32)
+        rc = el.el_attention_pool(_pool(pool2, use_pool), fptr(q), fptr(out), T, H, KVH, hd, start,
+                                  arena_k.ctypes.data, arena_v.ctypes.data, kv_type,
+                                  table.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), block_tokens, n_layers, layer)
+        assert rc == 0
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 def test_attention_bad_args(el):
