@@ -591,6 +591,18 @@ static EL_AI void el_dec_pv(const int NR, const int F16, float *const *acc, cons
     }
 }
 
+/* Dims [d, hd) (hd % 16 of them, past the wider blocks' passes) through the 4-lane block */
+static EL_AI void el_dec_pv_tail(const int NR, const int F16, float *const *acc, const float *alpha,
+                                 const float *const *p, const char *const *vr, int c, int d, int hd) {
+    if (d >= hd) return;
+    const size_t esz = F16 ? 2 : 4;
+    const char *tail[EL_ATTN_DEC_CH];
+    float *at[4];
+    for (int i = 0; i < c; i++) tail[i] = vr[i] + (size_t)d * esz;
+    for (int r = 0; r < NR; r++) at[r] = acc[r] + d;
+    el_dec_pv(NR, F16, at, alpha, p, tail, c, hd - d, NULL, 0);
+}
+
 #if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
 /* x86 AVX2 (development builds): the two decode blocks above on 8 lanes, bit-identical to them.
  * Scores: each 128-bit half of a register runs the 4-lane loop for one key (keys 2i and 2i + 1
@@ -658,13 +670,7 @@ static EL_AI void el_dec_pv_avx2(const int NR, const int F16, float *const *acc,
             _mm256_storeu_ps(acc[r] + d + 8, a[r][1]);
         }
     }
-    if (d < hd) {   /* hd % 16: the 4-lane block on the remaining dims */
-        const char *tail[EL_ATTN_DEC_CH];
-        float *at[4];
-        for (int i = 0; i < c; i++) tail[i] = vr[i] + (size_t)d * esz;
-        for (int r = 0; r < NR; r++) at[r] = acc[r] + d;
-        el_dec_pv(NR, F16, at, alpha, p, tail, c, hd - d, NULL, 0);
-    }
+    el_dec_pv_tail(NR, F16, acc, alpha, p, vr, c, d, hd);
 }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "attn_dec_avx512.h"

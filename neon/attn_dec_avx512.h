@@ -76,13 +76,7 @@ static EL_AI void el_dec_pv_avx512(const int NR, const int F16, float *const *ac
      * during the first pass only */
     for (; d + 64 <= hd; d += 64) el_dec_pv16(NR, 4, F16, acc, alpha, p, vr, c, d, pf, d == 0 ? npf : 0, pf_bytes);
     for (; d + 16 <= hd; d += 16) el_dec_pv16(NR, 1, F16, acc, alpha, p, vr, c, d, pf, d == 0 ? npf : 0, pf_bytes);
-    if (d < hd) {   /* hd % 16: the 4-lane block on the remaining dims */
-        const char *tail[EL_ATTN_DEC_CH];
-        float *at[4];
-        for (int i = 0; i < c; i++) tail[i] = vr[i] + (size_t)d * esz;
-        for (int r = 0; r < NR; r++) at[r] = acc[r] + d;
-        el_dec_pv(NR, F16, at, alpha, p, tail, c, hd - d, NULL, 0);
-    }
+    el_dec_pv_tail(NR, F16, acc, alpha, p, vr, c, d, hd);   /* hd % 16 */
 }
 
 #endif

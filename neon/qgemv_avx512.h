@@ -84,6 +84,33 @@ el_x5_step(const int wt, const uint8_t *p, int G, int left, const el_x5_group *x
     return _mm512_fmadd_ps(mw, x->s, acc);
 }
 
+/* The row walk both GEMVs share: 4 rows at a time, one linear prefetch stream pfd bytes ahead. */
+static inline size_t el_x5_pfd(size_t rb) { return EL_MAX((size_t)8, (EL_X5_PF_BYTES + rb - 1) / rb) * rb; }
+
+/* The first rows of a chunk nothing ran ahead of (a thread's first, or one taken from another
+ * thread's range); after the thread's previous chunk (after = EL_ITEM_AFTER) they are already on
+ * their way, and asking again cost ~9% of a 576 x 576 GEMV from cache (Zen 5, one thread). */
+static inline void el_x5_chunk_start(const uint8_t *w, size_t rb, int rows, size_t pfd, int after) {
+    if (!after)
+        for (size_t o = 0; o < EL_MIN(pfd, (size_t)rows * rb); o += 64) __builtin_prefetch(w + o);
+}
+
+/* row[r]: rows r0..r0+3 (the last real one repeated past nr); the stream runs on by 4 rows */
+static inline __attribute__((always_inline)) void el_x5_rows4(const uint8_t *w, size_t rb, int r0, int nr, size_t pfd,
+                                                              const uint8_t *row[4]) {
+    for (int r = 0; r < 4; r++) row[r] = w + (size_t)(r0 + EL_MIN(r, nr - 1)) * rb;
+    for (size_t o = 0; o < 4 * rb; o += 64) __builtin_prefetch(row[0] + pfd + o);
+}
+
+/* y[r0 + r] = sum of acc[r]'s lanes (+ bias[r0 + r]), r < nr */
+static inline __attribute__((always_inline)) void el_x5_store4(const __m512 acc[4], int r0, int nr, float *y,
+                                                               const float *bias) {
+    const __mmask8 keep = (__mmask8)((1u << nr) - 1);
+    __m128 v = el_x5_sum4(acc[0], acc[1], acc[2], acc[3]);
+    if (bias) v = _mm_add_ps(v, _mm_maskz_loadu_ps(keep, bias + r0));
+    _mm_mask_storeu_ps(y + r0, keep, v);
+}
+
 /* Rows [0, rows) of a Q4_0 / Q4_1 chunk (rb bytes a row) against one int8 x row: y[r] (+ bias[r]).
  * after: this thread's previous chunk ended where this one starts, its prefetch stream ran on
  * into these rows (EL_ITEM_AFTER). */
@@ -99,17 +126,12 @@ el_qgemv_q4_avx512(const int wt, const uint8_t *w, size_t rb, int rows, const in
     uint8_t dm[64];
     for (int i = 0; i < 64; i++) dm[i] = (uint8_t)(bs * ((i % 32) / 8) + (i >= 32 ? 2 : 0) + i % 2);
     const __m512i dm_idx = _mm512_loadu_si512(dm);
-    const size_t pfd = EL_MAX((size_t)8, (EL_X5_PF_BYTES + rb - 1) / rb) * rb, span = 4 * rb;
-    /* the first rows of a chunk nothing ran ahead of (a thread's first, or one taken from another
-     * thread's range); after the thread's previous chunk they are already on their way, and
-     * asking again cost ~9% of a 576 x 576 GEMV from cache (Zen 5, one thread) */
-    if (!after)
-        for (size_t o = 0; o < EL_MIN(pfd, (size_t)rows * rb); o += 64) __builtin_prefetch(w + o);
+    const size_t pfd = el_x5_pfd(rb);
+    el_x5_chunk_start(w, rb, rows, pfd, after);
     for (int r0 = 0; r0 < rows; r0 += 4) {
         const int nr = EL_MIN(4, rows - r0);
         const uint8_t *row[4];
-        for (int r = 0; r < 4; r++) row[r] = w + (size_t)(r0 + EL_MIN(r, nr - 1)) * rb;
-        for (size_t o = 0; o < span; o += 64) __builtin_prefetch(row[0] + pfd + o);
+        el_x5_rows4(w, rb, r0, nr, pfd, row);
         __m512 acc[4];
         for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
         for (int k = 0; k < ng; k++) {
@@ -117,9 +139,7 @@ el_qgemv_q4_avx512(const int wt, const uint8_t *w, size_t rb, int rows, const in
             for (int r = 0; r < 4; r++)
                 acc[r] = el_x5_step(wt, row[r] + (size_t)k * G, G, left, &xg[k], qs_idx, dm_idx, acc[r]);
         }
-        __m128 v = el_x5_sum4(acc[0], acc[1], acc[2], acc[3]);
-        if (bias) v = _mm_add_ps(v, _mm_maskz_loadu_ps((__mmask8)((1u << nr) - 1), bias + r0));
-        _mm_mask_storeu_ps(y + r0, (__mmask8)((1u << nr) - 1), v);
+        el_x5_store4(acc, r0, nr, y, bias);
     }
 }
 
@@ -134,14 +154,12 @@ static inline __attribute__((always_inline)) void
 el_f32act_q8_gemv_avx512(const uint8_t *w, size_t rb, int rows, const float *x, int K, float *y, const float *bias,
                          int after) {
     const int nb = K / QK, bs = el_qblock_bytes(EL_Q8_0), off = el_qoff(EL_Q8_0);
-    const size_t pfd = EL_MAX((size_t)8, (EL_X5_PF_BYTES + rb - 1) / rb) * rb, span = 4 * rb;
-    if (!after)   /* as in el_qgemv_q4_avx512 */
-        for (size_t o = 0; o < EL_MIN(pfd, (size_t)rows * rb); o += 64) __builtin_prefetch(w + o);
+    const size_t pfd = el_x5_pfd(rb);
+    el_x5_chunk_start(w, rb, rows, pfd, after);
     for (int r0 = 0; r0 < rows; r0 += 4) {
         const int nr = EL_MIN(4, rows - r0);
         const uint8_t *row[4];
-        for (int r = 0; r < 4; r++) row[r] = w + (size_t)(r0 + EL_MIN(r, nr - 1)) * rb;
-        for (size_t o = 0; o < span; o += 64) __builtin_prefetch(row[0] + pfd + o);
+        el_x5_rows4(w, rb, r0, nr, pfd, row);
         __m512 acc[4];
         for (int r = 0; r < 4; r++) acc[r] = _mm512_setzero_ps();
         for (int b = 0; b < nb; b++) {
@@ -154,9 +172,7 @@ el_f32act_q8_gemv_avx512(const uint8_t *w, size_t rb, int rows, const float *x, 
                 acc[r] = _mm512_fmadd_ps(_mm512_fmadd_ps(w1, x1, _mm512_mul_ps(w0, x0)), d, acc[r]);
             }
         }
-        __m128 v = el_x5_sum4(acc[0], acc[1], acc[2], acc[3]);
-        if (bias) v = _mm_add_ps(v, _mm_maskz_loadu_ps((__mmask8)((1u << nr) - 1), bias + r0));
-        _mm_mask_storeu_ps(y + r0, (__mmask8)((1u << nr) - 1), v);
+        el_x5_store4(acc, r0, nr, y, bias);
     }
 }
 #endif

@@ -456,7 +456,8 @@ static void el_qrows_generic(int wt, const uint8_t *w, size_t rb, int rows, cons
     }
 }
 
-#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
+#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__) && !defined(EL_X5_GEMV)
+/* (AVX-512 builds run el_f32act_q8_gemv_avx512 instead) */
 /* x86 el_matmul_f32act GEMV, Q8_0 (the lm_head, 49152 x 576, 30 MB a token). matmul_float.c's
  * 4-row tile ran it at ~17 GB/s with 2 threads, instruction-bound: per row and block, besides the
  * widening and the FMAs, an extract + add and a quarter of 3 VHADDPS (4 rows' lanes to 4 sums).
