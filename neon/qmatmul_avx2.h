@@ -185,6 +185,27 @@ el_qtile_avx2(const int wt, const int nx, const uint8_t *const w[4], const int8_
 /* x rows in a task from which the repack pays off (1.2x the 4-row tile at 2) */
 #define EL_G_MIN_NX 2
 
+/* Block b of 8 rows (w[r] = row r's first block): the rows' d as fp32 at d_out, their m (Q4_1;
+ * Q4_0: -8 d) at m_out */
+static inline __attribute__((always_inline)) void el_g_repack8_dm(const int wt, const uint8_t *const w[8], int b,
+                                                                  float *d_out, float *m_out) {
+    const int bs = el_qblock_bytes(wt);
+    const __m128i dm_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    /* each block's first 4 bytes: d, then m (Q4_1) or 2 quant bytes (Q4_0, Q8_0: unused) */
+    __m128i dm[2];
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *const *wh = w + 4 * h;
+        dm[h] = _mm_shuffle_epi8(_mm_setr_epi32(el_ld32(wh[0] + (size_t)b * bs), el_ld32(wh[1] + (size_t)b * bs),
+                                                el_ld32(wh[2] + (size_t)b * bs), el_ld32(wh[3] + (size_t)b * bs)),
+                                 dm_order);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_unpacklo_epi64(dm[0], dm[1]));
+    const __m256 m = wt == EL_Q4_1 ? _mm256_cvtph_ps(_mm_unpackhi_epi64(dm[0], dm[1]))
+                                   : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    _mm256_storeu_ps(d_out, d);
+    _mm256_storeu_ps(m_out, m);
+}
+
 /* Block b of 8 rows (w[r] = row r's first block) repacked: register j (8 rows x 4 bytes: dword j
  * of each row) at q + j * q_step, the rows' d at d_out, their m (Q4_0: -8 d) at m_out. The
  * AVX-512 GEMM (qmatmul_avx512.h) repacks 16 rows as two such halves. */
@@ -193,7 +214,6 @@ static inline __attribute__((always_inline)) void el_g_repack8_block(const int w
                                                                      float *m_out) {
     const int bs = el_qblock_bytes(wt), off = el_qoff(wt);
     const __m256i m4 = _mm256_set1_epi8(0x0F), nib_shift = _mm256_setr_epi64x(0, 0, 4, 4);
-    const __m128i dm_order = _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
     __m256i u[8];
     for (int r = 0; r < 8; r++) {
         const uint8_t *qs = w[r] + (size_t)b * bs + off;
@@ -220,19 +240,7 @@ static inline __attribute__((always_inline)) void el_g_repack8_block(const int w
         _mm256_storeu_si256((__m256i *)(q + q_step * j), _mm256_permute2x128_si256(s[j], s[j + 4], 0x20));
         _mm256_storeu_si256((__m256i *)(q + q_step * (j + 4)), _mm256_permute2x128_si256(s[j], s[j + 4], 0x31));
     }
-    /* each block's first 4 bytes: d, then m (Q4_1) or 2 quant bytes (Q4_0, Q8_0: unused) */
-    __m128i dm[2];
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *const *wh = w + 4 * h;
-        dm[h] = _mm_shuffle_epi8(_mm_setr_epi32(el_ld32(wh[0] + (size_t)b * bs), el_ld32(wh[1] + (size_t)b * bs),
-                                                el_ld32(wh[2] + (size_t)b * bs), el_ld32(wh[3] + (size_t)b * bs)),
-                                 dm_order);
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_unpacklo_epi64(dm[0], dm[1]));
-    const __m256 m = wt == EL_Q4_1 ? _mm256_cvtph_ps(_mm_unpackhi_epi64(dm[0], dm[1]))
-                                   : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-    _mm256_storeu_ps(d_out, d);
-    _mm256_storeu_ps(m_out, m);
+    el_g_repack8_dm(wt, w, b, d_out, m_out);
 }
 
 /* nb blocks of 8 rows (w[r] = row r's first block) -> out, block b at out + b * stride */
