@@ -349,6 +349,13 @@ class Dispatcher:
             layer_ms, lpath, lopts, home = fused
         e_ms, e_path, e_opts = self._chain([emb], phase, tokens, context, e_home := self._cpu_home(), home)
         h_ms, h_path, h_opts = self._chain([onorm, head], phase, tokens, context, home, None)
+        tail_note = ""
+        if fused_note:
+            tail = self._fused_tail([onorm, head], phase, tokens, context, home)
+            if tail is not None and tail[0] < h_ms:
+                tail_note = (f"in the fused {what}'s native call on {home} (the output norm and head on the "
+                             f"last row, no call of their own): {tail[0]:.4f} ms vs {h_ms:.4f} ms as separate calls")
+                h_ms, h_path, h_opts = tail
         placements = []
         for ops, path, opts, start in (([emb], e_path, e_opts, e_home), (lops, lpath, lopts, home),
                                        ([onorm, head], h_path, h_opts, home)):
@@ -357,6 +364,8 @@ class Dispatcher:
                 p = self._placement(op, phase, tokens, u, prev, ok, no)
                 if fused_note and ops is lops:
                     p = replace(p, reason=f"{fused_note}; alone: {p.reason}")
+                elif tail_note and ops is not lops and op is not emb:
+                    p = replace(p, reason=f"{tail_note}; alone: {p.reason}")
                 placements.append(p)
                 prev = u
         return PhasePlan(phase, tokens, context, tuple(placements), layer_ms, e_ms + h_ms, self.cfg.n_layers)
@@ -394,6 +403,23 @@ class Dispatcher:
                 if best is None or ms < best[0]:
                     best = (ms, [u.name] * len(lops), opts, u.name)
         return best
+
+    def _fused_tail(self, ops, phase, tokens, context, home: str):
+        """The model's tail (output norm, head) inside the fused step's call on `home`: each op at
+        the fused per-op cost, none paying a call of its own. (ms, path, opts), or None when
+        home cannot run one of them."""
+        u = self.unit(home)
+        fast = replace(u, launch_s=FUSED_OP_S)
+        opts, ms = [], 0.0
+        for op in ops:
+            ok, no = self._options(op, phase, tokens, context)
+            if home not in ok:
+                return None
+            e, _ = self._estimate(u, op, phase, tokens, context, unit_for_cost=fast)
+            ok = {**ok, home: e}
+            opts.append((ok, no))
+            ms += e.ms
+        return ms, [home] * len(ops), opts
 
     def _native_precision(self, u: Unit, op: OpSpec, phase: str, tokens: int) -> bool:
         """Whether every layer's ask for op runs at u's own precision: the fused layer step

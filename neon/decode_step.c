@@ -332,6 +332,35 @@ int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_
     return EL_OK;
 }
 
+int el_chunk_logits(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x, int T,
+                    int pos, const float *cos, const float *sin, void *k_pool, void *v_pool, int kv_type,
+                    const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
+                    size_t scratch_bytes, const float *out_norm, const el_matrix *head, int n_vocab, int f32act,
+                    float *logits) {
+    int rc = el_dims_check(dims);
+    if (rc != EL_OK) return rc;
+    if (!out_norm || !head || !logits || n_vocab <= 0 || (f32act != 0 && f32act != 1)) return EL_EINVAL;
+    if ((rc = el_matrix_check(head, n_vocab, dims->d)) != EL_OK) return rc;
+    if ((rc = el_tokens_check(dims, T)) != EL_OK) return rc;
+    /* logits must not alias the buffers the step writes (x, scratch) */
+    const size_t lb = (size_t)n_vocab * sizeof(float);
+    if (!x || el_overlaps(logits, lb, x, (size_t)T * dims->d * sizeof(float)) ||
+        (scratch && el_overlaps(logits, lb, scratch, scratch_bytes)))
+        return EL_EINVAL;
+    rc = el_chunk_step(pool, layers, n_layers, dims, x, T, pos, cos, sin, k_pool, v_pool, kv_type, block_table,
+                       n_table, block_tokens, n_blocks, scratch, scratch_bytes);
+    if (rc != EL_OK) return rc;
+    /* the step is done with its scratch: the normed row goes where its rows went (b.h), the
+     * head's int8 x into the matmul region */
+    const el_chunk_bufs b = el_chunk_layout(dims, T, scratch);
+    const float *last = x + (size_t)(T - 1) * dims->d;
+    if ((rc = el_rmsnorm(pool, last, out_norm, b.h, 1, dims->d, dims->eps)) != EL_OK) return rc;
+    return f32act ? el_matmul_f32act(pool, head->wtype, head->seg_ptr, head->seg_rows, head->n_seg, b.h, logits, 1,
+                                     dims->d, NULL)
+                  : el_matmul(pool, head->wtype, head->seg_ptr, head->seg_rows, head->n_seg, b.h, logits, 1, dims->d,
+                              NULL, b.mm);
+}
+
 int el_decode_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,
                    int pos, const float *cos_row, const float *sin_row, void *k_pool, void *v_pool, int kv_type,
                    const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,

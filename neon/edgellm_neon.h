@@ -167,6 +167,16 @@ EL_API int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, co
                          int T, int pos, const float *cos, const float *sin, void *k_pool, void *v_pool,
                          int kv_type, const int32_t *block_table, int n_table, int block_tokens, int n_blocks,
                          void *scratch, size_t scratch_bytes);
+/* el_chunk_step, then the model's tail on the chunk's last row: logits (n_vocab,) = head .
+ * rmsnorm(x[T-1], out_norm (d,), dims->eps), head (n_vocab, d) of a block or float type;
+ * f32act = 1 keeps the normed row in fp32 (el_matmul_f32act), 0 quantizes it (el_matmul). The
+ * head's arguments are checked with the rest, before anything is written; x is left as
+ * el_chunk_step leaves it. One call per decode token instead of three (step, norm, head). */
+EL_API int el_chunk_logits(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,
+                           int T, int pos, const float *cos, const float *sin, void *k_pool, void *v_pool,
+                           int kv_type, const int32_t *block_table, int n_table, int block_tokens, int n_blocks,
+                           void *scratch, size_t scratch_bytes, const float *out_norm, const el_matrix *head,
+                           int n_vocab, int f32act, float *logits);
 /* y (n,) = x rounded to fp16 bits (nearest even; overflow to inf; NaN stays NaN): the pool's
  * fp16 K/V conversion, exported so that tests can hold it against numpy's astype(float16). */
 EL_API int el_f32_to_f16(const float *x, uint16_t *y, size_t n);

@@ -383,3 +383,25 @@ def test_a_fused_decode_step_takes_the_whole_layer_when_it_is_cheaper():
         prompt_tokens=64, n_ctx=256, memory_budget=2**30)
     assert "reference" in {q.unit for q in unfused.decode.placements if q.scope == "layer"}
     assert plan.decode.step_ms < unfused.decode.step_ms
+
+
+def test_the_model_tail_joins_the_fused_step_when_that_is_cheaper():
+    """With the layers in a fused native step, the output norm and head run in the same call on
+    the last row (no call of their own) when that beats their own best placement; the reason
+    says so. Without a fused step they are placed as ops of their own."""
+    from dataclasses import replace
+
+    p = cpu_only()
+    ref = cpu_unit("reference", p)
+    neon = replace(cpu_unit("neon", p), launch_s=50e-6, fused_decode_s=50e-6)
+    plan = Dispatcher(p, CFG, Q41, probe=False, units=[neon, ref]).plan(prompt_tokens=64, n_ctx=256,
+                                                                         memory_budget=2**30)
+    for phase in (plan.decode, plan.prefill):
+        tail = {q.op: q for q in phase.placements if q.op in ("output_norm", "lm_head")}
+        assert {q.unit for q in tail.values()} == {"neon"}, tail
+        assert all("native call on neon" in q.reason for q in tail.values())
+    unfused = Dispatcher(p, CFG, Q41, probe=False, units=[replace(neon, fused_decode_s=None), ref]).plan(
+        prompt_tokens=64, n_ctx=256, memory_budget=2**30)
+    tail = {q.op: q for q in unfused.decode.placements if q.op in ("output_norm", "lm_head")}
+    assert tail["output_norm"].unit == "reference"      # 50 us a call on neon: numpy is cheaper alone
+    assert not any("native call" in q.reason for q in tail.values())

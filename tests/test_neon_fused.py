@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as QT
 
 import edgellm
 from edgellm.backends import neon, neon_lib
-from edgellm.backends.neon_fused import DecodeStep, DecodeStepError, ElLayer, ElModelDims
+from edgellm.backends.neon_fused import DecodeStep, DecodeStepError, ElLayer, ElMatrix, ElModelDims
 from edgellm.kv.pool import KVPool
 from tests.synthetic import write_tiny_model
 
@@ -397,3 +397,100 @@ def test_chunk_step_bad_token_counts_and_tables_write_nothing(rig):
     assert np.array_equal(pool.k.view(np.uint16), k0.view(np.uint16))
     assert call() == 0                                  # the rig is sound: the valid call runs
     assert pool.k.view(np.uint16)[table[1], :, T - BT - 1].any()
+
+
+# ---- the model's tail in the same call (el_chunk_logits) ------------------------------------------
+
+@pytest.mark.parametrize("f32act", [True, False], ids=["fp32-x", "int8-x"])
+@pytest.mark.parametrize("name", ["llama-Q4_1", "qwen2-Q4_0", "llama-F32"])
+def test_tail_in_the_step_equals_step_then_norm_and_head(name, f32act, tmp_path_factory):
+    """run_logits = run / run_chunk, then neon.rmsnorm and the head (fp32 or int8 x) as separate
+    calls, on a prefill chunk and on decode tokens: the same kernels on the same rows, so the
+    logits are equal bit for bit, and so are the K/V rows written."""
+    eng, w = engine(name, tmp_path_factory)
+    r, cfg = eng.runner, eng.config
+    steps = [DecodeStep.build(w, cfg) for _ in range(2)]
+    ids = np.random.default_rng(11).integers(3, cfg.vocab_size, 40)
+    seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "f16").new_sequence() for _ in range(2)]
+    precision = "fp32" if f32act else "int8"
+
+    def tail(x):
+        return neon.matmul(neon.rmsnorm(x[-1:], w.output_norm, cfg.norm_eps), w.lm_head, precision=precision)[0]
+
+    for lo, hi in ((0, 33), *((i, i + 1) for i in range(33, 40))):   # a 33-token chunk, then 7 tokens
+        x = neon.embedding(w.embedding, ids[lo:hi])
+        cos, sin = r.cos[lo:hi], r.sin[lo:hi]
+        for s in seqs:
+            s.reserve(hi - lo)
+        ref = tail(steps[0].run_chunk(x, lo, cos, sin, seqs[0].pool, seqs[0].block_table))
+        got = steps[1].run_logits(x, lo, cos, sin, seqs[1].pool, seqs[1].block_table, f32act=f32act)
+        for s in seqs:
+            s.commit(hi, ids[lo:hi])
+        assert got.shape == (cfg.vocab_size,)
+        np.testing.assert_array_equal(got, ref)
+    for a, b in zip(kv_rows(seqs[0]), kv_rows(seqs[1])):
+        np.testing.assert_array_equal(b, a)
+
+
+def test_tail_bad_arguments_write_nothing(rig):
+    """el_chunk_logits checks the head's arguments with the step's: a refused call leaves x, the
+    pool and the logits buffer untouched."""
+    step, pool, _, good = rig
+    lib = neon._lib()
+    V = step._n_vocab
+    logits = np.full(V, 7.0, np.float32)
+    head = ElMatrix.from_buffer_copy(step._head)
+    x0, k0 = step._x.copy(), pool.k.copy()
+
+    def call(onorm=step._onorm.ctypes.data, head_p=step._head_p, n_vocab=V, f32act=1, out=logits.ctypes.data,
+             **change):
+        a = {**good, **change}
+        return lib.el_chunk_logits(a["pool"], a["layers"], a["n_layers"], a["dims"], a["x"], 1, a["pos"], a["cos"],
+                                   a["sin"], a["k"], a["v"], a["kv_type"], a["table"], a["n_table"], a["bt"],
+                                   a["n_blocks"], a["scratch"], a["scratch_n"], onorm, head_p, n_vocab, f32act, out)
+    head.wtype = 7
+    cases = {
+        "out_norm NULL": (dict(onorm=None), EINVAL),
+        "head NULL": (dict(head_p=None), EINVAL),
+        "logits NULL": (dict(out=None), EINVAL),
+        "n_vocab 0": (dict(n_vocab=0), EINVAL),
+        "n_vocab off by one": (dict(n_vocab=V - 1), EINVAL),
+        "f32act 2": (dict(f32act=2), EINVAL),
+        "logits over x": (dict(out=step._x_p), EINVAL),
+        "logits inside scratch": (dict(out=step._scratch_p), EINVAL),
+        "head type 7": (dict(head_p=ctypes.addressof(head)), EUNSUPPORTED),
+        "the step's own check (pos past the table)": (dict(pos=BT), EINVAL),
+    }
+    for what, (change, code) in cases.items():
+        rc = call(**change)
+        assert rc == code, f"{what}: expected {code}, got {rc}"
+    assert np.array_equal(step._x, x0)
+    assert np.array_equal(pool.k.view(np.uint16), k0.view(np.uint16))
+    assert (logits == 7.0).all()
+    assert call() == 0 and np.isfinite(logits).all() and not (logits == 7.0).all()
+
+
+def test_engine_runs_the_tail_in_the_step_when_the_plan_puts_it_there(tmp_path_factory, monkeypatch):
+    """The engine's forward (last position's logits) takes run_logits when the plan puts the
+    output norm and head on the fused unit: its logits match the per-op path's within BOUND and
+    greedy picks the same tokens."""
+    eng, _ = engine("llama-Q4_1", tmp_path_factory)
+    r, cfg = eng.runner, eng.config
+    assert r._fused_tail == {"prefill", "decode"}, r.placement
+    calls = []
+    orig = DecodeStep.run_logits
+    monkeypatch.setattr(DecodeStep, "run_logits", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    ids = np.random.default_rng(5).integers(3, cfg.vocab_size, 20)
+    seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "f16").new_sequence() for _ in range(2)]
+    with per_op(r):
+        ref = r.forward(seqs[0], ids)
+    got = r.forward(seqs[1], ids)
+    assert len(calls) == 1 and nmse(got, ref) <= BOUND
+    for _ in range(10):
+        t = int(np.argmax(got))
+        assert t == int(np.argmax(ref))
+        with per_op(r):
+            ref = r.forward(seqs[0], [t])
+        got = r.forward(seqs[1], [t])
+        assert nmse(got, ref) <= BOUND
+    assert len(calls) == 11

@@ -14,6 +14,8 @@ the K/V rows written are the same bit for bit.
     seq.commit(pos + 1, [token])
     logits = lm_head(output_norm(x))
     # a prefill chunk of T tokens: seq.reserve(T); step.run_chunk(x (T, d), pos, cos[pos:pos+T], ...)
+    # or the model's tail in the same call (when the plan puts the output norm and head on neon):
+    logits = step.run_logits(x (T, d), pos, cos[pos:pos+T], sin[pos:pos+T], seq.pool, seq.block_table)
 
 run() returns its own (1, d) buffer: valid until the next run (copy it to keep it).
 """
@@ -99,11 +101,17 @@ class DecodeStep:
         self._cos_p = self._rope.ctypes.data
         self._sin_p = self._cos_p + 4 * half
         self._fn = self._lib.el_decode_step
+        # the model's tail (run_logits): the output norm and the head over the chunk's last row
+        self._onorm = _f32(weights.output_norm)
+        self._head = _matrix(weights.lm_head)
+        self._head_p, self._n_vocab = ctypes.addressof(self._head), weights.lm_head.n
         self._pool = None              # the KVPool bound by _bind (arena addresses below)
         # run_chunk's buffers: (T, d) residual stream, (cos | sin, T, rope_dim/2), scratch
         self._chunk_x = np.empty((0, cfg.d_model), np.float32)
         self._chunk_rope = np.empty((2, 0, half), np.float32)
         self._chunk_scratch = np.empty(0, np.uint8)
+        self._chunk_need: dict[int, int] = {}   # T -> el_chunk_scratch bytes
+        self._chunk_ptrs, self._chunk_scratch_p = (0, 0, 0), 0   # their addresses, set when they grow
 
     @classmethod
     def build(cls, weights: PreparedWeights, cfg: ModelConfig) -> "DecodeStep":
@@ -169,22 +177,46 @@ class DecodeStep:
         their blocks exclusively owned) -> (T, d), the last layer's output (this object's
         buffer, overwritten by the next run_chunk). cos, sin (T, rope_dim/2): the RoPE rows of
         those positions. Same contract and errors as run."""
+        return self._chunk(x, pos, cos, sin, pool, table, None, True)
+
+    def run_logits(self, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table,
+                   f32act: bool = True) -> np.ndarray:
+        """run_chunk (a decode token is T = 1) and the model's tail in the same native call:
+        (vocab,) logits of the last position, a new array = lm_head(output_norm(x[-1])) with the
+        normed row kept in fp32 (f32act, neon.lm_head's default) or quantized to int8. Same
+        contract and errors as run; the step's K/V are written only when the head's arguments
+        pass too."""
+        logits = np.empty(self._n_vocab, np.float32)
+        self._chunk(x, pos, cos, sin, pool, table, logits, f32act)
+        return logits
+
+    def _chunk(self, x, pos, cos, sin, pool, table, logits, f32act) -> np.ndarray:
         n = self._take(pool, table)
         T = x.shape[0]
         if self._chunk_x.shape[0] < T:           # grown to the largest chunk seen, then reused
             self._chunk_x = np.empty((T, self.cfg.d_model), np.float32)
             self._chunk_rope = np.empty((2, T, self.cfg.rope_dim // 2), np.float32)
-        need = self._lib.el_chunk_scratch(self._dims_p, T)
+            self._chunk_ptrs = (self._chunk_x.ctypes.data, self._chunk_rope[0].ctypes.data,
+                                self._chunk_rope[1].ctypes.data)
+        need = self._chunk_need.get(T)
+        if need is None:   # one ctypes call per chunk size, not per token
+            need = self._chunk_need[T] = self._lib.el_chunk_scratch(self._dims_p, T)
         if need == 0:
             raise DecodeStepError(f"el_chunk_scratch rejects a chunk of {T} tokens with dims {self._dims_text()}")
         if self._chunk_scratch.nbytes < need:
             self._chunk_scratch = np.empty(need, np.uint8)
+            self._chunk_scratch_p = self._chunk_scratch.ctypes.data
         xb, rope = self._chunk_x[:T], self._chunk_rope[:, :T]
         xb[...] = x
         rope[0], rope[1] = cos, sin
-        rc = self._lib.el_chunk_step(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, xb.ctypes.data,
-                                     T, pos, rope[0].ctypes.data, rope[1].ctypes.data, self._k_p, self._v_p,
-                                     self._kv_type, self._tbl_p, n, self._bt, self._nb,
-                                     self._chunk_scratch.ctypes.data, self._chunk_scratch.nbytes)
-        self._check(rc, "el_chunk_step", f"{T} tokens at position {pos}", n)
+        x_p, cos_p, sin_p = self._chunk_ptrs     # rows 0..T-1 of the buffers: their first addresses
+        args = (neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, x_p, T, pos, cos_p, sin_p,
+                self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb, self._chunk_scratch_p,
+                self._chunk_scratch.nbytes)
+        if logits is None:
+            rc, fn = self._lib.el_chunk_step(*args), "el_chunk_step"
+        else:
+            rc, fn = self._lib.el_chunk_logits(*args, self._onorm.ctypes.data, self._head_p, self._n_vocab,
+                                               int(f32act), logits.ctypes.data), "el_chunk_logits"
+        self._check(rc, fn, f"{T} tokens at position {pos}", n)
         return xb

@@ -52,6 +52,9 @@ _SIGNATURES = {
     "el_chunk_scratch": (c_size_t, [c_void_p, c_int]),
     "el_chunk_step": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p,
                               c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int, c_void_p, c_size_t]),
+    "el_chunk_logits": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p,
+                                c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int, c_void_p, c_size_t,
+                                c_void_p, c_void_p, c_int, c_int, c_void_p]),
     "el_f32_to_f16": (c_int, [c_void_p, c_void_p, c_size_t]),
 }
 
