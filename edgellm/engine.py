@@ -85,8 +85,8 @@ class ModelRunner:
                 self._fused_phases.add(ph)
         # phases whose output norm and head the plan put on the fused unit too: they run in the
         # step's own call on the chunk's last row (DecodeStep.run_logits)
-        self._fused_tail = {ph for ph in self._fused_phases
-                            if self.placement[ph]["output_norm"] == self.placement[ph]["lm_head"] == self._fused_unit}
+        self._fused_tail = {ph for ph in self._fused_phases if hasattr(self._fused, "run_logits")
+                            and self.placement[ph]["output_norm"] == self.placement[ph]["lm_head"] == self._fused_unit}
         rope_freqs = reference.prepare_rope_freqs(model)
         self.cos, self.sin = reference.rope_tables(cfg, max_positions, rope_freqs)  # (positions, rope_dim/2)
         # K/V read buffers reused by every layer and step: (KVH, positions, hd) each. Fresh arrays
@@ -120,7 +120,7 @@ class ModelRunner:
                     and not (phase == "decode" and self.decode_override is not None)
                 last = c + step >= len(ids)
                 if fused and last and not all_logits and phase in self._fused_tail:
-                    outs.append(self._fused_step_logits(seq, part, phase)[None])
+                    outs.append(self._fused_step(seq, part, phase, logits=True)[None])
                     seq.commit(seq.n_tokens + len(part), part)
                     continue
                 h = self._fused_step(seq, part, phase) if fused else self._layers(seq, part, cancel, phase)
@@ -194,26 +194,22 @@ class ModelRunner:
     def _fusable(self, seq) -> bool:
         return not seq.rotate_on_read and self._fused_mod.can_read_pool(seq.pool)
 
-    def _fused_step(self, seq, ids: np.ndarray, phase: str) -> np.ndarray:
+    def _fused_step(self, seq, ids: np.ndarray, phase: str, logits: bool = False) -> np.ndarray:
         """A decode token or a prefill chunk through every layer in one native call (positions
-        reserved by the caller). Cancellation is checked between chunks, not inside one."""
+        reserved by the caller). Cancellation is checked between chunks, not inside one. logits:
+        the model's tail (output norm, head) in the same call, returning the (vocab,) logits of
+        the chunk's last position, the head computing in the precision the plan asks of it."""
         pos, T = seq.n_tokens, len(ids)
         be, w = self._ops[phase]["embedding"]
         x = be.embedding(w.embedding, ids)                                   # (T, d)
+        if logits:
+            precision = self._precision_kwargs(phase, 0)["lm_head"][0].get("precision", "fp32")
+            return self._fused.run_logits(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
+                                          seq.block_table, f32act=precision == "fp32")
         if T == 1:
             return self._fused.run(x, pos, self.cos[pos], self.sin[pos], seq.pool, seq.block_table).copy()
         return self._fused.run_chunk(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
                                      seq.block_table)
-
-    def _fused_step_logits(self, seq, ids: np.ndarray, phase: str) -> np.ndarray:
-        """_fused_step and the model's tail (output norm, head) in one native call: (vocab,) logits
-        of the chunk's last position, the head computing in the precision the plan asks of it."""
-        pos, T = seq.n_tokens, len(ids)
-        be, w = self._ops[phase]["embedding"]
-        x = be.embedding(w.embedding, ids)                                   # (T, d)
-        precision = self._precision_kwargs(phase, 0)["lm_head"][0].get("precision", "fp32")
-        return self._fused.run_logits(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
-                                      seq.block_table, f32act=precision == "fp32")
 
     def _head(self, x: np.ndarray, phase: str) -> np.ndarray:
         P = self._ops[phase]
