@@ -357,15 +357,14 @@ class Dispatcher:
                              f"last row, no call of their own): {tail[0]:.4f} ms vs {h_ms:.4f} ms as separate calls")
                 h_ms, h_path, h_opts = tail
         placements = []
-        for ops, path, opts, start in (([emb], e_path, e_opts, e_home), (lops, lpath, lopts, home),
-                                       ([onorm, head], h_path, h_opts, home)):
+        for ops, path, opts, start, note in (([emb], e_path, e_opts, e_home, ""),
+                                             (lops, lpath, lopts, home, fused_note),
+                                             ([onorm, head], h_path, h_opts, home, tail_note)):
             prev = start
             for op, u, (ok, no) in zip(ops, path, opts):
                 p = self._placement(op, phase, tokens, u, prev, ok, no)
-                if fused_note and ops is lops:
-                    p = replace(p, reason=f"{fused_note}; alone: {p.reason}")
-                elif tail_note and ops is not lops and op is not emb:
-                    p = replace(p, reason=f"{tail_note}; alone: {p.reason}")
+                if note:
+                    p = replace(p, reason=f"{note}; alone: {p.reason}")
                 placements.append(p)
                 prev = u
         return PhasePlan(phase, tokens, context, tuple(placements), layer_ms, e_ms + h_ms, self.cfg.n_layers)

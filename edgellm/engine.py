@@ -85,8 +85,8 @@ class ModelRunner:
                 self._fused_phases.add(ph)
         # phases whose output norm and head the plan put on the fused unit too: they run in the
         # step's own call on the chunk's last row (DecodeStep.run_logits)
-        self._fused_tail = {ph for ph in self._fused_phases if hasattr(self._fused, "run_logits")
-                            and self.placement[ph]["output_norm"] == self.placement[ph]["lm_head"] == self._fused_unit}
+        self._fused_tail = {ph for ph in self._fused_phases
+                            if self.placement[ph]["output_norm"] == self.placement[ph]["lm_head"] == self._fused_unit}
         rope_freqs = reference.prepare_rope_freqs(model)
         self.cos, self.sin = reference.rope_tables(cfg, max_positions, rope_freqs)  # (positions, rope_dim/2)
         # K/V read buffers reused by every layer and step: (KVH, positions, hd) each. Fresh arrays

@@ -87,14 +87,6 @@ el_x5_step(const int wt, const uint8_t *p, int G, int left, const el_x5_group *x
 /* The row walk both GEMVs share: 4 rows at a time, one linear prefetch stream pfd bytes ahead. */
 static inline size_t el_x5_pfd(size_t rb) { return EL_MAX((size_t)8, (EL_X5_PF_BYTES + rb - 1) / rb) * rb; }
 
-/* The first rows of a chunk nothing ran ahead of (a thread's first, or one taken from another
- * thread's range); after the thread's previous chunk (after = EL_ITEM_AFTER) they are already on
- * their way, and asking again cost ~9% of a 576 x 576 GEMV from cache (Zen 5, one thread). */
-static inline void el_x5_chunk_start(const uint8_t *w, size_t rb, int rows, size_t pfd, int after) {
-    if (!after)
-        for (size_t o = 0; o < EL_MIN(pfd, (size_t)rows * rb); o += 64) __builtin_prefetch(w + o);
-}
-
 /* row[r]: rows r0..r0+3 (the last real one repeated past nr); the stream runs on by 4 rows */
 static inline __attribute__((always_inline)) void el_x5_rows4(const uint8_t *w, size_t rb, int r0, int nr, size_t pfd,
                                                               const uint8_t *row[4]) {
@@ -127,7 +119,7 @@ el_qgemv_q4_avx512(const int wt, const uint8_t *w, size_t rb, int rows, const in
     for (int i = 0; i < 64; i++) dm[i] = (uint8_t)(bs * ((i % 32) / 8) + (i >= 32 ? 2 : 0) + i % 2);
     const __m512i dm_idx = _mm512_loadu_si512(dm);
     const size_t pfd = el_x5_pfd(rb);
-    el_x5_chunk_start(w, rb, rows, pfd, after);
+    el_prefetch_chunk_start(w, rb, rows, pfd, after);
     for (int r0 = 0; r0 < rows; r0 += 4) {
         const int nr = EL_MIN(4, rows - r0);
         const uint8_t *row[4];
@@ -155,7 +147,7 @@ el_f32act_q8_gemv_avx512(const uint8_t *w, size_t rb, int rows, const float *x, 
                          int after) {
     const int nb = K / QK, bs = el_qblock_bytes(EL_Q8_0), off = el_qoff(EL_Q8_0);
     const size_t pfd = el_x5_pfd(rb);
-    el_x5_chunk_start(w, rb, rows, pfd, after);
+    el_prefetch_chunk_start(w, rb, rows, pfd, after);
     for (int r0 = 0; r0 < rows; r0 += 4) {
         const int nr = EL_MIN(4, rows - r0);
         const uint8_t *row[4];
