@@ -16,9 +16,11 @@ we reject as byte-swapped):
 
     string = u64 length + UTF-8 bytes (no NUL); array value = elem_type u32 + count u64 + elems
 
-Metadata values: scalars become Python int/float/bool/str; arrays of strings become list[str];
-arrays of numbers or bools become read-only 1-D numpy arrays whose dtype matches the GGUF element
-type (uint8 ... float64, np.bool_); arrays of arrays (depth 2 at most) become lists of those.
+Metadata values: scalars become Python int/float/bool/str; arrays of strings become GGUFStrings
+(gguf_strings.py: a read-only sequence of str that keeps the array's bytes, not ~100k str
+objects); arrays of numbers or bools become read-only 1-D numpy arrays whose dtype matches the
+GGUF element type (uint8 ... float64, np.bool_); arrays of arrays (depth 2 at most) become lists
+of those.
 `metadata_types[key]` keeps the GGUF type path, e.g. (STRING,), (ARRAY, INT32),
 (ARRAY, ARRAY, UINT8), so that later code can reject a key stored with the wrong element type.
 """
@@ -34,6 +36,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from edgellm.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from edgellm.model.gguf_strings import GGUFStrings
 
 __all__ = ["GGUFFile", "TensorInfo", "read_gguf", "tensor_view"]
 
@@ -238,14 +241,15 @@ class _Walker:
             arr = arr.view(np.bool_)
         return arr, (_V.ARRAY, et)
 
-    def _string_array(self, n: int, fld: str) -> list[str]:
+    def _string_array(self, n: int, fld: str) -> GGUFStrings:
         # The hot loop of the whole walk (49k tokens + 49k merges in a small model): locals only,
-        # and the rare failures (truncation, bad UTF-8) are found by the exception they raise.
+        # lengths only; the UTF-8 of all the strings is checked in one decode afterwards.
         buf, size, pos = self.buf, self.size, self.pos
+        base = pos
         unpack = _U64.unpack_from
         cap = MAX_STRING_LEN
-        out: list[str] = []
-        append = out.append
+        starts: list[int] = []
+        append = starts.append
         j = 0
         try:
             for j in range(n):
@@ -256,17 +260,29 @@ class _Walker:
                     if ln > cap:
                         raise self.fail(f"{fld}[{j}] string length", f"expected at most {cap} bytes, found {ln}")
                     self.need(ln, f"{fld}[{j}] string length")
-                append(buf[pos + 8:end].decode("utf-8"))
+                append(pos + 8 - base)
                 pos = end
         except struct.error:
             self.pos = pos
             self.need(8, f"{fld}[{j}] string length")
             raise  # unreachable: need() raised
-        except UnicodeDecodeError as e:
-            raise self.fail(f"{fld}[{j}]", f"expected UTF-8, found invalid byte at {e.start}: "
-                                           f"{_fmt_bytes(e.object[:40])}") from None
+        raw = bytes(buf[base:pos])
+        strings = GGUFStrings.from_array_bytes(raw, starts)
+        if strings is None:
+            self._utf8_error(raw, starts, fld)
         self.pos = pos
-        return out
+        return strings
+
+    def _utf8_error(self, raw: bytes, starts: list[int], fld: str) -> None:
+        """Raises the error naming the first string of the array that is not UTF-8."""
+        ends = [s - 8 for s in starts[1:]] + [len(raw)]
+        for j, (s, e) in enumerate(zip(starts, ends)):
+            try:
+                raw[s:e].decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise self.fail(f"{fld}[{j}]", f"expected UTF-8, found invalid byte at {err.start}: "
+                                               f"{_fmt_bytes(err.object[:40])}") from None
+        raise self.fail(fld, "expected UTF-8 strings")  # unreachable: some string failed to decode
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:

@@ -34,6 +34,7 @@ from tokenizers import models as _hf_models
 from tokenizers import pre_tokenizers as _hf_pre
 
 from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
+from edgellm.model.gguf_strings import GGUFStrings
 
 _log = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ class Tokenizer:
         self.add_bos = add_bos                  # encode()'s default for add_bos
         self.add_space_prefix = add_space_prefix  # SPM: ' ' before text that starts a fragment
         self.eot_ids = eot_ids                  # ids that end generation (llama.cpp's EOG set)
-        self._tokens = tokens
+        self._tokens = tokens                   # GGUFStrings from a file: texts decoded per read
         self._types = token_types
         self._hf = hf
         self._control = control_ids             # rendered only when specials are rendered
@@ -373,12 +374,16 @@ class StreamDecoder:
 
 
 # --- metadata helpers ----------------------------------------------------------------------------
-def _string_list(md: dict, key: str, source: str, required: bool) -> list[str] | None:
+def _string_list(md: dict, key: str, source: str, required: bool) -> Sequence[str] | None:
+    """The strings as given: a GGUFStrings stays one (its bytes, not ~50k str objects, are what
+    the tokenizer keeps); any other sequence becomes a list of str, checked."""
     value = md.get(key)
     if value is None:
         if required:
             raise ModelFormatError(source, key, "missing")
         return None
+    if isinstance(value, GGUFStrings):
+        return value
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ModelFormatError(source, key, f"expected an array of strings, found {type(value).__name__}")
     if not isinstance(value, list):
@@ -449,7 +454,7 @@ def _build_bpe(source: str, vocab: dict[str, int], md: dict, n: int, pre: _PreTo
     return hf
 
 
-def _build_spm(source: str, vocab: dict[str, int], tokens: list[str], md: dict, n: int) -> _HFTokenizer:
+def _build_spm(source: str, vocab: dict[str, int], tokens: Sequence[str], md: dict, n: int) -> _HFTokenizer:
     key = "tokenizer.ggml.scores"
     scores = md.get(key)
     if scores is None:
