@@ -17,6 +17,7 @@ from .backends import opencl_child, reference
 from .dispatch import Dispatcher
 from .ops import weight_formats
 from .engine import CancelToken, ModelRunner
+from .heap import release_free_pages
 from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (GenerationStats: part of the API)
 from .errors import ConfigError
 from .kv.pool import KVPool
@@ -407,6 +408,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
                                    memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
             plan = replace(plan, warnings=warnings + tuple(w for w in plan.warnings if w not in warnings))
             placement = plan.placement()
+    release_free_pages()
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.load_rss_mb = peak_rss_mb()
     eng.prefault = paging

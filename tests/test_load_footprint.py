@@ -1,0 +1,26 @@
+"""What a load and a generation (sampled, by default) keep out of the process: modules that would only add
+resident memory (numpy.random: ~2.6 MB on SmolLM2's footprint, where the RSS bound leaves the
+runtime ~47 MB), and the str objects of the vocabulary."""
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from synthetic import write_tiny_model  # noqa: E402
+
+_CHILD = """
+import sys
+import edgellm
+eng = edgellm.load(sys.argv[1], n_ctx=64, threads=1)
+eng.wait_loaded()
+text = eng.generate("hello", max_tokens=4)
+print(sorted(m for m in ("numpy.random", "numpy.random._generator") if m in sys.modules))
+"""
+
+
+def test_load_and_generate_do_not_import_numpy_random(tmp_path):
+    m = write_tiny_model(tmp_path / "m.gguf", n_layers=1)
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(m.path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
