@@ -88,18 +88,23 @@ int el_f32_to_f16(const float *x, uint16_t *y, size_t n) {
 
 static size_t el_a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* A layer runs over a chunk in slices of S = min(T, EL_CHUNK_SLICE) rows, so every buffer but
+ * h holds one slice: a chunk's scratch stops growing with T (SmolLM2: 25 KiB a token, 15 MiB
+ * at 608 tokens, 4.4 MiB now). A slice's attention reads the K/V rows earlier slices of the same
+ * layer stored. 128 rows already fill the GEMM's tiles and the attention's query tiles. */
+#define EL_CHUNK_SLICE 128
+
 typedef struct {
-    float *h;      /* (T, d) normed input of a projection */
-    float *o;      /* (T, d) attn_out / down output, added to x */
+    float *h;      /* (T, d) normed input of a projection: the next layer's, for every row */
+    float *o;      /* (S, d) attn_out / down output, added to x */
     /* the attention half of a layer; dead once attn_out has read att */
-    float *qkv;    /* (T, H*hd + 2*KVH*hd) q | k | v per row; q and k rotated in place */
-    float *q;      /* (T, H*hd) the rows' q, contiguous, as attention reads it (T > 1) */
-    float *att;    /* (T, H*hd) attention output */
-    /* the FFN half, in the same bytes as the attention half (a chunk's largest buffers: a
-     * quarter less scratch for SmolLM2, 8.1 instead of 11.1 MiB at 352 tokens) */
-    float *gu;     /* (T, 2*ff) gate | up */
-    float *act;    /* (T, ff) swiglu output */
-    void *mm;      /* el_matmul's scratch for T rows of the widest K */
+    float *qkv;    /* (S, H*hd + 2*KVH*hd) q | k | v per row; q and k rotated in place */
+    float *q;      /* (S, H*hd) the rows' q, contiguous, as attention reads it (T > 1) */
+    float *att;    /* (S, H*hd) attention output */
+    /* the FFN half, in the same bytes as the attention half */
+    float *gu;     /* (S, 2*ff) gate | up */
+    float *act;    /* (S, ff) swiglu output */
+    void *mm;      /* el_matmul's scratch for S rows of the widest K */
 } el_chunk_bufs;
 
 #define EL_CHUNK_NBUF 8
@@ -107,15 +112,17 @@ typedef struct {
 /* Region sizes in bytes, in el_chunk_bufs order; the layout starts 64-byte aligned. */
 static void el_chunk_sizes(const el_model_dims *m, int T, size_t sz[EL_CHUNK_NBUF]) {
     const size_t q = (size_t)m->H * m->hd, kv = (size_t)m->KVH * m->hd, t = (size_t)T;
+    const int S = EL_MIN(T, EL_CHUNK_SLICE);
+    const size_t s = (size_t)S;
     const int kmax = EL_MAX(m->d, EL_MAX((int)q, m->ff));
     sz[0] = el_a64(t * m->d * 4);
-    sz[1] = el_a64(t * m->d * 4);
-    sz[2] = el_a64(t * (q + 2 * kv) * 4);
-    sz[3] = T > 1 ? el_a64(t * q * 4) : 0;
-    sz[4] = el_a64(t * q * 4);
-    sz[5] = el_a64(t * m->ff * 2 * 4);
-    sz[6] = el_a64(t * m->ff * 4);
-    sz[7] = el_a64(el_matmul_scratch(T, kmax));
+    sz[1] = el_a64(s * m->d * 4);
+    sz[2] = el_a64(s * (q + 2 * kv) * 4);
+    sz[3] = T > 1 ? el_a64(s * q * 4) : 0;
+    sz[4] = el_a64(s * q * 4);
+    sz[5] = el_a64(s * m->ff * 2 * 4);
+    sz[6] = el_a64(s * m->ff * 4);
+    sz[7] = el_a64(el_matmul_scratch(S, kmax));
 }
 
 /* bytes of the shared region: the larger of the two halves */
@@ -299,11 +306,11 @@ int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_
     if ((rc = el_layers_check(layers, n_layers, &m)) != EL_OK) return rc;
 
     const el_chunk_bufs b = el_chunk_layout(&m, T, scratch);
-    const int q_dim = m.H * m.hd;
+    const int q_dim = m.H * m.hd, half = m.rope_dim / 2;
     const int row_w = q_dim + 2 * m.KVH * m.hd;    /* a token's qkv row: its RoPE and K/V store work */
-    el_tok_ctx tok = {.m = &m, .b = &b, .x = x, .eps = m.eps, .T = T, .pos = pos, .n_layers = n_layers,
-                      .kv_type = kv_type, .block_tokens = block_tokens, .cos = cos, .sin = sin, .k_pool = k_pool,
-                      .v_pool = v_pool, .block_table = block_table};
+    el_chunk_bufs bs = b;                          /* the current slice's view: h at its first row */
+    el_tok_ctx tok = {.m = &m, .b = &bs, .eps = m.eps, .T = T, .n_layers = n_layers, .kv_type = kv_type,
+                      .block_tokens = block_tokens, .k_pool = k_pool, .v_pool = v_pool, .block_table = block_table};
 
     /* each layer's attn_norm runs with the residual add before it (the previous layer's FFN);
      * the first layer's has no add */
@@ -311,22 +318,28 @@ int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_
     for (int l = 0; l < n_layers; l++) {
         const el_layer *L = &layers[l];
         tok.layer = l;
-        if ((rc = el_mm(pool, &L->qkv, b.h, b.qkv, T, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
-        el_for_rows(pool, el_rope_store_rows, &tok, T, row_w);
-        if ((rc = el_attention_pool(pool, b.q, b.att, T, m.H, m.KVH, m.hd, pos, k_pool, v_pool, kv_type,
-                                    block_table, block_tokens, n_layers, l)) != EL_OK)
-            return rc;
-        if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, T, q_dim, NULL, b.mm)) != EL_OK) return rc;
-        tok.norm_w = L->ffn_norm;
-        el_for_rows(pool, el_add_norm_rows, &tok, T, 2 * m.d);
-        if ((rc = el_mm(pool, &L->gate_up, b.h, b.gu, T, m.d, NULL, b.mm)) != EL_OK) return rc;
-        if ((rc = el_swiglu(pool, b.gu, b.act, T, m.ff)) != EL_OK) return rc;
-        if ((rc = el_mm(pool, &L->down, b.act, b.o, T, m.ff, NULL, b.mm)) != EL_OK) return rc;
-        if (l + 1 < n_layers) {
-            tok.norm_w = layers[l + 1].attn_norm;
-            el_for_rows(pool, el_add_norm_rows, &tok, T, 2 * m.d);
-        } else {
-            el_for_rows(pool, el_add_rows, &tok, T, m.d);
+        for (int t0 = 0; t0 < T; t0 += EL_CHUNK_SLICE) {
+            const int n = EL_MIN(EL_CHUNK_SLICE, T - t0), p0 = pos + t0;
+            bs.h = b.h + (size_t)t0 * m.d;
+            tok.x = x + (size_t)t0 * m.d, tok.pos = p0;
+            tok.cos = cos + (size_t)t0 * half, tok.sin = sin + (size_t)t0 * half;
+            if ((rc = el_mm(pool, &L->qkv, bs.h, b.qkv, n, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
+            el_for_rows(pool, el_rope_store_rows, &tok, n, row_w);
+            if ((rc = el_attention_pool(pool, b.q, b.att, n, m.H, m.KVH, m.hd, p0, k_pool, v_pool, kv_type,
+                                        block_table, block_tokens, n_layers, l)) != EL_OK)
+                return rc;
+            if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, n, q_dim, NULL, b.mm)) != EL_OK) return rc;
+            tok.norm_w = L->ffn_norm;
+            el_for_rows(pool, el_add_norm_rows, &tok, n, 2 * m.d);
+            if ((rc = el_mm(pool, &L->gate_up, bs.h, b.gu, n, m.d, NULL, b.mm)) != EL_OK) return rc;
+            if ((rc = el_swiglu(pool, b.gu, b.act, n, m.ff)) != EL_OK) return rc;
+            if ((rc = el_mm(pool, &L->down, b.act, b.o, n, m.ff, NULL, b.mm)) != EL_OK) return rc;
+            if (l + 1 < n_layers) {
+                tok.norm_w = layers[l + 1].attn_norm;
+                el_for_rows(pool, el_add_norm_rows, &tok, n, 2 * m.d);
+            } else {
+                el_for_rows(pool, el_add_rows, &tok, n, m.d);
+            }
         }
     }
     return EL_OK;

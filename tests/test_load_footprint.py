@@ -1,6 +1,6 @@
-"""What a load and a generation (sampled, by default) keep out of the process: modules that would only add
-resident memory (numpy.random: ~2.6 MB on SmolLM2's footprint, where the RSS bound leaves the
-runtime ~47 MB), and the str objects of the vocabulary."""
+"""What a load and a generation (sampled, by default) keep out of the process: modules that
+would only add resident memory (numpy.random: ~2.6 MB on SmolLM2, whose RSS bound leaves the
+runtime ~47 MB beside the weights and the KV cache)."""
 import subprocess
 import sys
 from pathlib import Path

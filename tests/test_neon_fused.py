@@ -150,20 +150,23 @@ def test_fused_step_equals_per_op_path(name, precision, tmp_path_factory):
 @pytest.mark.parametrize("precision", ["f16", "f32"])
 @pytest.mark.parametrize("name", ["llama-Q4_1", "qwen2-Q4_1", "llama-F32"])
 def test_fused_prefill_chunks_equal_per_op_path(name, precision, tmp_path_factory):
-    """Prefill through el_chunk_step in three calls (7 tokens; 64 after them; 30 in chunks of 8,
-    ending in a 6-token tail) against the per-op path: every position's logits within BOUND, the
-    K/V rows bit-identical."""
+    """Prefill through el_chunk_step in four calls (7 tokens; 64 after them; 30 in chunks of 8,
+    ending in a 6-token tail; 300 in one chunk) against the per-op path: every position's logits
+    within BOUND, the K/V rows bit-identical. The step runs a chunk's layers in row slices of 128
+    (each attending to the K/V rows the slices before it stored), so its 300-token chunk is
+    compared with per-op chunks of 128, 128 and 44: the attention's work split, and with it its
+    rounding, follows the number of query rows in a call."""
     eng, _ = engine(name, tmp_path_factory)
     r, cfg = eng.runner, eng.config
     assert "prefill" in r._fused_phases, r.placement
-    ids = np.random.default_rng(7).integers(3, cfg.vocab_size, 7 + 64 + 30)
+    ids = np.random.default_rng(7).integers(3, cfg.vocab_size, 7 + 64 + 30 + 300)
     n_blocks = -(-len(ids) // BT) + 1
     seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, BT, precision).new_sequence()
             for _ in range(2)]
     worst = 0.0
-    for lo, hi, chunk in ((0, 7, None), (7, 71, None), (71, 101, 8)):   # 30 tokens in chunks of 8: a 6-token tail
+    for lo, hi, chunk, ref_chunk in ((0, 7, None, None), (7, 71, None, None), (71, 101, 8, 8), (101, 401, 300, 128)):
         with per_op(r):
-            ref = r.forward(seqs[0], ids[lo:hi], all_logits=True, chunk=chunk)
+            ref = r.forward(seqs[0], ids[lo:hi], all_logits=True, chunk=ref_chunk)
         got = r.forward(seqs[1], ids[lo:hi], all_logits=True, chunk=chunk)
         worst = max(worst, nmse(got, ref))
     assert worst <= BOUND
