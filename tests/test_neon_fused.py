@@ -152,9 +152,9 @@ def test_fused_step_equals_per_op_path(name, precision, tmp_path_factory):
 def test_fused_prefill_chunks_equal_per_op_path(name, precision, tmp_path_factory):
     """Prefill through el_chunk_step in four calls (7 tokens; 64 after them; 30 in chunks of 8,
     ending in a 6-token tail; 300 in one chunk) against the per-op path: every position's logits
-    within BOUND, the K/V rows bit-identical. The step runs a chunk's layers in row slices of 128
+    within BOUND, the K/V rows bit-identical. The step runs a chunk's layers in row slices of 256
     (each attending to the K/V rows the slices before it stored), so its 300-token chunk is
-    compared with per-op chunks of 128, 128 and 44: the attention's work split, and with it its
+    compared with per-op chunks of 256 and 44: the attention's work split, and with it its
     rounding, follows the number of query rows in a call."""
     eng, _ = engine(name, tmp_path_factory)
     r, cfg = eng.runner, eng.config
@@ -164,7 +164,7 @@ def test_fused_prefill_chunks_equal_per_op_path(name, precision, tmp_path_factor
     seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, BT, precision).new_sequence()
             for _ in range(2)]
     worst = 0.0
-    for lo, hi, chunk, ref_chunk in ((0, 7, None, None), (7, 71, None, None), (71, 101, 8, 8), (101, 401, 300, 128)):
+    for lo, hi, chunk, ref_chunk in ((0, 7, None, None), (7, 71, None, None), (71, 101, 8, 8), (101, 401, 300, 256)):
         with per_op(r):
             ref = r.forward(seqs[0], ids[lo:hi], all_logits=True, chunk=ref_chunk)
         got = r.forward(seqs[1], ids[lo:hi], all_logits=True, chunk=chunk)
