@@ -102,7 +102,7 @@ def _matches(mf, formats: Mapping[str, str]) -> bool:
 
 def _bits(type_name: str) -> float:
     """Bits per weight of a GGUF type (block types with their scales)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from .model.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
 
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     return 8 * size / block

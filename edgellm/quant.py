@@ -12,7 +12,8 @@ llama.cpp and the gguf package.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
+
+from edgellm.model.ggml_types import GGMLQuantizationType as T
 
 QK = 32  # values per block for every block format here
 

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFValueType, GGUFWriter
-from gguf import GGMLQuantizationType as T
+from gguf import GGUFWriter
 
 from . import quant
 from .model import layout
+from .model.ggml_types import GGML_QUANT_SIZES, GGUFValueType
+from .model.ggml_types import GGMLQuantizationType as T
 from .errors import ConfigError, UnsupportedModelError
 from .fileio import fsync_dir
 

@@ -61,7 +61,7 @@ def _f32(a) -> np.ndarray:
 
 
 def _matmul_cases(rng: np.random.Generator) -> list[Case]:
-    from gguf import GGMLQuantizationType as G
+    from edgellm.model.ggml_types import GGMLQuantizationType as G
 
     from . import quant
     from .backends import reference

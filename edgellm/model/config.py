@@ -9,9 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from gguf import GGMLQuantizationType as T
-
 from ..errors import ModelFormatError, UnsupportedModelError
+from .ggml_types import GGMLQuantizationType as T
 from ..quant import SUPPORTED_TYPES
 
 # Llama-family architectures and how they differ from plain llama.

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from edgellm.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from edgellm.model.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from edgellm.model.gguf_strings import GGUFStrings
 
 __all__ = ["GGUFFile", "TensorInfo", "read_gguf", "tensor_view"]
