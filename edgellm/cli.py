@@ -357,9 +357,11 @@ def bench(
     if "first_request_ttft_ms" in m:
         typer.echo(f"cold start: load {m['load_ms']:.0f} ms, then the first request's TTFT "
                    f"{m['first_request_ttft_ms']:.0f} ms ({m['first_request_tokens']} tokens)")
+    parts = (f" (model file {m['rss_model_mapped_mb']:.1f} MB mapped, KV cache {m['kv_cache_mb']:.1f} MB, "
+             f"the rest {m['rss_runtime_mb']:.1f} MB)" if "rss_model_mapped_mb" in m else "")
     typer.echo(f"memory: peak RSS {max(r['peak_rss_mb'] for r in recs):.0f} MB, {m['rss_after_load_mb']:.0f} MB "
-               f"right after load; bound 1.5 x {m['model_file_mb']:.1f} MB file + {m['kv_cache_mb']:.1f} MB KV "
-               f"cache = {m['rss_bound_mb']:.1f} MB")
+               f"right after load{parts}; bound 1.5 x {m['model_file_mb']:.1f} MB file + {m['kv_cache_mb']:.1f} MB "
+               f"KV cache = {m['rss_bound_mb']:.1f} MB")
     for r in recs:
         if r.get("decode_vs_floor") is not None:
             bws = " and ".join(f"{x:.1f}" if x else "-" for x in r["read_bandwidth_gbs"])

@@ -40,6 +40,10 @@ def test_bench_records_rss_after_load_and_its_bound(tiny, tmp_path, extra):
     assert rec["kv_cache_mb"] == round(kv_mb, 1)
     assert rec["rss_bound_mb"] == round(1.5 * file_mb + kv_mb, 1)
     assert 0 < rec["rss_after_load_mb"] <= rec["peak_rss_mb"]
+    # the breakdown: the file's pages mapped in (the bench waits for the weights to page in)
+    assert 0 < rec["rss_model_mapped_mb"] <= file_mb + 0.01
+    assert rec["rss_runtime_mb"] == pytest.approx(rec["rss_after_load_mb"] - rec["rss_model_mapped_mb"] - kv_mb, abs=0.15)
+    assert f"(model file {rec['rss_model_mapped_mb']:.1f} MB mapped, KV cache {rec['kv_cache_mb']:.1f} MB" in r.stdout
     assert f"bound 1.5 x {rec['model_file_mb']:.1f} MB file" in r.stdout
     if not extra:   # the cold start: load, then the engine's first request (before the warm runs)
         assert rec["first_request_ttft_ms"] > 0 and rec["first_request_tokens"] == rec["prompt_tokens"]

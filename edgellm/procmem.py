@@ -1,0 +1,24 @@
+"""Resident memory of one file's mappings in this process (Linux /proc/self/smaps)."""
+from __future__ import annotations
+
+import os
+
+
+def file_rss_mb(path: str | os.PathLike) -> float | None:
+    """MB (2^20 bytes) of `path`'s pages resident in this process's mappings of it: for a model,
+    the part of its weights paged in. None where /proc/self/smaps cannot be read (not Linux)."""
+    want = os.path.realpath(path).encode()
+    kb = 0
+    mine = False
+    try:
+        with open("/proc/self/smaps", "rb") as f:
+            for line in f:
+                if line[:1] in b"0123456789abcdef" and b"-" in line.split(b" ", 1)[0]:
+                    # a mapping's header: "start-end perms offset dev inode   path"
+                    fields = line.split(None, 5)
+                    mine = len(fields) == 6 and fields[5].rstrip(b"\n") == want
+                elif mine and line.startswith(b"Rss:"):
+                    kb += int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return kb / 1024.0
