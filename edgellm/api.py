@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
-import psutil
 
 from . import backends
 from .backends import opencl_child, reference
@@ -18,6 +17,7 @@ from .dispatch import Dispatcher
 from .ops import weight_formats
 from .engine import CancelToken, ModelRunner
 from .heap import release_free_pages
+from .procmem import available_bytes
 from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (GenerationStats: part of the API)
 from .errors import ConfigError
 from .kv.pool import KVPool
@@ -338,7 +338,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         log.info("%s", note)
         compute = ComputeTable(pplan, mf.config.n_layers)
     n_ctx = min(int(n_ctx), mf.config.context_length)
-    avail = psutil.virtual_memory().available
+    avail = available_bytes()
     big = select_big(detect_clusters())
     threads = threads or len(big)
     dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,

@@ -121,3 +121,10 @@ def test_load_errors(tmp_path):
         edgellm.load(str(tmp_path / "missing.gguf"), device="mali-npu-9000")
     with pytest.raises(ConfigError):
         edgellm.load(str(tmp_path / "missing.gguf"), threads=0)
+
+
+def test_load_refuses_a_model_the_available_memory_cannot_hold(tmp_path, monkeypatch):
+    tm = write_tiny_model(tmp_path / "tiny.gguf", tensor_type=QT.Q8_0, seed=2)
+    monkeypatch.setattr("edgellm.api.available_bytes", lambda: 4096)
+    with pytest.raises(ConfigError, match="not enough memory"):
+        edgellm.load(tm.path, n_ctx=128, threads=1)

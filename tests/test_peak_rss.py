@@ -36,3 +36,12 @@ def test_file_rss_counts_the_pages_of_that_file_this_process_touched(tmp_path):
     assert int(m[::4096].sum()) == 2048
     assert 7.9 <= file_rss_mb(path) <= 8.0 + 0.01
     del m, o
+
+
+def test_available_bytes_is_what_psutil_reports():
+    import psutil
+
+    from edgellm.procmem import available_bytes
+
+    got, want = available_bytes(), psutil.virtual_memory().available
+    assert got > 0 and abs(got - want) <= max(64 * 2**20, want // 20), (got, want)

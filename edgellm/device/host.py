@@ -8,8 +8,6 @@ import os
 import re
 from pathlib import Path
 
-import psutil
-
 from ..errors import ConfigError
 from .profile import CpuCluster, DeviceProfile
 from .topology import detect_clusters
@@ -84,6 +82,8 @@ def _cache_sizes(cpu: int, root: str = "/sys/devices/system/cpu") -> dict[str, i
 
 
 def estimate_host_profile() -> DeviceProfile:
+    import psutil   # here: a load that reads a cached profile does not need its ~1.8 MB of modules
+
     info = _cpuinfo()
     feats = _features(info)
     wide = 2 if {"avx2", "fma"} <= feats else 1     # 256-bit FMA ports do twice a 128-bit core's work
