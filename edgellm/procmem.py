@@ -26,16 +26,25 @@ def file_rss_mb(path: str | os.PathLike) -> float | None:
 
 
 def available_bytes() -> int:
-    """Memory available to new allocations without swapping: MemAvailable from /proc/meminfo, or
-    psutil's figure where that cannot be read. psutil is imported only then: on Linux a load would
-    otherwise carry its ~1.8 MB of resident modules for this one number."""
+    """Memory available to new allocations without swapping (MemAvailable)."""
+    return _meminfo(b"MemAvailable:", "available")
+
+
+def total_bytes() -> int:
+    """The system's memory (MemTotal)."""
+    return _meminfo(b"MemTotal:", "total")
+
+
+def _meminfo(key: bytes, psutil_field: str) -> int:
+    """A /proc/meminfo figure in bytes, or psutil's where that cannot be read. psutil is imported
+    only then: on Linux a load would otherwise carry its ~1.8 MB of resident modules for it."""
     try:
         with open("/proc/meminfo", "rb") as f:
             for line in f:
-                if line.startswith(b"MemAvailable:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     import psutil
 
-    return int(psutil.virtual_memory().available)
+    return int(getattr(psutil.virtual_memory(), psutil_field))

@@ -1,6 +1,7 @@
 """What a load and a generation (sampled, by default) keep out of the process: modules that
 would only add resident memory (numpy.random ~2.6 MB, psutil ~1.8, the gguf package ~1.6 on
 SmolLM2, whose RSS bound leaves the runtime ~47 MB beside the weights and the KV cache)."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,9 @@ print(sorted(m for m in ("numpy.random", "numpy.random._generator", "psutil", "g
 
 def test_load_and_generate_do_not_import_modules_they_do_not_need(tmp_path):
     m = write_tiny_model(tmp_path / "m.gguf", n_layers=1)
+    # an empty EDGELLM_HOME: no measured host profile, so the load estimates one, as on a fresh device
+    env = dict(os.environ, EDGELLM_HOME=str(tmp_path / "home"))
     out = subprocess.run([sys.executable, "-c", _CHILD, str(m.path)], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

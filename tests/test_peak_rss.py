@@ -38,10 +38,11 @@ def test_file_rss_counts_the_pages_of_that_file_this_process_touched(tmp_path):
     del m, o
 
 
-def test_available_bytes_is_what_psutil_reports():
+def test_meminfo_figures_are_what_psutil_reports():
     import psutil
 
-    from edgellm.procmem import available_bytes
+    from edgellm.procmem import available_bytes, total_bytes
 
     got, want = available_bytes(), psutil.virtual_memory().available
     assert got > 0 and abs(got - want) <= max(64 * 2**20, want // 20), (got, want)
+    assert total_bytes() == psutil.virtual_memory().total

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..procmem import total_bytes
 from .profile import CpuCluster, DeviceProfile
 from .topology import detect_clusters
 
@@ -82,8 +83,6 @@ def _cache_sizes(cpu: int, root: str = "/sys/devices/system/cpu") -> dict[str, i
 
 
 def estimate_host_profile() -> DeviceProfile:
-    import psutil   # here: a load that reads a cached profile does not need its ~1.8 MB of modules
-
     info = _cpuinfo()
     feats = _features(info)
     wide = 2 if {"avx2", "fma"} <= feats else 1     # 256-bit FMA ports do twice a 128-bit core's work
@@ -96,7 +95,7 @@ def estimate_host_profile() -> DeviceProfile:
             features=feats, peak_per_core={p: n * wide * f for p, n in _FLOP_PER_CYCLE.items()},
             l1d_bytes=caches["l1d"], l2_bytes=caches["l2"], l3_bytes=caches["l3"], capacity=c.capacity))
     return DeviceProfile(name=ESTIMATE_NAME, soc=f"this machine ({_model_name(info)}), estimated",
-                         memory_total_bytes=psutil.virtual_memory().total, memory_bandwidth=_NOMINAL_BANDWIDTH,
+                         memory_total_bytes=total_bytes(), memory_bandwidth=_NOMINAL_BANDWIDTH,
                          clusters=tuple(clusters), gpu=None, npu=None, source="estimated at run time")
 
 
