@@ -42,7 +42,8 @@ def test_bench_records_rss_after_load_and_its_bound(tiny, tmp_path, extra):
     assert 0 < rec["rss_after_load_mb"] <= rec["peak_rss_mb"]
     # the breakdown: the file's pages mapped in (the bench waits for the weights to page in)
     assert 0 < rec["rss_model_mapped_mb"] <= file_mb + 0.01
-    assert rec["rss_runtime_mb"] == pytest.approx(rec["rss_after_load_mb"] - rec["rss_model_mapped_mb"] - kv_mb, abs=0.15)
+    rest = rec["rss_after_load_mb"] - rec["rss_model_mapped_mb"] - kv_mb
+    assert rec["rss_runtime_mb"] == pytest.approx(rest, abs=0.15)
     assert f"(model file {rec['rss_model_mapped_mb']:.1f} MB mapped, KV cache {rec['kv_cache_mb']:.1f} MB" in r.stdout
     assert f"bound 1.5 x {rec['model_file_mb']:.1f} MB file" in r.stdout
     if not extra:   # the cold start: load, then the engine's first request (before the warm runs)
