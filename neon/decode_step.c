@@ -89,9 +89,9 @@ int el_f32_to_f16(const float *x, uint16_t *y, size_t n) {
 static size_t el_a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* A layer runs over a chunk in slices of S = min(T, EL_CHUNK_SLICE) rows, so every buffer but
- * h holds one slice: a chunk's scratch stops growing with T (SmolLM2: 25 KiB a token, 15 MiB
- * at 608 tokens before, 7.2 MiB now). A slice's attention reads the K/V rows earlier slices of
- * the same layer stored. Why 256 and not 128 (4.3 MiB): each slice reads the layer's weights
+ * h holds one slice: a chunk's scratch stops growing with T (SmolLM2: 24.4 KiB a token, 14.5
+ * MiB at 608 tokens before, 6.9 MiB now). A slice's attention reads the K/V rows earlier slices
+ * of the same layer stored. Why 256 and not 128 (4.1 MiB): each slice reads the layer's weights
  * again, and in slow-memory stretches 128-row slices cost 3-5% of a 433-512 token prefill,
  * 256-row ones ~1%; a chunk of up to 256 tokens runs as before. */
 #define EL_CHUNK_SLICE 256

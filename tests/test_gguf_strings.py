@@ -48,7 +48,7 @@ def test_non_ascii_and_empty_strings(tmp_path):
     assert g.metadata["x.one"] == ["\u00e9"] and g.metadata["x.one"][0] == "\u00e9"
 
 
-def test_tokenizer_keeps_the_bytes_not_str_objects(model):
+def test_tokenizer_keeps_one_str_not_str_objects(model):
     mf = open_model(model.path)
     assert isinstance(mf.tokenizer._tokens, GGUFStrings)
     toks = list(mf.tokenizer._tokens)

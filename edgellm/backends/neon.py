@@ -93,7 +93,7 @@ def available() -> tuple[bool, str]:
 
 def _check_values(rows: int, cols: int, seed: int) -> np.ndarray:
     """(rows, cols) float32 spread over [-1, 1) by a multiplicative hash: this check runs at
-    every load, and numpy.random would pull ~2 MB of modules into a process that only decodes
+    every load, and numpy.random would pull ~2.6 MB of modules into a process that only decodes
     greedily."""
     i = np.arange(rows * cols, dtype=np.int64) + seed * 1_000_003
     return ((i * 2654435761 % 2**32) / 2**31 - 1.0).astype(np.float32).reshape(rows, cols)

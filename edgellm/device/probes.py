@@ -33,6 +33,7 @@ import numpy as np
 import psutil
 
 from ..errors import ConfigError, EdgeLLMError
+from ..procmem import available_bytes
 from .host import estimate_host_profile
 from .profile import CpuCluster, DeviceProfile, GemmFigure, Measured, UnitMeasurement
 from .topology import PinResult, current_affinity, pin_threads, select_big
@@ -239,8 +240,8 @@ def _cache_bytes(clusters: tuple[CpuCluster, ...]) -> int:
 
 def _available_bytes() -> int:
     try:
-        return int(psutil.virtual_memory().available)
-    except Exception:   # noqa: BLE001 - psutil is a dependency; a sandbox may still refuse it
+        return available_bytes()
+    except Exception:   # noqa: BLE001 - a sandbox may refuse /proc and psutil alike
         return 4 << 30
 
 
