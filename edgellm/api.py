@@ -167,8 +167,10 @@ class Engine:
         return seq.n_tokens
 
     def clear_cache(self) -> None:
-        """Forget every cached prefix and the last conversation."""
+        """Forget every cached prefix and the last conversation, and the tokenizer's memo of the
+        text fragments it encoded."""
         self.kv.clear()
+        self.tokenizer.clear_memo()
 
     def model_sha256(self) -> str:
         if self._model_sha is None:

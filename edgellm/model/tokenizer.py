@@ -16,6 +16,8 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
 Special tokens are split out in Python exactly as llama.cpp's ``tokenizer_st_partition`` does
 (longest text first, every occurrence), and only the plain-text fragments go to the HF model, so
 parse_special and user-defined tokens behave as in ``llama_tokenize(..., parse_special)``.
+Fragments are encoded through a memo (fragment_memo.py): a chat's earlier turns, re-rendered every
+turn, are not encoded again.
 Per-model token attributes that llama.cpp hard-codes by model name (phi-3 rstrip, jina lstrip)
 are not reproduced.
 """
@@ -34,6 +36,7 @@ from tokenizers import models as _hf_models
 from tokenizers import pre_tokenizers as _hf_pre
 
 from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
+from edgellm.model.fragment_memo import FragmentMemo
 from edgellm.model.gguf_strings import GGUFStrings
 
 _log = logging.getLogger(__name__)
@@ -150,6 +153,7 @@ class Tokenizer:
                                       if token_types[i] == TOKEN_USER_DEFINED
                                       and i not in control_ids]
         self._pieces: dict[int, bytes] = {}
+        self._memo = FragmentMemo()   # ids of recent plain-text fragments (a chat's earlier turns)
 
     # --- construction ---------------------------------------------------------------------------
     @classmethod
@@ -266,7 +270,7 @@ class Tokenizer:
             raise ConfigError(f"add_bos=True, but {self.source} defines no BOS token")
         out: list[int] = [self.bos_id] if add_bos else []
         prev_special = True   # SPM: a fragment at the start or after a special gets a space prefix
-        hf_encode = self._hf.encode
+        memo, hf_ids = self._memo, self._hf_ids
         spm = self.model == "llama"
         for frag in self._partition(text, parse_special):
             if isinstance(frag, int):
@@ -277,9 +281,16 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", _SPM_SPACE)
-            out.extend(hf_encode(frag, add_special_tokens=False).ids)
+            out.extend(memo.encode(frag, hf_ids))
             prev_special = False
         return out
+
+    def _hf_ids(self, fragment: str) -> list[int]:
+        return self._hf.encode(fragment, add_special_tokens=False).ids
+
+    def clear_memo(self) -> None:
+        """Forget the remembered fragment encodings (what a cold request should not find)."""
+        self._memo.clear()
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Split ``text`` into plain-text fragments and special-token ids (tokenizer_st_partition)."""
