@@ -7,8 +7,9 @@ own, from its text alone, so an earlier turn's fragment is the same string with 
 Keeping them (least recently used out first) makes a turn encode only its new fragments, with
 exactly the ids a fresh encode gives.
 
-The memo is bounded by the ids it holds (4 bytes each, with the fragment texts about 1 MB at the
-default bound) and is thread-safe: the scheduler may encode from several threads.
+The memo is bounded by the ids it holds: at the default 65,536, with their fragments' texts, it
+took 0.56 MiB (tracemalloc, English text). It is thread-safe: the scheduler may encode from several
+threads.
 """
 from __future__ import annotations
 
