@@ -181,6 +181,21 @@ EL_API int el_chunk_logits(el_pool *pool, const el_layer *layers, int n_layers, 
  * fp16 K/V conversion, exported so that tests can hold it against numpy's astype(float16). */
 EL_API int el_f32_to_f16(const float *x, uint16_t *y, size_t n);
 
+/* ---- tokenizer: byte-level BPE merges (bpe.c) ------------------------------------------- */
+/* Strings are UTF-32 code points; string j is cp[start[j] .. start[j + 1]). Tokens are the
+ * vocabulary in id order, merges "a b" in rank order (GGUF's tokenizer.ggml.tokens / .merges).
+ * create returns NULL with *err_kind (EL_BPE_E*) and *err_index (the token or merge at fault). */
+typedef struct el_bpe el_bpe;
+enum { EL_BPE_EARG = 1, EL_BPE_ENOMEM = 2, EL_BPE_EDUP = 3, EL_BPE_ESPLIT = 4, EL_BPE_ELEFT = 5,
+       EL_BPE_ERIGHT = 6, EL_BPE_EMERGED = 7 };
+EL_API el_bpe *el_bpe_create(const uint32_t *tok_cp, const int32_t *tok_start, int n_tok, const uint32_t *mrg_cp,
+                             const int32_t *mrg_start, int n_mrg, int ignore_merges, int *err_kind, int *err_index);
+EL_API void el_bpe_destroy(el_bpe *bpe);
+/* Pieces (pre-tokenized, byte-mapped) -> token ids in out (cap >= their code points: a piece
+ * yields at most one id per character). Returns the number of ids, or a negative EL_E* code. */
+EL_API int el_bpe_encode(const el_bpe *bpe, const uint32_t *cp, const int32_t *piece_start, int n_pieces,
+                         int32_t *out, int cap);
+
 #ifdef __cplusplus
 }
 #endif

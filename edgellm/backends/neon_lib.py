@@ -56,6 +56,10 @@ _SIGNATURES = {
                                 c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int, c_void_p, c_size_t,
                                 c_void_p, c_void_p, c_int, c_int, c_void_p]),
     "el_f32_to_f16": (c_int, [c_void_p, c_void_p, c_size_t]),
+    # the tokenizer's BPE merges (neon/bpe.c, edgellm/model/bpe_native.py)
+    "el_bpe_create": (c_void_p, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, _c_int_p, _c_int_p]),
+    "el_bpe_destroy": (None, [c_void_p]),
+    "el_bpe_encode": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int]),
 }
 
 

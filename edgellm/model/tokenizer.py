@@ -4,7 +4,8 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
 
 - ``gpt2``: byte-level BPE. Vocab and ranked merges come from the file; the pre-tokenizer regexes
   are the ones llama.cpp uses for ``tokenizer.ggml.pre`` (a chain of splits, each applied to the
-  pieces of the previous one, then GPT-2's byte-to-unicode mapping).
+  pieces of the previous one, then GPT-2's byte-to-unicode mapping), run by HF ``tokenizers``;
+  the merges run in the native library (bpe_native.py), or in HF's BPE model without it.
 - ``llama``: SentencePiece-style. llama.cpp's SPM tokenizer is *not* a Unigram (Viterbi) search: it
   starts from UTF-8 characters and repeatedly merges the adjacent pair whose concatenation is a
   vocab token with the highest score, leftmost first, then falls back to ``<0xNN>`` byte tokens
@@ -27,7 +28,7 @@ import codecs
 import logging
 from dataclasses import dataclass
 from operator import methodcaller
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from tokenizers import Regex
@@ -36,6 +37,8 @@ from tokenizers import models as _hf_models
 from tokenizers import pre_tokenizers as _hf_pre
 
 from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
+from edgellm.backends.neon_lib import NeonLibError
+from edgellm.model.bpe_native import SPLIT, MergeError, NativeBPE
 from edgellm.model.fragment_memo import FragmentMemo
 from edgellm.model.gguf_strings import GGUFStrings
 
@@ -131,7 +134,7 @@ class Tokenizer:
     """Text <-> token ids for one model. Build with ``Tokenizer.from_metadata``."""
 
     def __init__(self, *, source: str, model: str, pre: str | None, tokens: list[str],
-                 token_types: np.ndarray, hf: _HFTokenizer, bos_id: int | None,
+                 token_types: np.ndarray, encoder: Callable[[str], Sequence[int]], bos_id: int | None,
                  eos_id: int | None, add_bos: bool, add_space_prefix: bool,
                  special_ids: list[int], control_ids: frozenset[int], eot_ids: frozenset[int]):
         self.source = source
@@ -144,7 +147,7 @@ class Tokenizer:
         self.eot_ids = eot_ids                  # ids that end generation (llama.cpp's EOG set)
         self._tokens = tokens                   # GGUFStrings from a file: texts decoded per read
         self._types = token_types
-        self._hf = hf
+        self._encoder = encoder                 # a plain-text fragment -> its ids (bpe_native or HF)
         self._control = control_ids             # rendered only when specials are rendered
         # longest first, as llama.cpp partitions; ties by id for determinism
         self._special = sorted(((tokens[i], i) for i in special_ids),
@@ -197,11 +200,11 @@ class Tokenizer:
                                             f"pre-tokenizer {pre_name!r} is not supported "
                                             f"(supported: {', '.join(sorted(_PRE_ALIASES))})")
             pre = _PRE_FAMILIES[family]
-            hf = _build_bpe(source, vocab, metadata, n, pre)
+            encoder = _build_bpe(source, tokens, vocab, metadata, n, pre)
             bos_default = eos_default = None
             add_bos_default, add_space_default = pre.add_bos, False
         else:
-            hf = _build_spm(source, vocab, tokens, metadata, n)
+            encoder = _hf_encoder(_build_spm(source, vocab, tokens, metadata, n))
             bos_default, eos_default = 1, 2     # llama.cpp's SPM defaults
             add_bos_default, add_space_default = True, True
 
@@ -247,7 +250,7 @@ class Tokenizer:
             types[end] = TOKEN_USER_DEFINED
 
         return cls(source=source, model=model, pre=pre_name, tokens=tokens, token_types=types,
-                   hf=hf, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos,
+                   encoder=encoder, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos,
                    add_space_prefix=add_space_prefix, special_ids=sorted(set(special)),
                    control_ids=frozenset(control), eot_ids=frozenset(eog))
 
@@ -270,7 +273,7 @@ class Tokenizer:
             raise ConfigError(f"add_bos=True, but {self.source} defines no BOS token")
         out: list[int] = [self.bos_id] if add_bos else []
         prev_special = True   # SPM: a fragment at the start or after a special gets a space prefix
-        memo, hf_ids = self._memo, self._hf_ids
+        memo, encode = self._memo, self._encode_fragment
         spm = self.model == "llama"
         for frag in self._partition(text, parse_special):
             if isinstance(frag, int):
@@ -281,12 +284,12 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", _SPM_SPACE)
-            out.extend(memo.encode(frag, hf_ids))
+            out.extend(memo.encode(frag, encode))
             prev_special = False
         return out
 
-    def _hf_ids(self, fragment: str) -> list[int]:
-        return self._hf.encode(fragment, add_special_tokens=False).ids
+    def _encode_fragment(self, fragment: str) -> Sequence[int]:
+        return self._encoder(fragment)
 
     def clear_memo(self) -> None:
         """Forget the remembered fragment encodings (what a cold request should not find)."""
@@ -439,12 +442,32 @@ def _bool(md: dict, key: str, source: str, default: bool) -> bool:
     return value
 
 
-def _build_bpe(source: str, vocab: dict[str, int], md: dict, n: int, pre: _PreTokenizer) -> _HFTokenizer:
+def _hf_encoder(hf: _HFTokenizer) -> Callable[[str], list[int]]:
+    return lambda fragment: hf.encode(fragment, add_special_tokens=False).ids
+
+
+def _pre_tokenizer(pre: _PreTokenizer):
+    steps = [_hf_pre.Split(Regex(r), "isolated") for r in pre.regexes]
+    steps.append(_hf_pre.ByteLevel(add_prefix_space=False, use_regex=pre.gpt2_regex_last))
+    return _hf_pre.Sequence(steps) if len(steps) > 1 else steps[0]
+
+
+def _build_bpe(source: str, tokens: Sequence[str], vocab: dict[str, int], md: dict, n: int,
+               pre: _PreTokenizer) -> Callable[[str], Sequence[int]]:
+    """The fragment encoder of a 'gpt2' vocabulary: the native merges (bpe_native.py) where the
+    library loads, else HF's BPE model (the same ids, with a longer load and more memory)."""
     key = "tokenizer.ggml.merges"
     merges = _string_list(md, key, source, required=True)
     if len(merges) >= n:
         raise ModelFormatError(source, key, f"{len(merges)} merges for {n} tokens; each merge makes "
                                             "a distinct token, so there must be fewer merges than tokens")
+    try:
+        return NativeBPE(tokens, merges, _pre_tokenizer(pre), pre.ignore_merges)
+    except MergeError as e:
+        what = str(e) if e.kind == SPLIT else f"merges inconsistent with tokenizer.ggml.tokens: {e}"
+        raise ModelFormatError(source, key, what) from None
+    except NeonLibError as e:
+        _log.info("%s: tokenizer merges on HF tokenizers (the native library is unavailable: %s)", source, e)
     pairs = [(a, b) for a, _, b in map(methodcaller("partition", " "), merges)]
     for k, (a, b) in enumerate(pairs):
         if not a or not b:
@@ -459,10 +482,8 @@ def _build_bpe(source: str, vocab: dict[str, int], md: dict, n: int, pre: _PreTo
     except Exception as e:  # tokenizers raises a plain Exception naming the bad merge
         raise ModelFormatError(source, key, f"merges inconsistent with tokenizer.ggml.tokens: {e}") from None
     hf = _HFTokenizer(bpe)
-    steps = [_hf_pre.Split(Regex(r), "isolated") for r in pre.regexes]
-    steps.append(_hf_pre.ByteLevel(add_prefix_space=False, use_regex=pre.gpt2_regex_last))
-    hf.pre_tokenizer = _hf_pre.Sequence(steps) if len(steps) > 1 else steps[0]
-    return hf
+    hf.pre_tokenizer = _pre_tokenizer(pre)
+    return _hf_encoder(hf)
 
 
 def _build_spm(source: str, vocab: dict[str, int], tokens: Sequence[str], md: dict, n: int) -> _HFTokenizer:

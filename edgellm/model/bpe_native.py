@@ -1,0 +1,88 @@
+"""Byte-level BPE with the merges in native code (neon/bpe.c) and the pre-tokenizer from HF
+`tokenizers`: what Tokenizer uses for 'gpt2' vocabularies when the native library loads.
+
+HF's BPE model took 55-80 ms of every load to build from SmolLM2's ~49k tokens and merges and
+~13 MB of resident memory to hold; bpe.c builds its tables in a few ms and holds ~4 MB. The
+pre-tokenizer (the regex splits and GPT-2's byte-to-character map) stays HF's: it holds no
+vocabulary and is built in microseconds. The ids are those of HF's BPE model, which
+tests/test_bpe_native.py checks on the llama.cpp goldens and on random text.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from itertools import accumulate
+
+import numpy as np
+
+from edgellm.backends import neon_lib
+from edgellm.model.gguf_strings import GGUFStrings
+
+# el_bpe_create's error kinds (neon/edgellm_neon.h EL_BPE_E*) -> what is wrong with the merge
+SPLIT, LEFT, RIGHT, JOINED = 4, 5, 6, 7
+_MERGE_ERRORS = {SPLIT: "is not two tokens separated by a space", LEFT: "has a first part that is not a token",
+                 RIGHT: "has a second part that is not a token", JOINED: "joins into a string that is not a token"}
+
+
+class MergeError(ValueError):
+    """A merge the vocabulary cannot hold: kind (SPLIT, LEFT, RIGHT, JOINED) and index say which
+    and why; the caller names the file and key."""
+
+    def __init__(self, kind: int, index: int, why: str):
+        super().__init__(why)
+        self.kind, self.index = kind, index
+
+
+def _code_points(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """UTF-32 code points of all the strings and (n + 1,) int32 starts: GGUFStrings hands over
+    its one str and offsets as they are, a list is joined once."""
+    if isinstance(strings, GGUFStrings):
+        text, starts = strings._text, np.asarray(strings._starts)
+    else:
+        text = "".join(strings)
+        starts = np.fromiter(accumulate(map(len, strings), initial=0), dtype=np.int64, count=len(strings) + 1)
+    if len(text) >= 2**31:
+        raise ValueError("more than 2^31 characters of vocabulary")
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32), starts.astype(np.int32)
+
+
+class NativeBPE:
+    """fragment -> token ids, as HF's Tokenizer(BPE(vocab, merges)) with this pre-tokenizer."""
+
+    def __init__(self, tokens: Sequence[str], merges: Sequence[str], pre_tokenizer, ignore_merges: bool,
+                 lib=None):
+        self._lib = lib or neon_lib.load()
+        self._pre = pre_tokenizer
+        tcp, tst = _code_points(tokens)
+        mcp, mst = _code_points(merges)
+        kind, index = ctypes.c_int(0), ctypes.c_int(-1)
+        self._bpe = self._lib.el_bpe_create(tcp.ctypes.data, tst.ctypes.data, len(tokens), mcp.ctypes.data,
+                                            mst.ctypes.data, len(merges), int(ignore_merges),
+                                            ctypes.byref(kind), ctypes.byref(index))
+        if not self._bpe:
+            if kind.value in _MERGE_ERRORS:
+                raise MergeError(kind.value, index.value,
+                                 f"merge {index.value} {merges[index.value]!r} {_MERGE_ERRORS[kind.value]}")
+            if kind.value == 3:
+                raise ValueError(f"token {index.value} {tokens[index.value]!r} is listed twice")
+            raise MemoryError("el_bpe_create failed") if kind.value == 2 else ValueError("el_bpe_create: bad arguments")
+        self._destroy = self._lib.el_bpe_destroy
+
+    def __del__(self):
+        bpe = getattr(self, "_bpe", None)
+        if bpe:
+            self._destroy(bpe)
+            self._bpe = None
+
+    def __call__(self, fragment: str) -> list[int]:
+        pieces = [p for p, _ in self._pre.pre_tokenize_str(fragment)]
+        if not pieces:
+            return []
+        cp = np.frombuffer("".join(pieces).encode("utf-32-le"), dtype=np.uint32)
+        starts = np.fromiter(accumulate(map(len, pieces), initial=0), dtype=np.int32, count=len(pieces) + 1)
+        out = np.empty(max(1, len(cp)), dtype=np.int32)
+        n = self._lib.el_bpe_encode(self._bpe, cp.ctypes.data, starts.ctypes.data, len(pieces), out.ctypes.data,
+                                    len(out))
+        if n < 0:
+            raise RuntimeError(f"el_bpe_encode failed ({n})")
+        return out[:n].tolist()

@@ -1,0 +1,301 @@
+/* Byte-level BPE merges for the tokenizer (edgellm/model/bpe_native.py): the "model" half of a
+ * GPT-2-style tokenizer, after the pre-tokenizer has cut the text into pieces and mapped their
+ * bytes to GPT-2's printable characters.
+ *
+ * Why native: HF `tokenizers` builds its BPE model from ~50k tokens and ~50k merges in 55-80 ms
+ * of every load and holds ~13 MB for it (SmolLM2, x86). Here the tables are two open-addressing
+ * hash tables over the tokens' code points (~4 MB for SmolLM2), built in a few ms.
+ *
+ * Semantics (those of llama.cpp's llm_tokenizer_bpe and HF's BPE model): a piece starts as one
+ * symbol per character; the adjacent pair with the lowest merge rank is merged, the leftmost such
+ * pair first, until no adjacent pair has a merge. A character that is not a token is dropped (no
+ * unknown token: byte-level vocabularies hold all 256 byte characters). ignore_merges (llama3):
+ * a piece that is a whole token is that token. A pair listed twice keeps its first rank, as
+ * llama.cpp does. Plain C: no SIMD, the same on every target (it is its own generic twin).
+ *
+ * Strings arrive as UTF-32 code points with int32 start offsets (string j is cp[starts[j] ..
+ * starts[j + 1])), which is how Python hands over its str without a per-string loop.
+ */
+#include "edgellm_neon.h"
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct el_bpe {
+    const uint32_t *cp;      /* the tokens' code points (a copy) */
+    int32_t *start;          /* (n_tok + 1,) */
+    int n_tok;
+    int32_t *vslot;          /* vocab table: token id or -1; size vmask + 1 */
+    uint32_t vmask;
+    uint64_t *mkey;          /* merge table: (a << 32 | b) + 1, 0 = empty; size mmask + 1 */
+    int32_t *mrank, *mnew;
+    uint32_t mmask;
+    int ignore_merges;
+};
+
+static uint32_t el_bpe_hash(const uint32_t *p, int n) {
+    uint32_t h = 2166136261u;                           /* FNV-1a over the code points */
+    for (int i = 0; i < n; i++) h = (h ^ p[i]) * 16777619u;
+    return h ^ (h >> 15);
+}
+
+static uint64_t el_bpe_mix(uint64_t x) {               /* splitmix64's finaliser */
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static uint32_t el_bpe_table_size(int n) {
+    uint32_t s = 16;
+    while (s < 2u * (uint32_t)n) s <<= 1;
+    return s;
+}
+
+/* the id of the token whose code points are p[0..n), or -1 */
+static int32_t el_bpe_find(const el_bpe *b, const uint32_t *p, int n) {
+    for (uint32_t i = el_bpe_hash(p, n) & b->vmask;; i = (i + 1) & b->vmask) {
+        const int32_t id = b->vslot[i];
+        if (id < 0) return -1;
+        const int32_t s = b->start[id];
+        if (b->start[id + 1] - s == n && memcmp(b->cp + s, p, (size_t)n * sizeof(uint32_t)) == 0) return id;
+    }
+}
+
+static int el_bpe_merge_find(const el_bpe *b, int32_t a, int32_t c, int32_t *rank, int32_t *merged) {
+    const uint64_t key = ((uint64_t)(uint32_t)a << 32 | (uint32_t)c) + 1;
+    for (uint32_t i = (uint32_t)el_bpe_mix(key) & b->mmask;; i = (i + 1) & b->mmask) {
+        if (b->mkey[i] == 0) return 0;
+        if (b->mkey[i] == key) {
+            *rank = b->mrank[i];
+            *merged = b->mnew[i];
+            return 1;
+        }
+    }
+}
+
+void el_bpe_destroy(el_bpe *b) {
+    if (!b) return;
+    free((void *)b->cp);
+    free(b->start);
+    free(b->vslot);
+    free(b->mkey);
+    free(b->mrank);
+    free(b->mnew);
+    free(b);
+}
+
+el_bpe *el_bpe_create(const uint32_t *tok_cp, const int32_t *tok_start, int n_tok, const uint32_t *mrg_cp,
+                      const int32_t *mrg_start, int n_mrg, int ignore_merges, int *err_kind, int *err_index) {
+    int kind_dummy, index_dummy;
+    if (!err_kind) err_kind = &kind_dummy;
+    if (!err_index) err_index = &index_dummy;
+    *err_kind = EL_BPE_EARG;
+    *err_index = -1;
+    if (!tok_cp || !tok_start || n_tok <= 0 || n_tok >= (1 << 30) || n_mrg < 0 || n_mrg >= (1 << 30) ||
+        (n_mrg > 0 && (!mrg_cp || !mrg_start)))
+        return NULL;
+    for (int j = 0; j < n_tok; j++)
+        if (tok_start[j] < 0 || tok_start[j + 1] < tok_start[j]) return NULL;
+    for (int k = 0; k < n_mrg; k++)
+        if (mrg_start[k] < 0 || mrg_start[k + 1] < mrg_start[k]) return NULL;
+    *err_kind = EL_BPE_ENOMEM;
+    el_bpe *b = calloc(1, sizeof *b);
+    if (!b) return NULL;
+    const size_t n_cp = (size_t)tok_start[n_tok] - (size_t)tok_start[0];
+    uint32_t *cp = malloc((n_cp ? n_cp : 1) * sizeof(uint32_t));
+    b->cp = cp;
+    b->start = malloc(((size_t)n_tok + 1) * sizeof(int32_t));
+    b->n_tok = n_tok;
+    b->ignore_merges = ignore_merges != 0;
+    const uint32_t vsize = el_bpe_table_size(n_tok), msize = el_bpe_table_size(n_mrg > 0 ? n_mrg : 1);
+    b->vmask = vsize - 1;
+    b->mmask = msize - 1;
+    b->vslot = malloc(vsize * sizeof(int32_t));
+    b->mkey = calloc(msize, sizeof(uint64_t));
+    b->mrank = malloc(msize * sizeof(int32_t));
+    b->mnew = malloc(msize * sizeof(int32_t));
+    if (!cp || !b->start || !b->vslot || !b->mkey || !b->mrank || !b->mnew) {
+        el_bpe_destroy(b);
+        return NULL;
+    }
+    memcpy(cp, tok_cp + tok_start[0], n_cp * sizeof(uint32_t));
+    for (int j = 0; j <= n_tok; j++) b->start[j] = tok_start[j] - tok_start[0];
+    memset(b->vslot, 0xff, vsize * sizeof(int32_t));
+    for (int j = 0; j < n_tok; j++) {
+        const uint32_t *p = cp + b->start[j];
+        const int n = b->start[j + 1] - b->start[j];
+        if (el_bpe_find(b, p, n) >= 0) {        /* the caller rejects duplicates first; be safe */
+            *err_kind = EL_BPE_EDUP;
+            *err_index = j;
+            el_bpe_destroy(b);
+            return NULL;
+        }
+        uint32_t i = el_bpe_hash(p, n) & b->vmask;
+        while (b->vslot[i] >= 0) i = (i + 1) & b->vmask;
+        b->vslot[i] = j;
+    }
+    for (int k = 0; k < n_mrg; k++) {
+        const uint32_t *m = mrg_cp + mrg_start[k];
+        const int len = mrg_start[k + 1] - mrg_start[k];
+        /* "a b": split at the first space after position 0 (a token may start with a space) */
+        int sp = -1;
+        for (int i = 1; i < len; i++)
+            if (m[i] == ' ') {
+                sp = i;
+                break;
+            }
+        int32_t a = -1, c = -1, merged = -1;
+        *err_index = k;
+        if (sp < 0 || sp == len - 1) {
+            *err_kind = EL_BPE_ESPLIT;
+        } else if ((a = el_bpe_find(b, m, sp)) < 0) {
+            *err_kind = EL_BPE_ELEFT;
+        } else if ((c = el_bpe_find(b, m + sp + 1, len - sp - 1)) < 0) {
+            *err_kind = EL_BPE_ERIGHT;
+        } else {
+            /* the merged token's code points: the merge without its space */
+            uint32_t stack_buf[64], *joined = stack_buf;
+            if (len - 1 > 64 && !(joined = malloc((size_t)(len - 1) * sizeof(uint32_t)))) {
+                *err_kind = EL_BPE_ENOMEM;
+                el_bpe_destroy(b);
+                return NULL;
+            }
+            memcpy(joined, m, (size_t)sp * sizeof(uint32_t));
+            memcpy(joined + sp, m + sp + 1, (size_t)(len - sp - 1) * sizeof(uint32_t));
+            merged = el_bpe_find(b, joined, len - 1);
+            if (joined != stack_buf) free(joined);
+            if (merged < 0) *err_kind = EL_BPE_EMERGED;
+        }
+        if (merged < 0) {
+            el_bpe_destroy(b);
+            return NULL;
+        }
+        const uint64_t key = ((uint64_t)(uint32_t)a << 32 | (uint32_t)c) + 1;
+        uint32_t i = (uint32_t)el_bpe_mix(key) & b->mmask;
+        while (b->mkey[i] != 0 && b->mkey[i] != key) i = (i + 1) & b->mmask;
+        if (b->mkey[i] == 0) {                  /* a pair listed again keeps its first rank */
+            b->mkey[i] = key;
+            b->mrank[i] = k;
+            b->mnew[i] = merged;
+        }
+    }
+    *err_kind = 0;
+    *err_index = -1;
+    return b;
+}
+
+/* ---- encoding --------------------------------------------------------------------------------- */
+
+typedef struct {
+    int32_t rank, left, right, a, c, merged;
+} el_bpe_cand;
+
+static int el_bpe_less(const el_bpe_cand *x, const el_bpe_cand *y) {
+    return x->rank < y->rank || (x->rank == y->rank && x->left < y->left);
+}
+
+static void el_bpe_push(el_bpe_cand *h, int *n, el_bpe_cand c) {
+    int i = (*n)++;
+    while (i > 0) {
+        const int p = (i - 1) / 2;
+        if (!el_bpe_less(&c, &h[p])) break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = c;
+}
+
+static el_bpe_cand el_bpe_pop(el_bpe_cand *h, int *n) {
+    const el_bpe_cand top = h[0], last = h[--(*n)];
+    int i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && el_bpe_less(&h[c + 1], &h[c])) c++;
+        if (!el_bpe_less(&h[c], &last)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n > 0) h[i] = last;
+    return top;
+}
+
+typedef struct {
+    int32_t id, prev, next;   /* id -1: merged away */
+} el_bpe_sym;
+
+static void el_bpe_pair(const el_bpe *b, const el_bpe_sym *s, int left, el_bpe_cand *h, int *nh) {
+    if (left < 0) return;
+    const int right = s[left].next;
+    if (right < 0) return;
+    el_bpe_cand c = {.left = left, .right = right, .a = s[left].id, .c = s[right].id};
+    if (el_bpe_merge_find(b, c.a, c.c, &c.rank, &c.merged)) el_bpe_push(h, nh, c);
+}
+
+/* One piece p[0..n) -> its ids at out + *n_out (at most n of them) */
+static void el_bpe_piece(const el_bpe *b, const uint32_t *p, int n, el_bpe_sym *s, el_bpe_cand *h, int32_t *out,
+                         int *n_out) {
+    if (b->ignore_merges) {
+        const int32_t id = el_bpe_find(b, p, n);
+        if (id >= 0) {
+            out[(*n_out)++] = id;
+            return;
+        }
+    }
+    int first = -1, last = -1;
+    for (int i = 0; i < n; i++) {
+        const int32_t id = el_bpe_find(b, p + i, 1);
+        s[i].id = id;
+        if (id < 0) continue;                 /* not a token: dropped */
+        s[i].prev = last;
+        s[i].next = -1;
+        if (last >= 0) s[last].next = i;
+        else first = i;
+        last = i;
+    }
+    int nh = 0;
+    for (int i = first; i >= 0; i = s[i].next) el_bpe_pair(b, s, i, h, &nh);
+    while (nh > 0) {
+        const el_bpe_cand c = el_bpe_pop(h, &nh);
+        /* stale: one side was merged since, or no longer holds the pair's ids */
+        if (s[c.left].id != c.a || s[c.right].id != c.c || s[c.left].next != c.right) continue;
+        s[c.left].id = c.merged;
+        s[c.right].id = -1;
+        s[c.left].next = s[c.right].next;
+        if (s[c.right].next >= 0) s[s[c.right].next].prev = c.left;
+        el_bpe_pair(b, s, s[c.left].prev, h, &nh);
+        el_bpe_pair(b, s, c.left, h, &nh);
+    }
+    for (int i = first; i >= 0; i = s[i].next) out[(*n_out)++] = s[i].id;
+}
+
+int el_bpe_encode(const el_bpe *b, const uint32_t *cp, const int32_t *piece_start, int n_pieces, int32_t *out,
+                  int cap) {
+    if (!b || n_pieces < 0 || (n_pieces > 0 && (!cp || !piece_start)) || cap < 0 || (cap > 0 && !out))
+        return EL_EINVAL;
+    int longest = 0;
+    for (int k = 0; k < n_pieces; k++) {
+        const int n = piece_start[k + 1] - piece_start[k];
+        if (piece_start[k] < 0 || n < 0) return EL_EINVAL;
+        longest = n > longest ? n : longest;
+    }
+    /* a piece yields at most one id per character */
+    if (n_pieces > 0 && (int64_t)piece_start[n_pieces] - piece_start[0] > cap) return EL_EINVAL;
+    /* each merge pushes at most two candidates: n - 1 at the start, 2 (n - 1) after */
+    el_bpe_sym *s = malloc(((size_t)longest + 1) * sizeof *s);
+    el_bpe_cand *h = malloc(((size_t)3 * longest + 1) * sizeof *h);
+    if (!s || !h) {
+        free(s);
+        free(h);
+        return EL_ENOMEM;
+    }
+    int n_out = 0;
+    for (int k = 0; k < n_pieces; k++)
+        el_bpe_piece(b, cp + piece_start[k], piece_start[k + 1] - piece_start[k], s, h, out, &n_out);
+    free(s);
+    free(h);
+    return n_out;
+}
