@@ -123,3 +123,13 @@ def test_create_refuses_bad_arguments():
     for starts, n in ((np.array([0, 1, 2], np.int32), 0), (np.array([0, 2, 1], np.int32), 2),
                       (np.array([-1, 1, 2], np.int32), 2)):
         assert not lib.el_bpe_create(cp.ctypes.data, starts.ctypes.data, n, None, None, 0, 0, None, None)
+
+
+def test_characters_missing_from_the_vocabulary_are_dropped_as_hf_drops_them():
+    # a byte-level vocabulary without some byte characters ('z', and 'Ġ' = the space byte)
+    chars = [c for c in T.bytes_to_unicode().values() if c not in "zĠ"]
+    tokens = chars + ["he"]
+    native = NativeBPE(tokens, ["h e"], T._pre_tokenizer(T._PRE_FAMILIES["gpt2"]), False)
+    ref = hf_reference(tokens, ["h e"], "gpt2")
+    for text in ["hez", "zz he z", "a b", "zhe", "z", " "] + random_texts(100, seed=3):
+        assert native(text) == ref(text)

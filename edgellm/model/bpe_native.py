@@ -37,7 +37,7 @@ def _code_points(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """UTF-32 code points of all the strings and (n + 1,) int32 starts: GGUFStrings hands over
     its one str and offsets as they are, a list is joined once."""
     if isinstance(strings, GGUFStrings):
-        text, starts = strings._text, np.asarray(strings._starts)
+        text, starts = strings.joined()
     else:
         text = "".join(strings)
         starts = np.fromiter(accumulate(map(len, strings), initial=0), dtype=np.int64, count=len(strings) + 1)

@@ -52,6 +52,10 @@ class GGUFStrings(Sequence):
         dt = np.int32 if len(text) < 2**31 else np.int64
         return cls(text, char_starts.astype(dt))
 
+    def joined(self) -> tuple[str, np.ndarray]:
+        """All the strings as one str and the (n + 1,) start offsets into it (no copy)."""
+        return self._text, self._starts
+
     def __len__(self) -> int:
         return len(self._starts) - 1
 
