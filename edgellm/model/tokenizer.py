@@ -15,7 +15,7 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
   have equal scores llama.cpp takes the leftmost pair and we take the one ranked first.
 
 Special tokens are split out in Python exactly as llama.cpp's ``tokenizer_st_partition`` does
-(longest text first, every occurrence), and only the plain-text fragments go to the HF model, so
+(longest text first, every occurrence), and only the plain-text fragments go to the BPE model, so
 parse_special and user-defined tokens behave as in ``llama_tokenize(..., parse_special)``.
 Fragments are encoded through a memo (fragment_memo.py): a chat's earlier turns, re-rendered every
 turn, are not encoded again.
