@@ -17,6 +17,7 @@
  * starts[j + 1])), which is how Python hands over its str without a per-string loop.
  */
 #include "edgellm_neon.h"
+#include "el_pretok.h"
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -298,4 +299,79 @@ int el_bpe_encode(const el_bpe *b, const uint32_t *cp, const int32_t *piece_star
     free(s);
     free(h);
     return n_out;
+}
+
+/* ---- text: pre-tokenized here ------------------------------------------------------------------ */
+
+typedef struct {
+    const el_bpe *b;
+    const uint32_t *t;
+    uint32_t byte_char[256];     /* GPT-2's byte -> printable character map */
+    uint32_t *mapped;            /* a piece's bytes as those characters */
+    el_bpe_sym *s;
+    el_bpe_cand *h;
+    int room;                    /* characters the three scratch arrays hold */
+    int32_t *out;
+    int n_out, err;
+} el_text_ctx;
+
+static void el_text_piece(void *vctx, int a, int b) {
+    el_text_ctx *c = vctx;
+    if (c->err) return;
+    const int need = 4 * (b - a);
+    if (need > c->room) {
+        const int room = need > 2 * c->room ? need : 2 * c->room;
+        uint32_t *m = realloc(c->mapped, (size_t)room * sizeof *m);
+        if (m) c->mapped = m;
+        el_bpe_sym *s = m ? realloc(c->s, (size_t)room * sizeof *s) : NULL;
+        if (s) c->s = s;
+        el_bpe_cand *h = s ? realloc(c->h, ((size_t)3 * room + 1) * sizeof *h) : NULL;
+        if (!h) {
+            c->err = EL_ENOMEM;
+            return;
+        }
+        c->h = h;
+        c->room = room;
+    }
+    int m = 0;
+    for (int i = a; i < b; i++) {     /* UTF-8 bytes, each as its byte character */
+        const uint32_t u = c->t[i];
+        uint8_t by[4];
+        int k;
+        if (u < 0x80) {
+            by[0] = (uint8_t)u;
+            k = 1;
+        } else if (u < 0x800) {
+            by[0] = (uint8_t)(0xC0 | u >> 6), by[1] = (uint8_t)(0x80 | (u & 0x3F));
+            k = 2;
+        } else if (u < 0x10000) {
+            by[0] = (uint8_t)(0xE0 | u >> 12), by[1] = (uint8_t)(0x80 | ((u >> 6) & 0x3F));
+            by[2] = (uint8_t)(0x80 | (u & 0x3F));
+            k = 3;
+        } else {
+            by[0] = (uint8_t)(0xF0 | u >> 18), by[1] = (uint8_t)(0x80 | ((u >> 12) & 0x3F));
+            by[2] = (uint8_t)(0x80 | ((u >> 6) & 0x3F)), by[3] = (uint8_t)(0x80 | (u & 0x3F));
+            k = 4;
+        }
+        for (int j = 0; j < k; j++) c->mapped[m++] = c->byte_char[by[j]];
+    }
+    el_bpe_piece(c->b, c->mapped, m, c->s, c->h, c->out, &c->n_out);
+}
+
+int el_bpe_encode_text(const el_bpe *b, int family, const uint32_t *cp, int n, int32_t *out, int cap) {
+    if (!b || n < 0 || (n > 0 && (!cp || !out)) || cap < 0 || (int64_t)4 * n > cap) return EL_EINVAL;
+    if (family != EL_PRE_GPT2 && family != EL_PRE_SMOLLM) return EL_EUNSUPPORTED;
+    for (int i = 0; i < n; i++)
+        if (cp[i] > 0x10FFFF || (cp[i] >= 0xD800 && cp[i] <= 0xDFFF)) return EL_EINVAL;
+    el_text_ctx c = {.b = b, .t = cp, .out = out};
+    /* bytes_to_unicode: printable Latin-1 bytes are themselves, the other 68 are 256 + k in order */
+    for (int v = 0, k = 0; v < 256; v++) {
+        const int printable = (v >= '!' && v <= '~') || (v >= 0xA1 && v <= 0xAC) || (v >= 0xAE && v <= 0xFF);
+        c.byte_char[v] = printable ? (uint32_t)v : (uint32_t)(256 + k++);
+    }
+    el_pretok_split(family, cp, n, el_text_piece, &c);
+    free(c.mapped);
+    free(c.s);
+    free(c.h);
+    return c.err ? c.err : c.n_out;
 }

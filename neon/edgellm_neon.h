@@ -195,6 +195,12 @@ EL_API void el_bpe_destroy(el_bpe *bpe);
  * yields at most one id per character). Returns the number of ids, or a negative EL_E* code. */
 EL_API int el_bpe_encode(const el_bpe *bpe, const uint32_t *cp, const int32_t *piece_start, int n_pieces,
                          int32_t *out, int cap);
+/* Text (code points, not yet pre-tokenized) -> token ids, pre-tokenized here (pretok.c) as
+ * llama.cpp's 'gpt2' or 'smollm' pre-tokenizer splits it, each piece's UTF-8 bytes mapped to
+ * GPT-2's byte characters, then merged. cap >= 4 n (a piece yields at most one id per byte).
+ * Returns the number of ids, or a negative EL_E* code (EL_EUNSUPPORTED: another family). */
+enum { EL_PRE_GPT2 = 1, EL_PRE_SMOLLM = 2 };
+EL_API int el_bpe_encode_text(const el_bpe *bpe, int family, const uint32_t *cp, int n, int32_t *out, int cap);
 
 #ifdef __cplusplus
 }

@@ -1,11 +1,14 @@
-"""The native BPE merges (neon/bpe.c through edgellm/model/bpe_native.py) against HF's BPE model
-on the same vocabulary, merges and pre-tokenizer, for every pre-tokenizer family; the llama.cpp
-goldens of test_tokenizer.py run through the native path as well."""
+"""The native tokenizer path (neon/bpe.c, neon/pretok.c through edgellm/model/bpe_native.py)
+against HF's BPE model and pre-tokenizer on the same vocabulary and merges: the native merges for
+every pre-tokenizer family, the native pre-tokenizer for those it runs (gpt2, smollm), on random
+text over all of Unicode. The llama.cpp goldens of test_tokenizer.py run through it as well."""
 from __future__ import annotations
 
 import json
 import logging
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +17,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as hf_models
 
 from edgellm.backends import neon_lib
-from edgellm.errors import ModelFormatError
+from edgellm.errors import ConfigError, ModelFormatError
 from edgellm.model import tokenizer as T
-from edgellm.model.bpe_native import NativeBPE
+from edgellm.model.bpe_native import NATIVE_PRE, NativeBPE
 from edgellm.model.gguf_file import read_gguf
 
 DATA = Path(__file__).parent / "data"
@@ -41,6 +44,20 @@ def random_texts(n: int, seed: int) -> list[str]:
     return ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 120))) for _ in range(n)]
 
 
+def random_unicode(n: int, seed: int) -> list[str]:
+    """Any code point but the surrogates: ASCII, the BMP and the planes above, about equally."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        cps = []
+        for _ in range(rng.randint(0, 30)):
+            r = rng.random()
+            c = rng.randint(0, 0x7F) if r < 0.4 else rng.randint(0x80, 0xFFFF) if r < 0.8 else rng.randint(0x10000, 0x10FFFF)
+            cps.append(chr(0x20 if 0xD800 <= c <= 0xDFFF else c))
+        out.append("".join(cps))
+    return out
+
+
 @pytest.mark.parametrize("family", sorted(GOLDEN_BPE["pre"]))
 def test_tiny_vocab_matches_hf_per_family(family):
     md = GOLDEN_BPE["metadata"]
@@ -53,20 +70,46 @@ def test_tiny_vocab_matches_hf_per_family(family):
         assert native(text) == ref(text), repr(text)
 
 
-def test_smollm2_matches_hf(real_model_path):
+@pytest.mark.parametrize("family", sorted(f for f in GOLDEN_BPE["pre"] if T._PRE_ALIASES[f] in NATIVE_PRE))
+def test_tiny_vocab_native_pre_tokenizer_matches_hf(family):
+    fam = T._PRE_ALIASES[family]
+    md = GOLDEN_BPE["metadata"]
+    tokens, merges = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"]
+    native = NativeBPE(tokens, merges, fam, T._PRE_FAMILIES[fam].ignore_merges)
+    ref = hf_reference(tokens, merges, fam)
+    for text in random_texts(300, seed=11) + random_unicode(1000, seed=12):
+        assert native(text) == ref(text), repr(text)
+
+
+@pytest.mark.parametrize("family", sorted(NATIVE_PRE))
+def test_smollm2_matches_hf(real_model_path, family):
     md = dict(read_gguf(Path(real_model_path)).metadata)
     tokens, merges = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"]
-    native = NativeBPE(tokens, merges, T._pre_tokenizer(T._PRE_FAMILIES["smollm"]), False)
-    ref = hf_reference(list(tokens), list(merges), "smollm")
+    native = NativeBPE(tokens, merges, family, False)
+    merges_hf = NativeBPE(tokens, merges, T._pre_tokenizer(T._PRE_FAMILIES[family]), False)
+    ref = hf_reference(list(tokens), list(merges), family)
     source = Path(T.__file__).read_text(encoding="utf-8")      # ~8k tokens of code and prose
-    for text in random_texts(300, seed=5) + [source, " " * 3000, "9" * 500, "a" * 2000]:
-        assert native(text) == ref(text)
+    edge = [source, " " * 3000, "9" * 500, "a" * 2000, "a  b\n\n c\t\t1 2  3 \u3000x\u00a0's 'RE 'll", "\x1c\x1f\u200b\ufeff"]
+    for text in random_texts(300, seed=5) + random_unicode(2000, seed=6) + edge:
+        assert native(text) == merges_hf(text) == ref(text), repr(text)
 
 
-def test_tokenizer_uses_native_merges(real_model_path):
+def test_smollm2_tokenizer_needs_no_hf_tokenizers(real_model_path):
+    # in a process of its own: whether `tokenizers` was ever imported is the point
+    code = ("import sys; from pathlib import Path; from edgellm.model.gguf_file import read_gguf; "
+            "from edgellm.model.tokenizer import Tokenizer; from edgellm.model.bpe_native import NativeBPE; "
+            f"p = {str(real_model_path)!r}; tok = Tokenizer.from_metadata(dict(read_gguf(Path(p)).metadata), p); "
+            "assert isinstance(tok._encoder, NativeBPE) and tok._encoder._family == 2, tok._encoder; "
+            "tok.encode('Hello, world 123'); print('tokenizers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_lone_surrogate_is_a_typed_error(real_model_path):
     md = dict(read_gguf(Path(real_model_path)).metadata)
     tok = T.Tokenizer.from_metadata(md, real_model_path)
-    assert isinstance(tok._encoder, NativeBPE)
+    with pytest.raises(ConfigError, match="character 2 is a lone surrogate"):
+        tok.encode("ab\ud800cd")
 
 
 def test_without_the_library_hf_merges_give_the_same_ids(monkeypatch, caplog):
@@ -103,6 +146,21 @@ def test_bad_merge_is_named(merges, says):
     with pytest.raises(ModelFormatError) as e:
         T.Tokenizer.from_metadata(_tiny(merges=merges), "bad.gguf")
     assert e.value.field == "tokenizer.ggml.merges" and says in str(e.value) and repr(merges[0]) in str(e.value)
+
+
+def test_encode_text_refuses_bad_arguments():
+    lib = neon_lib.load()
+    chars = list(T.bytes_to_unicode().values())
+    native = NativeBPE(chars, [], "gpt2", False)
+    cp = np.frombuffer("abc".encode("utf-32-le"), dtype=np.uint32)
+    out = np.empty(12, dtype=np.int32)
+    assert lib.el_bpe_encode_text(native._bpe, 1, cp.ctypes.data, 3, out.ctypes.data, 11) < 0    # cap < 4 n
+    assert lib.el_bpe_encode_text(native._bpe, 9, cp.ctypes.data, 3, out.ctypes.data, 12) < 0    # no family 9
+    bad = np.array([0x61, 0xD800, 0x62], dtype=np.uint32)
+    assert lib.el_bpe_encode_text(native._bpe, 1, bad.ctypes.data, 3, out.ctypes.data, 12) < 0   # a surrogate
+    assert lib.el_bpe_encode_text(native._bpe, 1, cp.ctypes.data, 3, out.ctypes.data, 12) == 3
+    with pytest.raises(ValueError, match="no native pre-tokenizer"):
+        NativeBPE(chars, [], "qwen2", False)
 
 
 def test_encode_refuses_a_short_output_buffer():

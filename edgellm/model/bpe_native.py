@@ -46,13 +46,21 @@ def _code_points(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32), starts.astype(np.int32)
 
 
+# pre-tokenizers pretok.c runs itself (edgellm_neon.h EL_PRE_*)
+NATIVE_PRE = {"gpt2": 1, "smollm": 2}
+
+
 class NativeBPE:
-    """fragment -> token ids, as HF's Tokenizer(BPE(vocab, merges)) with this pre-tokenizer."""
+    """fragment -> token ids, as HF's Tokenizer(BPE(vocab, merges)) with this pre-tokenizer:
+    `pre_tokenizer` is a NATIVE_PRE name (pretok.c splits the text) or an HF pre-tokenizer."""
 
     def __init__(self, tokens: Sequence[str], merges: Sequence[str], pre_tokenizer, ignore_merges: bool,
                  lib=None):
         self._lib = lib or neon_lib.load()
         self._pre = pre_tokenizer
+        self._family = NATIVE_PRE.get(pre_tokenizer) if isinstance(pre_tokenizer, str) else None
+        if isinstance(pre_tokenizer, str) and self._family is None:
+            raise ValueError(f"no native pre-tokenizer {pre_tokenizer!r} (native: {', '.join(NATIVE_PRE)})")
         tcp, tst = _code_points(tokens)
         mcp, mst = _code_points(merges)
         kind, index = ctypes.c_int(0), ctypes.c_int(-1)
@@ -75,6 +83,14 @@ class NativeBPE:
             self._bpe = None
 
     def __call__(self, fragment: str) -> list[int]:
+        if self._family is not None:
+            cp = np.frombuffer(fragment.encode("utf-32-le"), dtype=np.uint32)
+            out = np.empty(max(1, 4 * len(cp)), dtype=np.int32)
+            n = self._lib.el_bpe_encode_text(self._bpe, self._family, cp.ctypes.data, len(cp), out.ctypes.data,
+                                             len(out))
+            if n < 0:
+                raise RuntimeError(f"el_bpe_encode_text failed ({n})")
+            return out[:n].tolist()
         pieces = [p for p, _ in self._pre.pre_tokenize_str(fragment)]
         if not pieces:
             return []

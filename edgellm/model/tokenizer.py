@@ -31,14 +31,10 @@ from operator import methodcaller
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
-from tokenizers import Regex
-from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import models as _hf_models
-from tokenizers import pre_tokenizers as _hf_pre
 
 from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
 from edgellm.backends.neon_lib import NeonLibError
-from edgellm.model.bpe_native import SPLIT, MergeError, NativeBPE
+from edgellm.model.bpe_native import NATIVE_PRE, SPLIT, MergeError, NativeBPE
 from edgellm.model.fragment_memo import FragmentMemo
 from edgellm.model.gguf_strings import GGUFStrings
 
@@ -200,7 +196,7 @@ class Tokenizer:
                                             f"pre-tokenizer {pre_name!r} is not supported "
                                             f"(supported: {', '.join(sorted(_PRE_ALIASES))})")
             pre = _PRE_FAMILIES[family]
-            encoder = _build_bpe(source, tokens, vocab, metadata, n, pre)
+            encoder = _build_bpe(source, tokens, vocab, metadata, n, family)
             bos_default = eos_default = None
             add_bos_default, add_space_default = pre.add_bos, False
         else:
@@ -284,7 +280,11 @@ class Tokenizer:
                 if self.add_space_prefix and prev_special:
                     frag = " " + frag
                 frag = frag.replace(" ", _SPM_SPACE)
-            out.extend(memo.encode(frag, encode))
+            try:
+                out.extend(memo.encode(frag, encode))
+            except (UnicodeEncodeError, TypeError):
+                _raise_if_surrogate(text)
+                raise
             prev_special = False
         return out
 
@@ -388,6 +388,15 @@ class StreamDecoder:
 
 
 # --- metadata helpers ----------------------------------------------------------------------------
+def _raise_if_surrogate(text: str) -> None:
+    """A lone surrogate (U+D800..U+DFFF: a str Python allows, but not Unicode text) is a
+    ConfigError naming where it is."""
+    for i, ch in enumerate(text):
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            raise ConfigError(f"text: character {i} is a lone surrogate (U+{ord(ch):04X}), not valid Unicode; "
+                              "encode text from bytes with errors='replace'") from None
+
+
 def _string_list(md: dict, key: str, source: str, required: bool) -> Sequence[str] | None:
     """The strings as given: a GGUFStrings stays one (its bytes, not ~50k str objects, are what
     the tokenizer keeps); any other sequence becomes a list of str, checked."""
@@ -442,32 +451,43 @@ def _bool(md: dict, key: str, source: str, default: bool) -> bool:
     return value
 
 
-def _hf_encoder(hf: _HFTokenizer) -> Callable[[str], list[int]]:
+def _hf_encoder(hf) -> Callable[[str], list[int]]:
     return lambda fragment: hf.encode(fragment, add_special_tokens=False).ids
 
 
 def _pre_tokenizer(pre: _PreTokenizer):
-    steps = [_hf_pre.Split(Regex(r), "isolated") for r in pre.regexes]
-    steps.append(_hf_pre.ByteLevel(add_prefix_space=False, use_regex=pre.gpt2_regex_last))
-    return _hf_pre.Sequence(steps) if len(steps) > 1 else steps[0]
+    """HF's pre-tokenizer for a family (the families NATIVE_PRE lacks; the fallback for all)."""
+    from tokenizers import Regex
+    from tokenizers import pre_tokenizers as hf_pre
+
+    steps = [hf_pre.Split(Regex(r), "isolated") for r in pre.regexes]
+    steps.append(hf_pre.ByteLevel(add_prefix_space=False, use_regex=pre.gpt2_regex_last))
+    return hf_pre.Sequence(steps) if len(steps) > 1 else steps[0]
 
 
 def _build_bpe(source: str, tokens: Sequence[str], vocab: dict[str, int], md: dict, n: int,
-               pre: _PreTokenizer) -> Callable[[str], Sequence[int]]:
-    """The fragment encoder of a 'gpt2' vocabulary: the native merges (bpe_native.py) where the
-    library loads, else HF's BPE model (the same ids, with a longer load and more memory)."""
+               family: str) -> Callable[[str], Sequence[int]]:
+    """The fragment encoder of a 'gpt2' vocabulary: native merges (bpe_native.py) where the
+    library loads, pre-tokenized natively too for the NATIVE_PRE families (no HF `tokenizers`
+    at all), else by HF's pre-tokenizer; without the library, HF's BPE model (the same ids,
+    with a longer load and more memory)."""
     key = "tokenizer.ggml.merges"
+    pre = _PRE_FAMILIES[family]
     merges = _string_list(md, key, source, required=True)
     if len(merges) >= n:
         raise ModelFormatError(source, key, f"{len(merges)} merges for {n} tokens; each merge makes "
                                             "a distinct token, so there must be fewer merges than tokens")
     try:
-        return NativeBPE(tokens, merges, _pre_tokenizer(pre), pre.ignore_merges)
+        return NativeBPE(tokens, merges, family if family in NATIVE_PRE else _pre_tokenizer(pre),
+                         pre.ignore_merges)
     except MergeError as e:
         what = str(e) if e.kind == SPLIT else f"merges inconsistent with tokenizer.ggml.tokens: {e}"
         raise ModelFormatError(source, key, what) from None
     except NeonLibError as e:
         _log.info("%s: tokenizer merges on HF tokenizers (the native library is unavailable: %s)", source, e)
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models as hf_models
+
     pairs = [(a, b) for a, _, b in map(methodcaller("partition", " "), merges)]
     for k, (a, b) in enumerate(pairs):
         if not a or not b:
@@ -478,15 +498,18 @@ def _build_bpe(source: str, tokens: Sequence[str], vocab: dict[str, int], md: di
                 raise ModelFormatError(source, key, f"merge {k} {m!r} is not two tokens separated by a space")
             pairs[k] = (m[:i], m[i + 1:])
     try:
-        bpe = _hf_models.BPE(vocab, pairs, ignore_merges=pre.ignore_merges)
+        bpe = hf_models.BPE(vocab, pairs, ignore_merges=pre.ignore_merges)
     except Exception as e:  # tokenizers raises a plain Exception naming the bad merge
         raise ModelFormatError(source, key, f"merges inconsistent with tokenizer.ggml.tokens: {e}") from None
-    hf = _HFTokenizer(bpe)
+    hf = HFTokenizer(bpe)
     hf.pre_tokenizer = _pre_tokenizer(pre)
     return _hf_encoder(hf)
 
 
-def _build_spm(source: str, vocab: dict[str, int], tokens: Sequence[str], md: dict, n: int) -> _HFTokenizer:
+def _build_spm(source: str, vocab: dict[str, int], tokens: Sequence[str], md: dict, n: int):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models as hf_models
+
     key = "tokenizer.ggml.scores"
     scores = md.get(key)
     if scores is None:
@@ -508,8 +531,8 @@ def _build_spm(source: str, vocab: dict[str, int], tokens: Sequence[str], md: di
     unk = md.get("tokenizer.ggml.unknown_token_id", 0)
     unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < n else None
     try:
-        bpe = _hf_models.BPE(vocab, [(a, b) for *_, a, b in merges], unk_token=unk_token,
+        bpe = hf_models.BPE(vocab, [(a, b) for *_, a, b in merges], unk_token=unk_token,
                              byte_fallback=True, fuse_unk=False)
     except Exception as e:
         raise ModelFormatError(source, "tokenizer.ggml.tokens", f"cannot build the SPM model: {e}") from None
-    return _HFTokenizer(bpe)
+    return HFTokenizer(bpe)
