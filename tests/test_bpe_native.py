@@ -191,3 +191,16 @@ def test_characters_missing_from_the_vocabulary_are_dropped_as_hf_drops_them():
     ref = hf_reference(tokens, ["h e"], "gpt2")
     for text in ["hez", "zz he z", "a b", "zhe", "z", " "] + random_texts(100, seed=3):
         assert native(text) == ref(text)
+
+
+def test_unicode_tables_are_what_the_hf_regex_engine_matches():
+    # neon/el_unicode_tables.h must classify as HF's pre-tokenizer does (the fallback, and what
+    # the ids are checked against): a tokenizers upgrade with newer Unicode tables shows up here;
+    # rerun tools/gen_unicode_tables.py then
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen", Path(__file__).parent.parent / "tools" / "gen_unicode_tables.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    header = (Path(__file__).parent.parent / "neon" / "el_unicode_tables.h").read_text()
+    for name, pattern in (("el_uni_letter", r"\p{L}"), ("el_uni_number", r"\p{N}")):
+        assert gen.table(name, gen.matching(pattern)) in header, name
