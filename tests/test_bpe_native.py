@@ -204,3 +204,26 @@ def test_unicode_tables_are_what_the_hf_regex_engine_matches():
     header = (Path(__file__).parent.parent / "neon" / "el_unicode_tables.h").read_text()
     for name, pattern in (("el_uni_letter", r"\p{L}"), ("el_uni_number", r"\p{N}")):
         assert gen.table(name, gen.matching(pattern)) in header, name
+
+
+def test_one_encoder_shared_by_threads(real_model_path):
+    # the scheduler encodes from several threads through one tokenizer
+    import threading
+    md = dict(read_gguf(Path(real_model_path)).metadata)
+    native = NativeBPE(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"], "smollm", False)
+    texts = random_unicode(200, seed=21) + random_texts(200, seed=22)
+    want = [native(t) for t in texts]
+    errors = []
+
+    def work(k: int):
+        for i in range(len(texts)):
+            j = (i * 7 + k) % len(texts)
+            if native(texts[j]) != want[j]:
+                errors.append(j)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
