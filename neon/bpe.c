@@ -188,6 +188,11 @@ el_bpe *el_bpe_create(const uint32_t *tok_cp, const int32_t *tok_start, int n_to
     return b;
 }
 
+int el_bpe_token_id(const el_bpe *b, const uint32_t *cp, int n) {
+    if (!b || n < 0 || (n > 0 && !cp)) return EL_EINVAL;
+    return el_bpe_find(b, cp, n);
+}
+
 /* ---- encoding --------------------------------------------------------------------------------- */
 
 typedef struct {

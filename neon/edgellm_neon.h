@@ -191,6 +191,8 @@ enum { EL_BPE_EARG = 1, EL_BPE_ENOMEM = 2, EL_BPE_EDUP = 3, EL_BPE_ESPLIT = 4, E
 EL_API el_bpe *el_bpe_create(const uint32_t *tok_cp, const int32_t *tok_start, int n_tok, const uint32_t *mrg_cp,
                              const int32_t *mrg_start, int n_mrg, int ignore_merges, int *err_kind, int *err_index);
 EL_API void el_bpe_destroy(el_bpe *bpe);
+/* The id of the token whose text is cp[0 .. n), -1 if none (EL_EINVAL: bad arguments). */
+EL_API int el_bpe_token_id(const el_bpe *bpe, const uint32_t *cp, int n);
 /* Pieces (pre-tokenized, byte-mapped) -> token ids in out (cap >= their code points: a piece
  * yields at most one id per character). Returns the number of ids, or a negative EL_E* code. */
 EL_API int el_bpe_encode(const el_bpe *bpe, const uint32_t *cp, const int32_t *piece_start, int n_pieces,

@@ -59,6 +59,7 @@ _SIGNATURES = {
     # the tokenizer's BPE merges (neon/bpe.c, edgellm/model/bpe_native.py)
     "el_bpe_create": (c_void_p, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, _c_int_p, _c_int_p]),
     "el_bpe_destroy": (None, [c_void_p]),
+    "el_bpe_token_id": (c_int, [c_void_p, c_void_p, c_int]),
     "el_bpe_encode": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int]),
     "el_bpe_encode_text": (c_int, [c_void_p, c_int, c_void_p, c_int, c_void_p, c_int]),
 }

@@ -24,6 +24,14 @@ _MERGE_ERRORS = {SPLIT: "is not two tokens separated by a space", LEFT: "has a f
                  RIGHT: "has a second part that is not a token", JOINED: "joins into a string that is not a token"}
 
 
+class DuplicateToken(ValueError):
+    """Token `index` has the text of an earlier one."""
+
+    def __init__(self, index: int, why: str):
+        super().__init__(why)
+        self.index = index
+
+
 class MergeError(ValueError):
     """A merge the vocabulary cannot hold: kind (SPLIT, LEFT, RIGHT, JOINED) and index say which
     and why; the caller names the file and key."""
@@ -72,9 +80,15 @@ class NativeBPE:
                 raise MergeError(kind.value, index.value,
                                  f"merge {index.value} {merges[index.value]!r} {_MERGE_ERRORS[kind.value]}")
             if kind.value == 3:
-                raise ValueError(f"token {index.value} {tokens[index.value]!r} is listed twice")
+                raise DuplicateToken(index.value, f"token {index.value} {tokens[index.value]!r} is listed twice")
             raise MemoryError("el_bpe_create failed") if kind.value == 2 else ValueError("el_bpe_create: bad arguments")
         self._destroy = self._lib.el_bpe_destroy
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token `text`, None if there is none (the vocabulary's text -> id map)."""
+        cp = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        i = self._lib.el_bpe_token_id(self._bpe, cp.ctypes.data, len(cp))
+        return i if i >= 0 else None
 
     def __del__(self):
         bpe = getattr(self, "_bpe", None)

@@ -34,7 +34,7 @@ import numpy as np
 
 from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
 from edgellm.backends.neon_lib import NeonLibError
-from edgellm.model.bpe_native import NATIVE_PRE, SPLIT, MergeError, NativeBPE
+from edgellm.model.bpe_native import NATIVE_PRE, SPLIT, DuplicateToken, MergeError, NativeBPE
 from edgellm.model.fragment_memo import FragmentMemo
 from edgellm.model.gguf_strings import GGUFStrings
 
@@ -170,16 +170,9 @@ class Tokenizer:
         n = len(tokens)
         if n == 0:
             raise ModelFormatError(source, "tokenizer.ggml.tokens", "empty token list")
-        vocab = dict(zip(tokens, range(n)))
-        if "" in vocab:
+        if _has_empty(tokens):
             # llama.cpp renames empty token strings rather than rejecting the file
             tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-            vocab = dict(zip(tokens, range(n)))
-        if len(vocab) != n:
-            seen: set[str] = set()
-            dup = next(t for t in tokens if t in seen or seen.add(t))
-            raise ModelFormatError(source, "tokenizer.ggml.tokens",
-                                   f"{n - len(vocab)} duplicate token string(s), e.g. {dup!r}")
 
         types = _int_array(metadata, "tokenizer.ggml.token_type", source, n)   # (n,) int32
         if types is None:
@@ -196,11 +189,12 @@ class Tokenizer:
                                             f"pre-tokenizer {pre_name!r} is not supported "
                                             f"(supported: {', '.join(sorted(_PRE_ALIASES))})")
             pre = _PRE_FAMILIES[family]
-            encoder = _build_bpe(source, tokens, vocab, metadata, n, family)
+            encoder, token_id = _build_bpe(source, tokens, metadata, n, family)
             bos_default = eos_default = None
             add_bos_default, add_space_default = pre.add_bos, False
         else:
-            encoder = _hf_encoder(_build_spm(source, vocab, tokens, metadata, n))
+            vocab = _vocab(tokens, source)
+            encoder, token_id = _hf_encoder(_build_spm(source, vocab, tokens, metadata, n)), vocab.get
             bos_default, eos_default = 1, 2     # llama.cpp's SPM defaults
             add_bos_default, add_space_default = True, True
 
@@ -217,7 +211,7 @@ class Tokenizer:
                                  | (types == TOKEN_USER_DEFINED)).tolist()
         eog: set[int] = set()
         for text in _FORCED_CONTROL_TEXTS:
-            i = vocab.get(text)
+            i = token_id(text)
             if i is None:
                 continue
             if i not in control:
@@ -239,7 +233,7 @@ class Tokenizer:
         texts = {tokens[i] for i in eog}
         has_call = "<|call|>" in texts or "<|calls|>" in texts
         if "<|end|>" in texts and has_call and ("<|return|>" in texts or "<|flush|>" in texts):
-            end = vocab["<|end|>"]
+            end = token_id("<|end|>")
             eog.discard(end)
             control.discard(end)
             types = types.copy()
@@ -465,12 +459,30 @@ def _pre_tokenizer(pre: _PreTokenizer):
     return hf_pre.Sequence(steps) if len(steps) > 1 else steps[0]
 
 
-def _build_bpe(source: str, tokens: Sequence[str], vocab: dict[str, int], md: dict, n: int,
-               family: str) -> Callable[[str], Sequence[int]]:
-    """The fragment encoder of a 'gpt2' vocabulary: native merges (bpe_native.py) where the
-    library loads, pre-tokenized natively too for the NATIVE_PRE families (no HF `tokenizers`
-    at all), else by HF's pre-tokenizer; without the library, HF's BPE model (the same ids,
-    with a longer load and more memory)."""
+def _has_empty(tokens: Sequence[str]) -> bool:
+    if isinstance(tokens, GGUFStrings):
+        return bool((np.diff(tokens.joined()[1]) == 0).any())
+    return "" in tokens
+
+
+def _vocab(tokens: Sequence[str], source: str) -> dict[str, int]:
+    """text -> id, for HF's models (a dict of ~50k str: ~9 MB while built, the native path
+    does without); duplicate texts are a ModelFormatError."""
+    vocab = dict(zip(tokens, range(len(tokens))))
+    if len(vocab) != len(tokens):
+        seen: set[str] = set()
+        dup = next(t for t in tokens if t in seen or seen.add(t))
+        raise ModelFormatError(source, "tokenizer.ggml.tokens",
+                               f"{len(tokens) - len(vocab)} duplicate token string(s), e.g. {dup!r}")
+    return vocab
+
+
+def _build_bpe(source: str, tokens: Sequence[str], md: dict, n: int,
+               family: str) -> tuple[Callable[[str], Sequence[int]], Callable[[str], int | None]]:
+    """The fragment encoder of a 'gpt2' vocabulary and its text -> id lookup: native merges
+    (bpe_native.py) where the library loads, pre-tokenized natively too for the NATIVE_PRE
+    families (no HF `tokenizers` at all), else by HF's pre-tokenizer; without the library, HF's
+    BPE model (the same ids, with a longer load and more memory)."""
     key = "tokenizer.ggml.merges"
     pre = _PRE_FAMILIES[family]
     merges = _string_list(md, key, source, required=True)
@@ -478,8 +490,12 @@ def _build_bpe(source: str, tokens: Sequence[str], vocab: dict[str, int], md: di
         raise ModelFormatError(source, key, f"{len(merges)} merges for {n} tokens; each merge makes "
                                             "a distinct token, so there must be fewer merges than tokens")
     try:
-        return NativeBPE(tokens, merges, family if family in NATIVE_PRE else _pre_tokenizer(pre),
-                         pre.ignore_merges)
+        native = NativeBPE(tokens, merges, family if family in NATIVE_PRE else _pre_tokenizer(pre),
+                           pre.ignore_merges)
+        return native, native.token_id
+    except DuplicateToken as e:
+        raise ModelFormatError(source, "tokenizer.ggml.tokens",
+                               f"duplicate token string(s), e.g. {tokens[e.index]!r} (token {e.index})") from None
     except MergeError as e:
         what = str(e) if e.kind == SPLIT else f"merges inconsistent with tokenizer.ggml.tokens: {e}"
         raise ModelFormatError(source, key, what) from None
@@ -488,6 +504,7 @@ def _build_bpe(source: str, tokens: Sequence[str], vocab: dict[str, int], md: di
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models as hf_models
 
+    vocab = _vocab(tokens, source)
     pairs = [(a, b) for a, _, b in map(methodcaller("partition", " "), merges)]
     for k, (a, b) in enumerate(pairs):
         if not a or not b:
@@ -503,7 +520,7 @@ def _build_bpe(source: str, tokens: Sequence[str], vocab: dict[str, int], md: di
         raise ModelFormatError(source, key, f"merges inconsistent with tokenizer.ggml.tokens: {e}") from None
     hf = HFTokenizer(bpe)
     hf.pre_tokenizer = _pre_tokenizer(pre)
-    return _hf_encoder(hf)
+    return _hf_encoder(hf), vocab.get
 
 
 def _build_spm(source: str, vocab: dict[str, int], tokens: Sequence[str], md: dict, n: int):
