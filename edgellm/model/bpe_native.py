@@ -3,9 +3,9 @@ library loads. The merges run in neon/bpe.c for every pre-tokenizer family; for 
 families (gpt2, smollm) neon/pretok.c pre-tokenizes as well, so that HF `tokenizers` is not even
 imported; the other families keep HF's pre-tokenizer (it holds no vocabulary).
 
-With HF's BPE model, SmolLM2's tokenizer (~49k tokens and merges) took 80-100 ms of every load
-to build and ~14 MB of resident memory; with the native path the build is 12-21 ms, the tables
-2.75 MB, and RSS after load ~14 MB lower (session figures in the commit messages). The ids are
+With HF's BPE model, SmolLM2's tokenizer (~49k tokens and merges) took 70-85 ms of every load
+to build and 14-15 MB of resident memory; with the native path 9-11 ms and 2.8 MB, and RSS after
+load is 12-15 MB lower (x86, alternating processes; figures in the commit messages). The ids are
 HF's: tests/test_bpe_native.py compares them on random text over all of Unicode; the llama.cpp
 goldens of test_tokenizer.py run through this path too.
 """
