@@ -323,10 +323,13 @@ typedef struct {
     int n_out, err;
 } el_text_ctx;
 
+static int el_utf8_len(uint32_t u) { return u < 0x80 ? 1 : u < 0x800 ? 2 : u < 0x10000 ? 3 : 4; }
+
 static void el_text_piece(void *vctx, int a, int b) {
     el_text_ctx *c = vctx;
     if (c->err) return;
-    const int need = 4 * (b - a);
+    int need = 0;                      /* the piece's UTF-8 bytes: one symbol each */
+    for (int i = a; i < b; i++) need += el_utf8_len(c->t[i]);
     if (need > c->room) {
         const int room = need > 2 * c->room ? need : 2 * c->room;
         uint32_t *m = realloc(c->mapped, (size_t)room * sizeof *m);
