@@ -1,6 +1,6 @@
-/* GPT-2-family pre-tokenization in native code: the splits that HF `tokenizers` makes for the
- * 'gpt2' and 'smollm' pre-tokenizers of llama.cpp (edgellm/model/tokenizer.py), so that the
- * tokenizer's native path (bpe.c: el_bpe_encode_text) needs no HF tokenizer object at all.
+/* Pre-tokenization in native code: the splits that HF `tokenizers` makes for the 'gpt2',
+ * 'smollm', 'llama3' and 'qwen2' pre-tokenizers of llama.cpp (edgellm/model/tokenizer.py), so
+ * that the tokenizer's native path (bpe.c: el_bpe_encode_text) needs no HF tokenizer object.
  *
  * GPT-2's regex, 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+,
  * matched leftmost, alternatives in order, as a hand-written scanner: at each position the first
@@ -8,7 +8,9 @@
  * whitespace run followed by a non-space gives up its last character (which then starts the
  * next piece, " word" or a lone "\n"); a run at the end of the text is one piece. 'smollm' first
  * isolates every \p{N} character, then applies the regex to each piece between them, each piece
- * being a text of its own (its end is an end for \s+(?!\S)).
+ * being a text of its own (its end is an end for \s+(?!\S)). 'llama3' and 'qwen2' use their
+ * own regex (el_llama3_match), with case-free contractions, an optional non-letter before a
+ * letter run, and line breaks kept with the punctuation or whitespace before them.
  *
  * \s is Unicode White_Space, as Oniguruma (HF's regex engine) has it; \p{L} and \p{N} come from
  * el_unicode_tables.h, read from that same engine (tools/gen_unicode_tables.py). Plain C.
@@ -71,7 +73,61 @@ static int el_gpt2_match(const uint32_t *t, int n, int i) {
     return (j < n && j - i >= 2) ? j - 1 : j;
 }
 
+static int el_is_crlf(uint32_t c) { return c == '\r' || c == '\n'; }
+
+static int el_lower(uint32_t c) { return c >= 'A' && c <= 'Z' ? c + 32 : c; }
+
+/* End of the llama3 regex's match at t[i] (qwen2's: one digit at a time, max_digits = 1):
+ * (?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
+ *  ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
+ * Every character starts some alternative (a letter, a number, another character, or
+ * whitespace), so the text is cut into matches with no gaps. */
+static int el_llama3_match(const uint32_t *t, int n, int i, int max_digits) {
+    const uint32_t c = t[i];
+    if (c == '\'' && i + 1 < n) {
+        const uint32_t d = el_lower(t[i + 1]);
+        if (d == 's' || d == 't' || d == 'm' || d == 'd') return i + 2;
+        if (i + 2 < n) {
+            const uint32_t e = el_lower(t[i + 2]);
+            if ((d == 'r' && e == 'e') || (d == 'v' && e == 'e') || (d == 'l' && e == 'l')) return i + 3;
+        }
+    }
+    /* [^\r\n\p{L}\p{N}]?\p{L}+ */
+    int k = -1;
+    if (el_is_letter(c)) k = i;
+    else if (!el_is_crlf(c) && !el_is_number(c) && i + 1 < n && el_is_letter(t[i + 1])) k = i + 1;
+    if (k >= 0) {
+        while (k < n && el_is_letter(t[k])) k++;
+        return k;
+    }
+    if (el_is_number(c)) {                 /* \p{N}{1,max_digits} */
+        int j = i + 1;
+        while (j < n && j - i < max_digits && el_is_number(t[j])) j++;
+        return j;
+    }
+    k = i + (c == ' ');                    /*  ?[^\s\p{L}\p{N}]+[\r\n]* */
+    if (k < n && el_is_other(t[k])) {
+        while (k < n && el_is_other(t[k])) k++;
+        while (k < n && el_is_crlf(t[k])) k++;
+        return k;
+    }
+    int j = i;                             /* c is whitespace: its run is [i, j) */
+    while (j < n && el_is_space(t[j])) j++;
+    for (int e = j; e > i; e--)            /* \s*[\r\n]+: up to the run's last CR or LF */
+        if (el_is_crlf(t[e - 1])) return e;
+    return (j < n && j - i >= 2) ? j - 1 : j;   /* \s+(?!\S), else \s+ */
+}
+
 void el_pretok_split(int family, const uint32_t *t, int n, el_piece_fn emit, void *ctx) {
+    if (family == EL_PRE_LLAMA3 || family == EL_PRE_QWEN2) {
+        const int max_digits = family == EL_PRE_LLAMA3 ? 3 : 1;
+        for (int i = 0; i < n;) {
+            const int j = el_llama3_match(t, n, i, max_digits);
+            emit(ctx, i, j);
+            i = j;
+        }
+        return;
+    }
     for (int a = 0; a < n;) {
         int b = n;
         if (family == EL_PRE_SMOLLM) {

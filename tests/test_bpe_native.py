@@ -1,6 +1,6 @@
 """The native tokenizer path (neon/bpe.c, neon/pretok.c through edgellm/model/bpe_native.py)
 against HF's BPE model and pre-tokenizer on the same vocabulary and merges: the native merges for
-every pre-tokenizer family, the native pre-tokenizer for those it runs (gpt2, smollm), on random
+every pre-tokenizer family, the native pre-tokenizer for those it runs (NATIVE_PRE), on random
 text over all of Unicode. The llama.cpp goldens of test_tokenizer.py run through it as well."""
 from __future__ import annotations
 
@@ -85,11 +85,13 @@ def test_tiny_vocab_native_pre_tokenizer_matches_hf(family):
 def test_smollm2_matches_hf(real_model_path, family):
     md = dict(read_gguf(Path(real_model_path)).metadata)
     tokens, merges = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"]
-    native = NativeBPE(tokens, merges, family, False)
-    merges_hf = NativeBPE(tokens, merges, T._pre_tokenizer(T._PRE_FAMILIES[family]), False)
+    ignore = T._PRE_FAMILIES[family].ignore_merges
+    native = NativeBPE(tokens, merges, family, ignore)
+    merges_hf = NativeBPE(tokens, merges, T._pre_tokenizer(T._PRE_FAMILIES[family]), ignore)
     ref = hf_reference(list(tokens), list(merges), family)
     source = Path(T.__file__).read_text(encoding="utf-8")      # ~8k tokens of code and prose
-    edge = [source, " " * 3000, "9" * 500, "a" * 2000, "a  b\n\n c\t\t1 2  3 \u3000x\u00a0's 'RE 'll", "\x1c\x1f\u200b\ufeff"]
+    edge = [source, " " * 3000, "9" * 500, "a" * 2000, "a  b\n\n c\t\t1 2  3 \u3000x\u00a0's 'RE 'll",
+            "\x1c\x1f\u200b\ufeff", "x \r\n\t y!!\n\n\tz ?\n 12345 'Ve", "\n \n", " \r", "\t\n\t\n  "]
     for text in random_texts(300, seed=5) + random_unicode(2000, seed=6) + edge:
         assert native(text) == merges_hf(text) == ref(text), repr(text)
 
@@ -160,7 +162,7 @@ def test_encode_text_refuses_bad_arguments():
     assert lib.el_bpe_encode_text(native._bpe, 1, bad.ctypes.data, 3, out.ctypes.data, 12) < 0   # a surrogate
     assert lib.el_bpe_encode_text(native._bpe, 1, cp.ctypes.data, 3, out.ctypes.data, 12) == 3
     with pytest.raises(ValueError, match="no native pre-tokenizer"):
-        NativeBPE(chars, [], "qwen2", False)
+        NativeBPE(chars, [], "default", False)
 
 
 def test_encode_refuses_a_short_output_buffer():
