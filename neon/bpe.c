@@ -33,6 +33,9 @@ struct el_bpe {
     int32_t *mrank, *mnew;
     uint32_t mmask;
     int ignore_merges;
+    float *score;            /* SentencePiece (el_spm_create): per token; NULL for BPE */
+    int32_t byte_id[256];    /* SentencePiece: the <0xNN> token of each byte, -1 if none */
+    int32_t unk;             /* SentencePiece: the unknown token, -1 if none */
 };
 
 static uint32_t el_bpe_hash(const uint32_t *p, int n) {
@@ -88,6 +91,7 @@ void el_bpe_destroy(el_bpe *b) {
     free(b->mkey);
     free(b->mrank);
     free(b->mnew);
+    free(b->score);
     free(b);
 }
 
@@ -385,4 +389,141 @@ int el_bpe_encode_text(const el_bpe *b, int family, const uint32_t *cp, int n, i
     free(c.s);
     free(c.h);
     return c.err ? c.err : c.n_out;
+}
+
+/* ---- SentencePiece-style vocabularies (llama.cpp's llm_tokenizer_spm) -------------------------- */
+
+/* A vocabulary of tokens with scores, no merge list: two adjacent symbols merge when their
+ * concatenated text is a token, the highest score first, the leftmost among equals; a final
+ * symbol that is not a token (one character missing from the vocabulary) becomes its UTF-8
+ * bytes' <0xNN> tokens (found by their text), or the unknown token where one is missing. Same heap as the BPE merges,
+ * with the pair's merged id found by text instead of in a merge table. */
+el_bpe *el_spm_create(const uint32_t *tok_cp, const int32_t *tok_start, int n_tok, const float *scores, int unk,
+                      int *err_kind, int *err_index) {
+    if (!scores || unk >= n_tok) {
+        if (err_kind) *err_kind = EL_BPE_EARG;
+        return NULL;
+    }
+    el_bpe *b = el_bpe_create(tok_cp, tok_start, n_tok, NULL, NULL, 0, 0, err_kind, err_index);
+    if (!b) return NULL;
+    b->score = malloc((size_t)n_tok * sizeof(float));
+    if (!b->score) {
+        if (err_kind) *err_kind = EL_BPE_ENOMEM;
+        el_bpe_destroy(b);
+        return NULL;
+    }
+    memcpy(b->score, scores, (size_t)n_tok * sizeof(float));
+    for (int v = 0; v < 256; v++) {      /* the byte tokens, by their text "<0xNN>" */
+        static const char hex[] = "0123456789ABCDEF";
+        const uint32_t text[6] = {'<', '0', 'x', (uint32_t)hex[v >> 4], (uint32_t)hex[v & 15], '>'};
+        b->byte_id[v] = el_bpe_find(b, text, 6);
+    }
+    b->unk = unk < 0 ? -1 : unk;
+    return b;
+}
+
+typedef struct {
+    float score;
+    int32_t left, right, len, merged;   /* len: the pair's characters when pushed */
+} el_spm_cand;
+
+static int el_spm_better(const el_spm_cand *x, const el_spm_cand *y) {
+    return x->score > y->score || (x->score == y->score && x->left < y->left);
+}
+
+static void el_spm_push(el_spm_cand *h, int *n, el_spm_cand c) {
+    int i = (*n)++;
+    while (i > 0) {
+        const int p = (i - 1) / 2;
+        if (!el_spm_better(&c, &h[p])) break;
+        h[i] = h[p];
+        i = p;
+    }
+    h[i] = c;
+}
+
+static el_spm_cand el_spm_pop(el_spm_cand *h, int *n) {
+    const el_spm_cand top = h[0], last = h[--(*n)];
+    int i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && el_spm_better(&h[c + 1], &h[c])) c++;
+        if (!el_spm_better(&h[c], &last)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    if (*n > 0) h[i] = last;
+    return top;
+}
+
+/* symbol i spans characters [i, end[i]); prev/next link the live ones */
+static void el_spm_pair(const el_bpe *b, const uint32_t *cp, const int32_t *end, const int32_t *next, int left,
+                        el_spm_cand *h, int *nh) {
+    if (left < 0 || next[left] < 0) return;
+    const int right = next[left], len = end[right] - left;
+    const int32_t id = el_bpe_find(b, cp + left, len);
+    if (id >= 0) el_spm_push(h, nh, (el_spm_cand){b->score[id], left, right, len, id});
+}
+
+int el_spm_encode(const el_bpe *b, const uint32_t *cp, int n, int32_t *out, int cap) {
+    if (!b || !b->score || n < 0 || (n > 0 && (!cp || !out)) || cap < 0 || (int64_t)4 * n > cap) return EL_EINVAL;
+    for (int i = 0; i < n; i++)
+        if (cp[i] > 0x10FFFF || (cp[i] >= 0xD800 && cp[i] <= 0xDFFF)) return EL_EINVAL;
+    if (n == 0) return 0;
+    int32_t *end = malloc((size_t)n * sizeof(int32_t)), *prev = malloc((size_t)n * sizeof(int32_t));
+    int32_t *next = malloc((size_t)n * sizeof(int32_t));
+    el_spm_cand *h = malloc(((size_t)3 * n + 1) * sizeof *h);
+    if (!end || !prev || !next || !h) {
+        free(end), free(prev), free(next), free(h);
+        return EL_ENOMEM;
+    }
+    for (int i = 0; i < n; i++) end[i] = i + 1, prev[i] = i - 1, next[i] = i + 1 < n ? i + 1 : -1;
+    int nh = 0;
+    for (int i = 0; i < n - 1; i++) el_spm_pair(b, cp, end, next, i, h, &nh);
+    while (nh > 0) {
+        const el_spm_cand c = el_spm_pop(h, &nh);
+        /* stale: either side merged since (its span changed), or no longer neighbours */
+        if (end[c.left] < 0 || end[c.right] < 0 || next[c.left] != c.right || end[c.right] - c.left != c.len)
+            continue;
+        end[c.left] = end[c.right];
+        end[c.right] = -1;
+        next[c.left] = next[c.right];
+        if (next[c.right] >= 0) prev[next[c.right]] = c.left;
+        el_spm_pair(b, cp, end, next, prev[c.left], h, &nh);
+        el_spm_pair(b, cp, end, next, c.left, h, &nh);
+    }
+    int n_out = 0;
+    for (int i = 0; i >= 0; i = next[i]) {
+        const int32_t id = el_bpe_find(b, cp + i, end[i] - i);
+        if (id >= 0) {
+            out[n_out++] = id;
+            continue;
+        }
+        /* one character missing from the vocabulary: its UTF-8 bytes (llama.cpp's byte fallback) */
+        const uint32_t u = cp[i];
+        uint8_t by[4];
+        int k;
+        if (u < 0x80) {
+            by[0] = (uint8_t)u;
+            k = 1;
+        } else if (u < 0x800) {
+            by[0] = (uint8_t)(0xC0 | u >> 6), by[1] = (uint8_t)(0x80 | (u & 0x3F));
+            k = 2;
+        } else if (u < 0x10000) {
+            by[0] = (uint8_t)(0xE0 | u >> 12), by[1] = (uint8_t)(0x80 | ((u >> 6) & 0x3F));
+            by[2] = (uint8_t)(0x80 | (u & 0x3F));
+            k = 3;
+        } else {
+            by[0] = (uint8_t)(0xF0 | u >> 18), by[1] = (uint8_t)(0x80 | ((u >> 12) & 0x3F));
+            by[2] = (uint8_t)(0x80 | ((u >> 6) & 0x3F)), by[3] = (uint8_t)(0x80 | (u & 0x3F));
+            k = 4;
+        }
+        for (int j = 0; j < k; j++) {
+            const int32_t bid = b->byte_id[by[j]] >= 0 ? b->byte_id[by[j]] : b->unk;
+            if (bid >= 0) out[n_out++] = bid;
+        }
+    }
+    free(end), free(prev), free(next), free(h);
+    return n_out;
 }

@@ -203,6 +203,12 @@ EL_API int el_bpe_encode(const el_bpe *bpe, const uint32_t *cp, const int32_t *p
  * Returns the number of ids, or a negative EL_E* code (EL_EUNSUPPORTED: another family). */
 enum { EL_PRE_GPT2 = 1, EL_PRE_SMOLLM = 2, EL_PRE_LLAMA3 = 3, EL_PRE_QWEN2 = 4 };
 EL_API int el_bpe_encode_text(const el_bpe *bpe, int family, const uint32_t *cp, int n, int32_t *out, int cap);
+/* SentencePiece-style vocabularies (llama.cpp's SPM tokenizer): tokens and their scores, unk the
+ * unknown token (-1: none); the byte tokens are found by their text "<0xNN>". encode takes the
+ * text as llama.cpp hands it over (spaces already as U+2581); cap >= 4 n. */
+EL_API el_bpe *el_spm_create(const uint32_t *tok_cp, const int32_t *tok_start, int n_tok, const float *scores,
+                             int unk, int *err_kind, int *err_index);
+EL_API int el_spm_encode(const el_bpe *bpe, const uint32_t *cp, int n, int32_t *out, int cap);
 
 #ifdef __cplusplus
 }

@@ -19,7 +19,7 @@ from tokenizers import models as hf_models
 from edgellm.backends import neon_lib
 from edgellm.errors import ConfigError, ModelFormatError
 from edgellm.model import tokenizer as T
-from edgellm.model.bpe_native import NATIVE_PRE, NativeBPE
+from edgellm.model.bpe_native import NATIVE_PRE, NativeBPE, NativeSPM
 from edgellm.model.gguf_file import read_gguf
 
 DATA = Path(__file__).parent / "data"
@@ -229,3 +229,41 @@ def test_one_encoder_shared_by_threads(real_model_path):
     for th in threads:
         th.join()
     assert errors == []
+
+
+GOLDEN_SPM = json.loads((DATA / "golden_spm_tiny.json").read_text(encoding="utf-8"))
+
+
+def spm_hf_reference(md: dict):
+    """HF's BPE emulation of the SentencePiece vocabulary: what the tokenizer falls back to."""
+    def missing(*a, **k):
+        raise neon_lib.NeonLibError("not loaded")
+    real = T.NativeSPM
+    T.NativeSPM = missing
+    try:
+        return T.Tokenizer.from_metadata(md, "spm_tiny.gguf")._encoder
+    finally:
+        T.NativeSPM = real
+
+
+def test_spm_matches_hf_bpe_emulation():
+    md = GOLDEN_SPM["metadata"]
+    native = NativeSPM(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.scores"],
+                       md.get("tokenizer.ggml.unknown_token_id", 0))
+    ref = spm_hf_reference(md)
+    assert not isinstance(ref, NativeSPM)
+    for text in random_texts(500, seed=31) + random_unicode(500, seed=32):
+        frag = (" " + text).replace(" ", "\u2581")     # as Tokenizer.encode hands a fragment over
+        assert native(frag) == ref(frag), repr(text)
+
+
+def test_spm_tokenizer_is_native_and_needs_no_hf_tokenizers():
+    code = ("import sys, json; from pathlib import Path; from edgellm.model.tokenizer import Tokenizer; "
+            "from edgellm.model.bpe_native import NativeSPM; "
+            f"g = json.loads(Path({str(DATA / 'golden_spm_tiny.json')!r}).read_text(encoding='utf-8')); "
+            "tok = Tokenizer.from_metadata(g['metadata'], 'spm_tiny.gguf'); "
+            "assert isinstance(tok._encoder, NativeSPM); "
+            "assert all(tok.encode(e['text'], add_bos=e['add_bos'], parse_special=e['special']) == e['ids'] "
+            "for e in g['tokenize']); print('tokenizers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -62,6 +62,8 @@ _SIGNATURES = {
     "el_bpe_token_id": (c_int, [c_void_p, c_void_p, c_int]),
     "el_bpe_encode": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int]),
     "el_bpe_encode_text": (c_int, [c_void_p, c_int, c_void_p, c_int, c_void_p, c_int]),
+    "el_spm_create": (c_void_p, [c_void_p, c_void_p, c_int, c_void_p, c_int, _c_int_p, _c_int_p]),
+    "el_spm_encode": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_int]),
 }
 
 

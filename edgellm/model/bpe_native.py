@@ -119,3 +119,34 @@ class NativeBPE:
         if n < 0:
             raise RuntimeError(f"el_bpe_encode failed ({n})")
         return out[:n].tolist()
+
+
+class NativeSPM:
+    """fragment (spaces already U+2581, as Tokenizer.encode prepares it) -> token ids, as
+    llama.cpp's SentencePiece-style tokenizer: the highest-scoring adjacent pair whose text is a
+    token merges first, the leftmost among equals; characters missing from the vocabulary become
+    their bytes' <0xNN> tokens."""
+
+    def __init__(self, tokens: Sequence[str], scores: Sequence[float], unk: int | None, lib=None):
+        self._lib = lib or neon_lib.load()
+        tcp, tst = _code_points(tokens)
+        sc = np.ascontiguousarray(scores, dtype=np.float32)
+        kind, index = ctypes.c_int(0), ctypes.c_int(-1)
+        self._bpe = self._lib.el_spm_create(tcp.ctypes.data, tst.ctypes.data, len(tokens), sc.ctypes.data,
+                                            -1 if unk is None else int(unk), ctypes.byref(kind), ctypes.byref(index))
+        if not self._bpe:
+            if kind.value == 3:
+                raise DuplicateToken(index.value, f"token {index.value} {tokens[index.value]!r} is listed twice")
+            raise MemoryError("el_spm_create failed") if kind.value == 2 else ValueError("el_spm_create: bad arguments")
+        self._destroy = self._lib.el_bpe_destroy
+
+    token_id = NativeBPE.token_id
+    __del__ = NativeBPE.__del__
+
+    def __call__(self, fragment: str) -> list[int]:
+        cp = np.frombuffer(fragment.encode("utf-32-le"), dtype=np.uint32)
+        out = np.empty(max(1, 4 * len(cp)), dtype=np.int32)
+        n = self._lib.el_spm_encode(self._bpe, cp.ctypes.data, len(cp), out.ctypes.data, len(out))
+        if n < 0:
+            raise RuntimeError(f"el_spm_encode failed ({n})")
+        return out[:n].tolist()

@@ -4,15 +4,18 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
 
 - ``gpt2``: byte-level BPE. Vocab and ranked merges come from the file; the pre-tokenizer regexes
   are the ones llama.cpp uses for ``tokenizer.ggml.pre`` (a chain of splits, each applied to the
-  pieces of the previous one, then GPT-2's byte-to-unicode mapping), run by HF ``tokenizers``;
-  the merges run in the native library (bpe_native.py), or in HF's BPE model without it.
+  pieces of the previous one, then GPT-2's byte-to-unicode mapping). The native library
+  (bpe_native.py) runs the merges, and the pre-tokenizer of the NATIVE_PRE families; HF
+  ``tokenizers`` runs the rest, and everything without the native library.
 - ``llama``: SentencePiece-style. llama.cpp's SPM tokenizer is *not* a Unigram (Viterbi) search: it
   starts from UTF-8 characters and repeatedly merges the adjacent pair whose concatenation is a
   vocab token with the highest score, leftmost first, then falls back to ``<0xNN>`` byte tokens
   for characters not in the vocab. That is BPE with merges ranked by the merged token's score (the
   way transformers' GGUF converter builds it), so it is built as an HF BPE model with
-  byte_fallback. Known gap: HF ranks every merge uniquely, so when two *different* merged tokens
-  have equal scores llama.cpp takes the leftmost pair and we take the one ranked first.
+  byte_fallback where the native library is missing. That fallback has a known gap: HF ranks
+  every merge uniquely, so when two *different* merged tokens have equal scores llama.cpp takes
+  the leftmost pair and HF the one ranked first. The native path (bpe_native.NativeSPM) runs
+  llama.cpp's algorithm itself: leftmost.
 
 Special tokens are split out in Python exactly as llama.cpp's ``tokenizer_st_partition`` does
 (longest text first, every occurrence), and only the plain-text fragments go to the BPE model, so
@@ -34,7 +37,7 @@ import numpy as np
 
 from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
 from edgellm.backends.neon_lib import NeonLibError
-from edgellm.model.bpe_native import NATIVE_PRE, SPLIT, DuplicateToken, MergeError, NativeBPE
+from edgellm.model.bpe_native import NATIVE_PRE, SPLIT, DuplicateToken, MergeError, NativeBPE, NativeSPM
 from edgellm.model.fragment_memo import FragmentMemo
 from edgellm.model.gguf_strings import GGUFStrings
 
@@ -193,8 +196,7 @@ class Tokenizer:
             bos_default = eos_default = None
             add_bos_default, add_space_default = pre.add_bos, False
         else:
-            vocab = _vocab(tokens, source)
-            encoder, token_id = _hf_encoder(_build_spm(source, vocab, tokens, metadata, n)), vocab.get
+            encoder, token_id = _build_spm(source, tokens, metadata, n)
             bos_default, eos_default = 1, 2     # llama.cpp's SPM defaults
             add_bos_default, add_space_default = True, True
 
@@ -523,10 +525,11 @@ def _build_bpe(source: str, tokens: Sequence[str], md: dict, n: int,
     return _hf_encoder(hf), vocab.get
 
 
-def _build_spm(source: str, vocab: dict[str, int], tokens: Sequence[str], md: dict, n: int):
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models as hf_models
-
+def _build_spm(source: str, tokens: Sequence[str], md: dict,
+               n: int) -> tuple[Callable[[str], Sequence[int]], Callable[[str], int | None]]:
+    """The fragment encoder of a 'llama' (SentencePiece-style) vocabulary and its text -> id
+    lookup: native (bpe_native.NativeSPM, llama.cpp's algorithm) where the library loads, else
+    an HF BPE model with merges ranked by score (see the module docstring for its one gap)."""
     key = "tokenizer.ggml.scores"
     scores = md.get(key)
     if scores is None:
@@ -536,6 +539,20 @@ def _build_spm(source: str, vocab: dict[str, int], tokens: Sequence[str], md: di
         scores = scores.tolist()
     if len(scores) != n:
         raise ModelFormatError(source, key, f"expected {n} entries (one per token), found {len(scores)}")
+    unk = md.get("tokenizer.ggml.unknown_token_id", 0)
+    unk = unk if isinstance(unk, int) and 0 <= unk < n else None
+    try:
+        native = NativeSPM(tokens, scores, unk)
+        return native, native.token_id
+    except DuplicateToken as e:
+        raise ModelFormatError(source, "tokenizer.ggml.tokens",
+                               f"duplicate token string(s), e.g. {tokens[e.index]!r} (token {e.index})") from None
+    except NeonLibError as e:
+        _log.info("%s: tokenizer on HF tokenizers (the native library is unavailable: %s)", source, e)
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models as hf_models
+
+    vocab = _vocab(tokens, source)
     # A pair merges when its concatenation is a vocab token; llama.cpp takes the highest score
     # first. Enumerate every split of every token into two vocab tokens.
     merges = []
@@ -545,11 +562,10 @@ def _build_spm(source: str, vocab: dict[str, int], tokens: Sequence[str], md: di
             if a in vocab and b in vocab:
                 merges.append((-float(scores[tid]), tid, i, a, b))
     merges.sort()
-    unk = md.get("tokenizer.ggml.unknown_token_id", 0)
-    unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < n else None
+    unk_token = tokens[unk] if unk is not None else None
     try:
         bpe = hf_models.BPE(vocab, [(a, b) for *_, a, b in merges], unk_token=unk_token,
                              byte_fallback=True, fuse_unk=False)
     except Exception as e:
         raise ModelFormatError(source, "tokenizer.ggml.tokens", f"cannot build the SPM model: {e}") from None
-    return HFTokenizer(bpe)
+    return _hf_encoder(HFTokenizer(bpe)), vocab.get
