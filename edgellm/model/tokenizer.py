@@ -502,7 +502,8 @@ def _build_bpe(source: str, tokens: Sequence[str], md: dict, n: int,
         what = str(e) if e.kind == SPLIT else f"merges inconsistent with tokenizer.ggml.tokens: {e}"
         raise ModelFormatError(source, key, what) from None
     except NeonLibError as e:
-        _log.info("%s: tokenizer merges on HF tokenizers (the native library is unavailable: %s)", source, e)
+        _log.warning("%s: tokenizer merges on HF tokenizers, a slower load and more memory (the native "
+                     "library is unavailable: %s)", source, e)
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models as hf_models
 
@@ -548,7 +549,8 @@ def _build_spm(source: str, tokens: Sequence[str], md: dict,
         raise ModelFormatError(source, "tokenizer.ggml.tokens",
                                f"duplicate token string(s), e.g. {tokens[e.index]!r} (token {e.index})") from None
     except NeonLibError as e:
-        _log.info("%s: tokenizer on HF tokenizers (the native library is unavailable: %s)", source, e)
+        _log.warning("%s: tokenizer on HF tokenizers, a slower load and more memory (the native library "
+                     "is unavailable: %s)", source, e)
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models as hf_models
 
