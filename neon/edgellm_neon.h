@@ -210,6 +210,14 @@ EL_API el_bpe *el_spm_create(const uint32_t *tok_cp, const int32_t *tok_start, i
                              int unk, int *err_kind, int *err_index);
 EL_API int el_spm_encode(const el_bpe *bpe, const uint32_t *cp, int n, int32_t *out, int cap);
 
+/* ---- GGUF parsing (gguf_walk.c) ---------------------------------------------------------- */
+/* A GGUF string array of n strings at buf[pos..] (each a little-endian u64 length, then its
+ * bytes): starts[j] = where string j's bytes begin, relative to pos; *end = the array's end.
+ * Returns 0, 1 at a length past the buffer's end or over max_len (nothing more is said: the
+ * caller names it), or EL_EINVAL. */
+EL_API int el_gguf_string_walk(const uint8_t *buf, uint64_t size, uint64_t pos, int64_t n, uint64_t max_len,
+                               int64_t *starts, uint64_t *end);
+
 #ifdef __cplusplus
 }
 #endif

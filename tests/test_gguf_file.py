@@ -251,8 +251,19 @@ def _add_tensor_copies(d: bytes, n: int) -> bytes:
     return splice_header(d, lay.header_end, lay.header_end, extra, tensor_delta=n)
 
 
+@pytest.fixture(params=["python-walk", "native-walk"])
+def walk(request, monkeypatch):
+    """String arrays walked in Python, or by neon/gguf_walk.c for every array (by default only
+    arrays of 1024+ strings go native): both must accept and reject the same files, with the
+    same errors (the native walk leaves a malformed array to the Python one to name)."""
+    if request.param == "native-walk":
+        assert gguf_file._native_walk(b"\0" * 8, 8, 0, 0) is not None, "the native library does not load"
+        monkeypatch.setattr(gguf_file, "_NATIVE_WALK_MIN", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("base,corrupt,exc,field,msg", [pytest.param(*c[1:], id=c[0]) for c in CASES])
-def test_malformed(bases, tmp_path, base, corrupt, exc, field, msg):
+def test_malformed(bases, tmp_path, base, corrupt, exc, field, msg, walk):
     data = bases[base]
     expected_field = field(data) if callable(field) else field
     bad = corrupt(data)
@@ -359,7 +370,7 @@ SYNTH = [
 
 
 @pytest.mark.parametrize("kw", SYNTH)
-def test_synthetic_valid(tmp_path, kw):
+def test_synthetic_valid(tmp_path, kw, walk):
     m = write_tiny_model(tmp_path / "m.gguf", **kw)
     g = read_gguf(m.path)
     arch = m.arch

@@ -64,6 +64,9 @@ _SIGNATURES = {
     "el_bpe_encode_text": (c_int, [c_void_p, c_int, c_void_p, c_int, c_void_p, c_int]),
     "el_spm_create": (c_void_p, [c_void_p, c_void_p, c_int, c_void_p, c_int, _c_int_p, _c_int_p]),
     "el_spm_encode": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_int]),
+    # the GGUF parser's string-array walk (neon/gguf_walk.c, edgellm/model/gguf_file.py)
+    "el_gguf_string_walk": (c_int, [c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64,
+                                    c_void_p, POINTER(ctypes.c_uint64)]),
 }
 
 

@@ -26,6 +26,7 @@ of those.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import struct
@@ -242,10 +243,20 @@ class _Walker:
         return arr, (_V.ARRAY, et)
 
     def _string_array(self, n: int, fld: str) -> GGUFStrings:
-        # The hot loop of the whole walk (49k tokens + 49k merges in a small model): locals only,
-        # lengths only; the UTF-8 of all the strings is checked in one decode afterwards.
+        # The hot loop of the whole walk (49k tokens + 49k merges in a small model): in native
+        # code where the library loads (_native_walk), else here with locals only, lengths only;
+        # the UTF-8 of all the strings is checked in one decode afterwards.
         buf, size, pos = self.buf, self.size, self.pos
         base = pos
+        walked = _native_walk(buf, size, pos, n) if n >= _NATIVE_WALK_MIN else None
+        if walked is not None:
+            starts_arr, end = walked
+            raw = bytes(buf[base:end])
+            strings = GGUFStrings.from_array_bytes(raw, starts_arr)
+            if strings is None:
+                self._utf8_error(raw, starts_arr.tolist(), fld)
+            self.pos = end
+            return strings
         unpack = _U64.unpack_from
         cap = MAX_STRING_LEN
         starts: list[int] = []
@@ -283,6 +294,32 @@ class _Walker:
                 raise self.fail(f"{fld}[{j}]", f"expected UTF-8, found invalid byte at {err.start}: "
                                                f"{_fmt_bytes(err.object[:40])}") from None
         raise self.fail(fld, "expected UTF-8 strings")  # unreachable: some string failed to decode
+
+
+# string arrays shorter than this are walked in Python: a native call is not worth it
+_NATIVE_WALK_MIN = 1024
+_native_lib: list = []       # [library or None], loaded on first use
+
+
+def _native_walk(buf, size: int, pos: int, n: int) -> tuple[np.ndarray, int] | None:
+    """(starts relative to pos, end) of a string array from neon/gguf_walk.c; None when the
+    library is unavailable or the array is malformed (the Python walk then names the fault)."""
+    if not _native_lib:
+        try:
+            from edgellm.backends import neon_lib
+            _native_lib.append(neon_lib.load())
+        except Exception:       # no native library (or an unloadable one): the Python walk
+            _native_lib.append(None)
+    lib = _native_lib[0]
+    if lib is None:
+        return None
+    view = np.frombuffer(buf, dtype=np.uint8)
+    starts = np.empty(n, dtype=np.int64)
+    end = ctypes.c_uint64(0)
+    rc = lib.el_gguf_string_walk(view.ctypes.data, size, pos, n, MAX_STRING_LEN, starts.ctypes.data,
+                                 ctypes.byref(end))
+    del view                    # an mmap with exported buffers cannot be closed
+    return (starts, end.value) if rc == 0 else None
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
