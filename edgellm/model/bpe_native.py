@@ -21,7 +21,8 @@ import numpy as np
 from edgellm.backends import neon_lib
 from edgellm.model.gguf_strings import GGUFStrings
 
-# el_bpe_create's error kinds (neon/edgellm_neon.h EL_BPE_E*) -> what is wrong with the merge
+# el_bpe_create's error kinds (neon/edgellm_neon.h EL_BPE_E*); those of a merge -> what is wrong
+_ENOMEM, _EDUP = 2, 3
 SPLIT, LEFT, RIGHT, JOINED = 4, 5, 6, 7
 _MERGE_ERRORS = {SPLIT: "is not two tokens separated by a space", LEFT: "has a first part that is not a token",
                  RIGHT: "has a second part that is not a token", JOINED: "joins into a string that is not a token"}
@@ -82,9 +83,9 @@ class NativeBPE:
             if kind.value in _MERGE_ERRORS:
                 raise MergeError(kind.value, index.value,
                                  f"merge {index.value} {merges[index.value]!r} {_MERGE_ERRORS[kind.value]}")
-            if kind.value == 3:
+            if kind.value == _EDUP:
                 raise DuplicateToken(index.value, f"token {index.value} {tokens[index.value]!r} is listed twice")
-            raise MemoryError("el_bpe_create failed") if kind.value == 2 else ValueError("el_bpe_create: bad arguments")
+            raise MemoryError("el_bpe_create failed") if kind.value == _ENOMEM else ValueError("el_bpe_create: bad arguments")
         self._destroy = self._lib.el_bpe_destroy
 
     def token_id(self, text: str) -> int | None:
@@ -135,9 +136,9 @@ class NativeSPM:
         self._bpe = self._lib.el_spm_create(tcp.ctypes.data, tst.ctypes.data, len(tokens), sc.ctypes.data,
                                             -1 if unk is None else int(unk), ctypes.byref(kind), ctypes.byref(index))
         if not self._bpe:
-            if kind.value == 3:
+            if kind.value == _EDUP:
                 raise DuplicateToken(index.value, f"token {index.value} {tokens[index.value]!r} is listed twice")
-            raise MemoryError("el_spm_create failed") if kind.value == 2 else ValueError("el_spm_create: bad arguments")
+            raise MemoryError("el_spm_create failed") if kind.value == _ENOMEM else ValueError("el_spm_create: bad arguments")
         self._destroy = self._lib.el_bpe_destroy
 
     token_id = NativeBPE.token_id
