@@ -375,7 +375,7 @@ static void el_text_piece(void *vctx, int a, int b) {
 
 int el_bpe_encode_text(const el_bpe *b, int family, const uint32_t *cp, int n, int32_t *out, int cap) {
     if (!b || n < 0 || (n > 0 && (!cp || !out)) || cap < 0 || (int64_t)4 * n > cap) return EL_EINVAL;
-    if (family < EL_PRE_GPT2 || family > EL_PRE_QWEN2) return EL_EUNSUPPORTED;
+    if (family < EL_PRE_GPT2 || family > EL_PRE_DEFAULT) return EL_EUNSUPPORTED;
     for (int i = 0; i < n; i++)
         if (cp[i] > 0x10FFFF || (cp[i] >= 0xD800 && cp[i] <= 0xDFFF)) return EL_EINVAL;
     el_text_ctx c = {.b = b, .t = cp, .out = out};

@@ -198,10 +198,10 @@ EL_API int el_bpe_token_id(const el_bpe *bpe, const uint32_t *cp, int n);
 EL_API int el_bpe_encode(const el_bpe *bpe, const uint32_t *cp, const int32_t *piece_start, int n_pieces,
                          int32_t *out, int cap);
 /* Text (code points, not yet pre-tokenized) -> token ids, pre-tokenized here (pretok.c) as
- * llama.cpp's 'gpt2', 'smollm', 'llama3' or 'qwen2' pre-tokenizer splits it, each piece's UTF-8 bytes mapped to
+ * llama.cpp's 'gpt2', 'smollm', 'llama3', 'qwen2' or 'default' pre-tokenizer splits it, each piece's UTF-8 bytes mapped to
  * GPT-2's byte characters, then merged. cap >= 4 n (a piece yields at most one id per byte).
  * Returns the number of ids, or a negative EL_E* code (EL_EUNSUPPORTED: another family). */
-enum { EL_PRE_GPT2 = 1, EL_PRE_SMOLLM = 2, EL_PRE_LLAMA3 = 3, EL_PRE_QWEN2 = 4 };
+enum { EL_PRE_GPT2 = 1, EL_PRE_SMOLLM = 2, EL_PRE_LLAMA3 = 3, EL_PRE_QWEN2 = 4, EL_PRE_DEFAULT = 5 };
 EL_API int el_bpe_encode_text(const el_bpe *bpe, int family, const uint32_t *cp, int n, int32_t *out, int cap);
 /* SentencePiece-style vocabularies (llama.cpp's SPM tokenizer): tokens and their scores, unk the
  * unknown token (-1: none); the byte tokens are found by their text "<0xNN>". encode takes the

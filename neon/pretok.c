@@ -12,7 +12,7 @@
  * own regex (el_llama3_match), with case-free contractions, an optional non-letter before a
  * letter run, and line breaks kept with the punctuation or whitespace before them.
  *
- * \s is Unicode White_Space, as Oniguruma (HF's regex engine) has it; \p{L} and \p{N} come from
+ * \s is Unicode White_Space, as Oniguruma (HF's regex engine) has it; \p{L}, \p{N}, \p{P} come from
  * el_unicode_tables.h, read from that same engine (tools/gen_unicode_tables.py). Plain C.
  */
 #include "edgellm_neon.h"
@@ -118,7 +118,66 @@ static int el_llama3_match(const uint32_t *t, int n, int i, int max_digits) {
     return (j < n && j - i >= 2) ? j - 1 : j;   /* \s+(?!\S), else \s+ */
 }
 
+/* 'default' (llama.cpp's chain for a file that names no pre-tokenizer): each regex splits the
+ * pieces of the one before, its matches and the text between them all kept as pieces:
+ * [\p{P}\$\+<=>\^~\|]+, then GPT-2's regex (without its last \s+, which only joins a lone
+ * whitespace character that is a piece on its own anyway), then \p{N}+, then [0-9][0-9][0-9]. */
+static int el_is_punct(uint32_t c) {
+    return c == '$' || c == '+' || c == '<' || c == '=' || c == '>' || c == '^' || c == '~' || c == '|' ||
+           el_uni_in(el_uni_punct, EL_UNI_PUNCT_N, c);
+}
+
+typedef struct {
+    const uint32_t *t;
+    el_piece_fn emit;
+    void *ctx;
+} el_chain;
+
+static void el_default_digits3(const el_chain *c, int a, int b) {
+    int gap = a;
+    for (int i = a; i < b;) {
+        if (i + 3 <= b && c->t[i] - '0' < 10 && c->t[i + 1] - '0' < 10 && c->t[i + 2] - '0' < 10) {
+            if (gap < i) c->emit(c->ctx, gap, i);
+            c->emit(c->ctx, i, i + 3);
+            i += 3;
+            gap = i;
+        } else {
+            i++;
+        }
+    }
+    if (gap < b) c->emit(c->ctx, gap, b);
+}
+
+static void el_default_numbers(const el_chain *c, int a, int b) {
+    for (int i = a; i < b;) {
+        const int num = el_is_number(c->t[i]);
+        int j = i + 1;
+        while (j < b && el_is_number(c->t[j]) == num) j++;
+        el_default_digits3(c, i, j);
+        i = j;
+    }
+}
+
+static void el_default_split(const uint32_t *t, int n, el_piece_fn emit, void *ctx) {
+    const el_chain c = {t, emit, ctx};
+    for (int a = 0; a < n;) {
+        const int punct = el_is_punct(t[a]);
+        int b = a + 1;
+        while (b < n && el_is_punct(t[b]) == punct) b++;
+        for (int i = a; i < b;) {      /* GPT-2's regex within the piece */
+            const int j = el_gpt2_match(t + a, b - a, i - a) + a;
+            el_default_numbers(&c, i, j);
+            i = j;
+        }
+        a = b;
+    }
+}
+
 void el_pretok_split(int family, const uint32_t *t, int n, el_piece_fn emit, void *ctx) {
+    if (family == EL_PRE_DEFAULT) {
+        el_default_split(t, n, emit, ctx);
+        return;
+    }
     if (family == EL_PRE_LLAMA3 || family == EL_PRE_QWEN2) {
         const int max_digits = family == EL_PRE_LLAMA3 ? 3 : 1;
         for (int i = 0; i < n;) {

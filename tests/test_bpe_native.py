@@ -162,7 +162,7 @@ def test_encode_text_refuses_bad_arguments():
     assert lib.el_bpe_encode_text(native._bpe, 1, bad.ctypes.data, 3, out.ctypes.data, 12) < 0   # a surrogate
     assert lib.el_bpe_encode_text(native._bpe, 1, cp.ctypes.data, 3, out.ctypes.data, 12) == 3
     with pytest.raises(ValueError, match="no native pre-tokenizer"):
-        NativeBPE(chars, [], "default", False)
+        NativeBPE(chars, [], "klingon", False)
 
 
 def test_encode_refuses_a_short_output_buffer():
@@ -204,7 +204,7 @@ def test_unicode_tables_are_what_the_hf_regex_engine_matches():
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     header = (Path(__file__).parent.parent / "neon" / "el_unicode_tables.h").read_text()
-    for name, pattern in (("el_uni_letter", r"\p{L}"), ("el_uni_number", r"\p{N}")):
+    for name, pattern in (("el_uni_letter", r"\p{L}"), ("el_uni_number", r"\p{N}"), ("el_uni_punct", r"\p{P}")):
         assert gen.table(name, gen.matching(pattern)) in header, name
 
 

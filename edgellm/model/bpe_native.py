@@ -1,8 +1,7 @@
-"""Byte-level BPE in native code: what Tokenizer uses for 'gpt2' vocabularies when the native
-library loads. The merges run in neon/bpe.c for every pre-tokenizer family; for the NATIVE_PRE
-families (gpt2, smollm, llama3, qwen2) neon/pretok.c pre-tokenizes as well, so that HF
-`tokenizers` is not even imported; the other families keep HF's pre-tokenizer (it holds no
-vocabulary).
+"""Byte-level BPE and SentencePiece-style tokenizers in native code: what Tokenizer uses when
+the native library loads. neon/bpe.c runs the merges, neon/pretok.c the pre-tokenizer of every
+family in NATIVE_PRE (all of tokenizer.py's), so that HF `tokenizers` is not even imported; an
+HF pre-tokenizer object is still accepted (tests compare the two).
 
 With HF's BPE model, SmolLM2's tokenizer (~49k tokens and merges) took 70-85 ms of every load
 to build and 14-15 MB of resident memory; with the native path 9-11 ms and 2.8 MB, and RSS after
@@ -59,7 +58,7 @@ def _code_points(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 
 
 # pre-tokenizers pretok.c runs itself (edgellm_neon.h EL_PRE_*)
-NATIVE_PRE = {"gpt2": 1, "smollm": 2, "llama3": 3, "qwen2": 4}
+NATIVE_PRE = {"gpt2": 1, "smollm": 2, "llama3": 3, "qwen2": 4, "default": 5}
 
 
 class NativeBPE:

@@ -5,8 +5,8 @@ Two vocabulary kinds (``tokenizer.ggml.model``):
 - ``gpt2``: byte-level BPE. Vocab and ranked merges come from the file; the pre-tokenizer regexes
   are the ones llama.cpp uses for ``tokenizer.ggml.pre`` (a chain of splits, each applied to the
   pieces of the previous one, then GPT-2's byte-to-unicode mapping). The native library
-  (bpe_native.py) runs the merges, and the pre-tokenizer of the NATIVE_PRE families; HF
-  ``tokenizers`` runs the rest, and everything without the native library.
+  (bpe_native.py) runs the merges and the pre-tokenizers; HF ``tokenizers`` runs them only
+  without it.
 - ``llama``: SentencePiece-style. llama.cpp's SPM tokenizer is *not* a Unigram (Viterbi) search: it
   starts from UTF-8 characters and repeatedly merges the adjacent pair whose concatenation is a
   vocab token with the highest score, leftmost first, then falls back to ``<0xNN>`` byte tokens
