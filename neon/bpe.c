@@ -33,7 +33,7 @@ struct el_bpe {
     int32_t *mrank, *mnew;
     uint32_t mmask;
     int ignore_merges;
-    float *score;            /* SentencePiece (el_spm_create): per token; NULL for BPE */
+    int32_t *score_rank;     /* SentencePiece (el_spm_create): per token, by score; NULL for BPE */
     int32_t byte_id[256];    /* SentencePiece: the <0xNN> token of each byte, -1 if none */
     int32_t unk;             /* SentencePiece: the unknown token, -1 if none */
 };
@@ -91,7 +91,7 @@ void el_bpe_destroy(el_bpe *b) {
     free(b->mkey);
     free(b->mrank);
     free(b->mnew);
-    free(b->score);
+    free(b->score_rank);
     free(b);
 }
 
@@ -202,15 +202,21 @@ int el_bpe_token_id(const el_bpe *b, const uint32_t *cp, int n) {
 
 /* ---- encoding --------------------------------------------------------------------------------- */
 
+/* A merge candidate, popped lowest key first, the leftmost among equal keys: the merge's rank
+ * (BPE) or the merged token's score rank (SentencePiece: the higher the score, the lower the
+ * rank, equal scores equal ranks). a, c: the pair's ids (BPE) or a: the pair's characters when
+ * pushed (SentencePiece). One heap for both: forced inline, since with its two callers GCC kept
+ * it out of line and encoding 27k tokens took ~6% longer. */
 typedef struct {
-    int32_t rank, left, right, a, c, merged;
+    int32_t key;
+    int32_t left, right, a, c, merged;
 } el_bpe_cand;
 
 static int el_bpe_less(const el_bpe_cand *x, const el_bpe_cand *y) {
-    return x->rank < y->rank || (x->rank == y->rank && x->left < y->left);
+    return x->key < y->key || (x->key == y->key && x->left < y->left);
 }
 
-static void el_bpe_push(el_bpe_cand *h, int *n, el_bpe_cand c) {
+static inline __attribute__((always_inline)) void el_bpe_push(el_bpe_cand *h, int *n, el_bpe_cand c) {
     int i = (*n)++;
     while (i > 0) {
         const int p = (i - 1) / 2;
@@ -221,7 +227,7 @@ static void el_bpe_push(el_bpe_cand *h, int *n, el_bpe_cand c) {
     h[i] = c;
 }
 
-static el_bpe_cand el_bpe_pop(el_bpe_cand *h, int *n) {
+static inline __attribute__((always_inline)) el_bpe_cand el_bpe_pop(el_bpe_cand *h, int *n) {
     const el_bpe_cand top = h[0], last = h[--(*n)];
     int i = 0;
     for (;;) {
@@ -245,7 +251,11 @@ static void el_bpe_pair(const el_bpe *b, const el_bpe_sym *s, int left, el_bpe_c
     const int right = s[left].next;
     if (right < 0) return;
     el_bpe_cand c = {.left = left, .right = right, .a = s[left].id, .c = s[right].id};
-    if (el_bpe_merge_find(b, c.a, c.c, &c.rank, &c.merged)) el_bpe_push(h, nh, c);
+    int32_t rank;
+    if (el_bpe_merge_find(b, c.a, c.c, &rank, &c.merged)) {
+        c.key = rank;
+        el_bpe_push(h, nh, c);
+    }
 }
 
 /* One piece p[0..n) -> its ids at out + *n_out (at most n of them) */
@@ -397,7 +407,22 @@ int el_bpe_encode_text(const el_bpe *b, int family, const uint32_t *cp, int n, i
  * concatenated text is a token, the highest score first, the leftmost among equals; a final
  * symbol that is not a token (one character missing from the vocabulary) becomes its UTF-8
  * bytes' <0xNN> tokens (found by their text), or the unknown token where one is missing. Same heap as the BPE merges,
- * with the pair's merged id found by text instead of in a merge table. */
+ * keyed by the merged token's score rank, the pair's merged id found by text instead of in a
+ * merge table. */
+typedef struct {
+    float score;
+    int32_t id;
+} el_scored;
+
+/* highest score first, NaN last */
+static int el_by_score(const void *x, const void *y) {
+    const float a = ((const el_scored *)x)->score, b = ((const el_scored *)y)->score;
+    if (a == b || (a != a && b != b)) return 0;
+    if (a != a) return 1;
+    if (b != b) return -1;
+    return a > b ? -1 : 1;
+}
+
 el_bpe *el_spm_create(const uint32_t *tok_cp, const int32_t *tok_start, int n_tok, const float *scores, int unk,
                       int *err_kind, int *err_index) {
     if (!scores || unk >= n_tok) {
@@ -406,13 +431,21 @@ el_bpe *el_spm_create(const uint32_t *tok_cp, const int32_t *tok_start, int n_to
     }
     el_bpe *b = el_bpe_create(tok_cp, tok_start, n_tok, NULL, NULL, 0, 0, err_kind, err_index);
     if (!b) return NULL;
-    b->score = malloc((size_t)n_tok * sizeof(float));
-    if (!b->score) {
+    b->score_rank = malloc((size_t)n_tok * sizeof(int32_t));
+    el_scored *order = malloc((size_t)n_tok * sizeof *order);
+    if (!b->score_rank || !order) {
+        free(order);
         if (err_kind) *err_kind = EL_BPE_ENOMEM;
         el_bpe_destroy(b);
         return NULL;
     }
-    memcpy(b->score, scores, (size_t)n_tok * sizeof(float));
+    for (int i = 0; i < n_tok; i++) order[i] = (el_scored){scores[i], i};
+    qsort(order, (size_t)n_tok, sizeof *order, el_by_score);
+    for (int i = 0, r = 0; i < n_tok; i++) {   /* equal scores, equal ranks */
+        if (i > 0 && el_by_score(&order[i - 1], &order[i]) != 0) r = i;
+        b->score_rank[order[i].id] = r;
+    }
+    free(order);
     for (int v = 0; v < 256; v++) {      /* the byte tokens, by their text "<0xNN>" */
         static const char hex[] = "0123456789ABCDEF";
         const uint32_t text[6] = {'<', '0', 'x', (uint32_t)hex[v >> 4], (uint32_t)hex[v & 15], '>'};
@@ -422,58 +455,23 @@ el_bpe *el_spm_create(const uint32_t *tok_cp, const int32_t *tok_start, int n_to
     return b;
 }
 
-typedef struct {
-    float score;
-    int32_t left, right, len, merged;   /* len: the pair's characters when pushed */
-} el_spm_cand;
-
-static int el_spm_better(const el_spm_cand *x, const el_spm_cand *y) {
-    return x->score > y->score || (x->score == y->score && x->left < y->left);
-}
-
-static void el_spm_push(el_spm_cand *h, int *n, el_spm_cand c) {
-    int i = (*n)++;
-    while (i > 0) {
-        const int p = (i - 1) / 2;
-        if (!el_spm_better(&c, &h[p])) break;
-        h[i] = h[p];
-        i = p;
-    }
-    h[i] = c;
-}
-
-static el_spm_cand el_spm_pop(el_spm_cand *h, int *n) {
-    const el_spm_cand top = h[0], last = h[--(*n)];
-    int i = 0;
-    for (;;) {
-        int c = 2 * i + 1;
-        if (c >= *n) break;
-        if (c + 1 < *n && el_spm_better(&h[c + 1], &h[c])) c++;
-        if (!el_spm_better(&h[c], &last)) break;
-        h[i] = h[c];
-        i = c;
-    }
-    if (*n > 0) h[i] = last;
-    return top;
-}
-
 /* symbol i spans characters [i, end[i]); prev/next link the live ones */
 static void el_spm_pair(const el_bpe *b, const uint32_t *cp, const int32_t *end, const int32_t *next, int left,
-                        el_spm_cand *h, int *nh) {
+                        el_bpe_cand *h, int *nh) {
     if (left < 0 || next[left] < 0) return;
     const int right = next[left], len = end[right] - left;
     const int32_t id = el_bpe_find(b, cp + left, len);
-    if (id >= 0) el_spm_push(h, nh, (el_spm_cand){b->score[id], left, right, len, id});
+    if (id >= 0) el_bpe_push(h, nh, (el_bpe_cand){b->score_rank[id], left, right, len, -1, id});
 }
 
 int el_spm_encode(const el_bpe *b, const uint32_t *cp, int n, int32_t *out, int cap) {
-    if (!b || !b->score || n < 0 || (n > 0 && (!cp || !out)) || cap < 0 || (int64_t)4 * n > cap) return EL_EINVAL;
+    if (!b || !b->score_rank || n < 0 || (n > 0 && (!cp || !out)) || cap < 0 || (int64_t)4 * n > cap) return EL_EINVAL;
     for (int i = 0; i < n; i++)
         if (cp[i] > 0x10FFFF || (cp[i] >= 0xD800 && cp[i] <= 0xDFFF)) return EL_EINVAL;
     if (n == 0) return 0;
     int32_t *end = malloc((size_t)n * sizeof(int32_t)), *prev = malloc((size_t)n * sizeof(int32_t));
     int32_t *next = malloc((size_t)n * sizeof(int32_t));
-    el_spm_cand *h = malloc(((size_t)3 * n + 1) * sizeof *h);
+    el_bpe_cand *h = malloc(((size_t)3 * n + 1) * sizeof *h);
     if (!end || !prev || !next || !h) {
         free(end), free(prev), free(next), free(h);
         return EL_ENOMEM;
@@ -482,9 +480,9 @@ int el_spm_encode(const el_bpe *b, const uint32_t *cp, int n, int32_t *out, int 
     int nh = 0;
     for (int i = 0; i < n - 1; i++) el_spm_pair(b, cp, end, next, i, h, &nh);
     while (nh > 0) {
-        const el_spm_cand c = el_spm_pop(h, &nh);
+        const el_bpe_cand c = el_bpe_pop(h, &nh);
         /* stale: either side merged since (its span changed), or no longer neighbours */
-        if (end[c.left] < 0 || end[c.right] < 0 || next[c.left] != c.right || end[c.right] - c.left != c.len)
+        if (end[c.left] < 0 || end[c.right] < 0 || next[c.left] != c.right || end[c.right] - c.left != c.a)
             continue;
         end[c.left] = end[c.right];
         end[c.right] = -1;
