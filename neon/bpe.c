@@ -339,6 +339,18 @@ typedef struct {
 
 static int el_utf8_len(uint32_t u) { return u < 0x80 ? 1 : u < 0x800 ? 2 : u < 0x10000 ? 3 : 4; }
 
+/* u's UTF-8 bytes into by; returns how many (u is a scalar value: checked by the callers) */
+static int el_utf8(uint32_t u, uint8_t by[4]) {
+    const int k = el_utf8_len(u);
+    if (k == 1) {
+        by[0] = (uint8_t)u;
+        return 1;
+    }
+    for (int j = k - 1; j > 0; j--, u >>= 6) by[j] = (uint8_t)(0x80 | (u & 0x3F));
+    by[0] = (uint8_t)((0xF00 >> k) | u);      /* 0xC0, 0xE0 or 0xF0 lead byte */
+    return k;
+}
+
 static void el_text_piece(void *vctx, int a, int b) {
     el_text_ctx *c = vctx;
     if (c->err) return;
@@ -362,22 +374,7 @@ static void el_text_piece(void *vctx, int a, int b) {
     for (int i = a; i < b; i++) {     /* UTF-8 bytes, each as its byte character */
         const uint32_t u = c->t[i];
         uint8_t by[4];
-        int k;
-        if (u < 0x80) {
-            by[0] = (uint8_t)u;
-            k = 1;
-        } else if (u < 0x800) {
-            by[0] = (uint8_t)(0xC0 | u >> 6), by[1] = (uint8_t)(0x80 | (u & 0x3F));
-            k = 2;
-        } else if (u < 0x10000) {
-            by[0] = (uint8_t)(0xE0 | u >> 12), by[1] = (uint8_t)(0x80 | ((u >> 6) & 0x3F));
-            by[2] = (uint8_t)(0x80 | (u & 0x3F));
-            k = 3;
-        } else {
-            by[0] = (uint8_t)(0xF0 | u >> 18), by[1] = (uint8_t)(0x80 | ((u >> 12) & 0x3F));
-            by[2] = (uint8_t)(0x80 | ((u >> 6) & 0x3F)), by[3] = (uint8_t)(0x80 | (u & 0x3F));
-            k = 4;
-        }
+        const int k = el_utf8(u, by);
         for (int j = 0; j < k; j++) c->mapped[m++] = c->byte_char[by[j]];
     }
     el_bpe_piece(c->b, c->mapped, m, c->s, c->h, c->out, &c->n_out);
@@ -501,22 +498,7 @@ int el_spm_encode(const el_bpe *b, const uint32_t *cp, int n, int32_t *out, int 
         /* one character missing from the vocabulary: its UTF-8 bytes (llama.cpp's byte fallback) */
         const uint32_t u = cp[i];
         uint8_t by[4];
-        int k;
-        if (u < 0x80) {
-            by[0] = (uint8_t)u;
-            k = 1;
-        } else if (u < 0x800) {
-            by[0] = (uint8_t)(0xC0 | u >> 6), by[1] = (uint8_t)(0x80 | (u & 0x3F));
-            k = 2;
-        } else if (u < 0x10000) {
-            by[0] = (uint8_t)(0xE0 | u >> 12), by[1] = (uint8_t)(0x80 | ((u >> 6) & 0x3F));
-            by[2] = (uint8_t)(0x80 | (u & 0x3F));
-            k = 3;
-        } else {
-            by[0] = (uint8_t)(0xF0 | u >> 18), by[1] = (uint8_t)(0x80 | ((u >> 12) & 0x3F));
-            by[2] = (uint8_t)(0x80 | ((u >> 6) & 0x3F)), by[3] = (uint8_t)(0x80 | (u & 0x3F));
-            k = 4;
-        }
+        const int k = el_utf8(u, by);
         for (int j = 0; j < k; j++) {
             const int32_t bid = b->byte_id[by[j]] >= 0 ? b->byte_id[by[j]] : b->unk;
             if (bid >= 0) out[n_out++] = bid;
