@@ -267,3 +267,9 @@ def test_spm_tokenizer_is_native_and_needs_no_hf_tokenizers():
             "for e in g['tokenize']); print('tokenizers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_pre_tokenizer_family_runs_natively():
+    # _build_bpe hands the family name to NativeBPE: a family added without a native pre-tokenizer
+    # would stop every load of it with a ValueError
+    assert set(T._PRE_FAMILIES) == set(NATIVE_PRE)

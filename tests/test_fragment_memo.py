@@ -112,15 +112,15 @@ def test_chat_turns_encode_as_without_memo(smol):
     tok, md = smol
     fresh = Tokenizer.from_metadata(md, "fresh")
     calls: list[str] = []
-    encode = tok._encode_fragment
-    tok._encode_fragment = lambda f: (calls.append(f), encode(f))[1]
+    encode = tok._encoder
+    tok._encoder = lambda f: (calls.append(f), encode(f))[1]
     try:
         tok.clear_memo()
         for text in chat_texts(md, 6):
             fresh.clear_memo()
             assert tok.encode(text) == fresh.encode(text)
     finally:
-        del tok._encode_fragment
+        tok._encoder = encode
     # every earlier turn came from the memo: each fragment long enough to keep was encoded once
     kept = [f for f in calls if len(f) >= MIN_CHARS]
     assert kept and len(kept) == len(set(kept))

@@ -61,7 +61,25 @@ def _code_points(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
 NATIVE_PRE = {"gpt2": 1, "smollm": 2, "llama3": 3, "qwen2": 4, "default": 5}
 
 
-class NativeBPE:
+class _NativeVocab:
+    """What both native encoders share: the el_bpe object (self._bpe, made by the subclass), its
+    text -> id lookup, and its release."""
+
+    _bpe = None
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token `text`, None if there is none (the vocabulary's text -> id map)."""
+        cp = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        i = self._lib.el_bpe_token_id(self._bpe, cp.ctypes.data, len(cp))
+        return i if i >= 0 else None
+
+    def __del__(self):
+        if self._bpe:
+            self._destroy(self._bpe)
+            self._bpe = None
+
+
+class NativeBPE(_NativeVocab):
     """fragment -> token ids, as HF's Tokenizer(BPE(vocab, merges)) with this pre-tokenizer:
     `pre_tokenizer` is a NATIVE_PRE name (pretok.c splits the text) or an HF pre-tokenizer."""
 
@@ -87,18 +105,6 @@ class NativeBPE:
             raise MemoryError("el_bpe_create failed") if kind.value == _ENOMEM else ValueError("el_bpe_create: bad arguments")
         self._destroy = self._lib.el_bpe_destroy
 
-    def token_id(self, text: str) -> int | None:
-        """The id of the token `text`, None if there is none (the vocabulary's text -> id map)."""
-        cp = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        i = self._lib.el_bpe_token_id(self._bpe, cp.ctypes.data, len(cp))
-        return i if i >= 0 else None
-
-    def __del__(self):
-        bpe = getattr(self, "_bpe", None)
-        if bpe:
-            self._destroy(bpe)
-            self._bpe = None
-
     def __call__(self, fragment: str) -> list[int]:
         if self._family is not None:
             cp = np.frombuffer(fragment.encode("utf-32-le"), dtype=np.uint32)
@@ -121,7 +127,7 @@ class NativeBPE:
         return out[:n].tolist()
 
 
-class NativeSPM:
+class NativeSPM(_NativeVocab):
     """fragment (spaces already U+2581, as Tokenizer.encode prepares it) -> token ids, as
     llama.cpp's SentencePiece-style tokenizer: the highest-scoring adjacent pair whose text is a
     token merges first, the leftmost among equals; characters missing from the vocabulary become
@@ -139,9 +145,6 @@ class NativeSPM:
                 raise DuplicateToken(index.value, f"token {index.value} {tokens[index.value]!r} is listed twice")
             raise MemoryError("el_spm_create failed") if kind.value == _ENOMEM else ValueError("el_spm_create: bad arguments")
         self._destroy = self._lib.el_bpe_destroy
-
-    token_id = NativeBPE.token_id
-    __del__ = NativeBPE.__del__
 
     def __call__(self, fragment: str) -> list[int]:
         cp = np.frombuffer(fragment.encode("utf-32-le"), dtype=np.uint32)

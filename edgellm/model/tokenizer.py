@@ -37,7 +37,7 @@ import numpy as np
 
 from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
 from edgellm.backends.neon_lib import NeonLibError
-from edgellm.model.bpe_native import NATIVE_PRE, SPLIT, DuplicateToken, MergeError, NativeBPE, NativeSPM
+from edgellm.model.bpe_native import SPLIT, DuplicateToken, MergeError, NativeBPE, NativeSPM
 from edgellm.model.fragment_memo import FragmentMemo
 from edgellm.model.gguf_strings import GGUFStrings
 
@@ -265,7 +265,7 @@ class Tokenizer:
             raise ConfigError(f"add_bos=True, but {self.source} defines no BOS token")
         out: list[int] = [self.bos_id] if add_bos else []
         prev_special = True   # SPM: a fragment at the start or after a special gets a space prefix
-        memo, encode = self._memo, self._encode_fragment
+        memo, encode = self._memo, self._encoder
         spm = self.model == "llama"
         for frag in self._partition(text, parse_special):
             if isinstance(frag, int):
@@ -283,9 +283,6 @@ class Tokenizer:
                 raise
             prev_special = False
         return out
-
-    def _encode_fragment(self, fragment: str) -> Sequence[int]:
-        return self._encoder(fragment)
 
     def clear_memo(self) -> None:
         """Forget the remembered fragment encodings (what a cold request should not find)."""
@@ -452,7 +449,8 @@ def _hf_encoder(hf) -> Callable[[str], list[int]]:
 
 
 def _pre_tokenizer(pre: _PreTokenizer):
-    """HF's pre-tokenizer for a family (the families NATIVE_PRE lacks; the fallback for all)."""
+    """HF's pre-tokenizer for a family: the fallback without the native library, and the
+    reference tests/test_bpe_native.py checks pretok.c against."""
     from tokenizers import Regex
     from tokenizers import pre_tokenizers as hf_pre
 
@@ -481,10 +479,9 @@ def _vocab(tokens: Sequence[str], source: str) -> dict[str, int]:
 
 def _build_bpe(source: str, tokens: Sequence[str], md: dict, n: int,
                family: str) -> tuple[Callable[[str], Sequence[int]], Callable[[str], int | None]]:
-    """The fragment encoder of a 'gpt2' vocabulary and its text -> id lookup: native merges
-    (bpe_native.py) where the library loads, pre-tokenized natively too for the NATIVE_PRE
-    families (no HF `tokenizers` at all), else by HF's pre-tokenizer; without the library, HF's
-    BPE model (the same ids, with a longer load and more memory)."""
+    """The fragment encoder of a 'gpt2' vocabulary and its text -> id lookup: native
+    (bpe_native.py: merges and pre-tokenizer, no HF `tokenizers` at all) where the library loads,
+    else HF's pre-tokenizer and BPE model (the same ids, with a longer load and more memory)."""
     key = "tokenizer.ggml.merges"
     pre = _PRE_FAMILIES[family]
     merges = _string_list(md, key, source, required=True)
@@ -492,8 +489,7 @@ def _build_bpe(source: str, tokens: Sequence[str], md: dict, n: int,
         raise ModelFormatError(source, key, f"{len(merges)} merges for {n} tokens; each merge makes "
                                             "a distinct token, so there must be fewer merges than tokens")
     try:
-        native = NativeBPE(tokens, merges, family if family in NATIVE_PRE else _pre_tokenizer(pre),
-                           pre.ignore_merges)
+        native = NativeBPE(tokens, merges, family, pre.ignore_merges)
         return native, native.token_id
     except DuplicateToken as e:
         raise ModelFormatError(source, "tokenizer.ggml.tokens",
