@@ -14,7 +14,6 @@ dispatcher (placement and its reasons) and the engine (which kernel each call us
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from .errors import ConfigError, EdgeLLMError
+from .hashing import sha256
 from .precision import LAYER_OPS as PLAN_LAYER_OPS
 from .precision import PrecisionPlan
 
@@ -91,7 +91,7 @@ def _cache_key(src: str, formats: Mapping[str, str]) -> str:
     st = os.stat(src)
     desc = json.dumps({"schema": CACHE_SCHEMA, "src": os.path.abspath(src), "size": st.st_size,
                        "mtime_ns": st.st_mtime_ns, "formats": sorted(formats.items())})
-    return hashlib.sha256(desc.encode()).hexdigest()
+    return sha256(desc.encode()).hexdigest()
 
 
 def _matches(mf, formats: Mapping[str, str]) -> bool:

@@ -23,11 +23,11 @@ Weight formats (QLinear.fmt):
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..hashing import sha256
 from ..errors import EdgeLLMError
 
 FORMATS = ("int8", "int8s", "int8b", "int4", "fp16", "fp32")
@@ -81,7 +81,7 @@ class QLinear:
 
     def digest(self) -> str:
         """Content hash: part of every cache key built from these weights."""
-        h = hashlib.sha256(f"{self.fmt}|{self.n}|{self.k}".encode())
+        h = sha256(f"{self.fmt}|{self.n}|{self.k}".encode())
         for a in (self.q, self.scale, self.bias):
             h.update(b"-" if a is None else np.ascontiguousarray(a).tobytes())
         return h.hexdigest()[:24]

@@ -23,7 +23,6 @@ copy of the serialized model (measured: 2x the weight bytes resident instead of 
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..hashing import bulk_sha256, sha256
 from ..errors import ConfigError, EdgeLLMError
 from ..fileio import write_atomic
 from .npu_graphs import FORMATS, INT4_BLOCK, FfnGraph, LinearGraph, NpuGraphError, NpuInputError, QLinear
@@ -282,7 +282,7 @@ def check_model(model, graph_name: str):
 
 
 def _weights_sha(model) -> str:
-    h = hashlib.sha256()
+    h = bulk_sha256()
     for t in model.graph.initializer:
         h.update(t.name.encode() + b"\0" + t.SerializeToString())
     return h.hexdigest()
@@ -314,7 +314,7 @@ def cache_path(graph, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the model of `graph` is cached (it may not exist yet)."""
     _import()
     d = Path(cache_dir) if cache_dir is not None else cache_dir_default()
-    digest = hashlib.sha256(_cache_key(graph).encode()).hexdigest()[:32]
+    digest = sha256(_cache_key(graph).encode()).hexdigest()[:32]
     return d / f"{_safe(graph.name) or 'graph'}-{digest}.onnx"
 
 

@@ -15,7 +15,6 @@ or loaded, passes validate() before an interpreter sees it (RELIABILITY.md item 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib
 import logging
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..hashing import bulk_sha256, sha256
 from ..errors import ConfigError, EdgeLLMError
 from ..fileio import write_atomic
 from .npu_graphs import LinearGraph, NpuGraphError, NpuInputError, reference
@@ -82,7 +82,7 @@ def cache_root() -> Path:
 
 
 def cache_path(graph, cache_dir: str | os.PathLike | None = None) -> Path:
-    h = hashlib.sha256(f"{WRITER_VERSION}|{graph.key()}".encode()).hexdigest()[:32]
+    h = sha256(f"{WRITER_VERSION}|{graph.key()}".encode()).hexdigest()[:32]
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", graph.name)[:64]
     return Path(cache_dir if cache_dir is not None else cache_root()) / f"{stem}-{h}.tflc"
 
@@ -91,7 +91,7 @@ def load_or_build(graph, cache_dir: str | os.PathLike | None = None) -> bytes:
     """The validated .tflite bytes for `graph`: from the cache when a sound file is there, else
     built, validated and written (atomically). A damaged or stale file: one warning, rebuilt."""
     path = cache_path(graph, cache_dir)
-    key_digest = hashlib.sha256(graph.key().encode()).digest()[:16]
+    key_digest = sha256(graph.key().encode()).digest()[:16]
     payload = _read_cache(path, key_digest)
     if payload is not None:
         stats.loaded += 1
@@ -126,7 +126,7 @@ def _read_cache(path: Path, key_digest: bytes) -> bytes | None:
         return _reject(path, f"written by writer {writer}, this is writer {WRITER_VERSION}")
     if key != key_digest:
         return _reject(path, "built for another graph")
-    if n != len(payload) or hashlib.sha256(payload).digest() != digest:
+    if n != len(payload) or bulk_sha256(payload).digest() != digest:
         return _reject(path, "fails its checksum")
     try:
         validate(payload, source=str(path))
@@ -143,7 +143,7 @@ def _reject(path: Path, why: str) -> None:
 
 def _write_cache(path: Path, payload: bytes, key_digest: bytes) -> None:
     write_atomic(path, _HEADER.pack(_MAGIC, _CACHE_FORMAT, WRITER_VERSION, len(payload),
-                                    hashlib.sha256(payload).digest(), key_digest) + payload)
+                                    bulk_sha256(payload).digest(), key_digest) + payload)
 
 
 # -- the runtime -------------------------------------------------------------------------------

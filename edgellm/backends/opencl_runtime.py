@@ -15,7 +15,6 @@ log, which is also kept in the cache directory.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import struct
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..hashing import sha256
 from ..errors import EdgeLLMError
 from ..fileio import write_atomic
 
@@ -69,7 +69,7 @@ def kernel_source(family: str) -> str:
 
 def sources_hash() -> str:
     """Hash of every kernel source: a change in any .cl invalidates tuning and probe results."""
-    h = hashlib.sha256()
+    h = sha256()
     for p in sorted(kernel_dir().glob("*.cl")):
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()[:16]
@@ -218,7 +218,7 @@ class ClRuntime:
         cl = _import_cl()
         src = kernel_source(family)
         options = " ".join(opts)
-        key = hashlib.sha256("\0".join((self.identity(), src, options)).encode()).hexdigest()[:32]
+        key = sha256("\0".join((self.identity(), src, options)).encode()).hexdigest()[:32]
         cache = self.cache_dir or cache_root()
         path = cache / f"{family}-{key}.bin"
         t0 = time.perf_counter()
@@ -323,11 +323,11 @@ def _read_binary(path: Path) -> bytes | None:
         return None
     magic, digest, n = _HEADER.unpack_from(data)
     payload = data[_HEADER.size:]
-    if magic != _MAGIC or n != len(payload) or hashlib.sha256(payload).digest() != digest:
+    if magic != _MAGIC or n != len(payload) or sha256(payload).digest() != digest:
         log.warning("OpenCL binary cache %s fails its checksum; rebuilding", path)
         return None
     return payload
 
 
 def _write_binary(path: Path, payload: bytes) -> None:
-    write_atomic(path, _HEADER.pack(_MAGIC, hashlib.sha256(payload).digest(), len(payload)) + payload)
+    write_atomic(path, _HEADER.pack(_MAGIC, sha256(payload).digest(), len(payload)) + payload)

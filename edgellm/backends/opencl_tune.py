@@ -21,7 +21,6 @@ T, else opencl_matmul.default_config(). It never searches.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..hashing import sha256
 from .. import quant
 from ..errors import EdgeLLMError
 from ..fileio import write_atomic
@@ -66,7 +66,7 @@ _memo: dict[str, tuple[tuple, dict]] = {}     # path -> ((mtime_ns, size), entri
 
 
 def cache_path(rt: ClRuntime) -> Path:
-    h = hashlib.sha256(f"{rt.identity()}\0{sources_hash()}".encode()).hexdigest()[:16]
+    h = sha256(f"{rt.identity()}\0{sources_hash()}".encode()).hexdigest()[:16]
     return (rt.cache_dir or cache_root()) / "tune" / f"matmul-{h}.json"
 
 
@@ -142,7 +142,7 @@ def _parse(path: Path, rt: ClRuntime) -> dict:
 
 
 def _digest(entries) -> str:
-    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+    return sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
 
 
 def _save(rt: ClRuntime, entries: dict) -> None:

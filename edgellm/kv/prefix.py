@@ -19,13 +19,13 @@ Use, per request (match and attach with no pool allocation in between; `lookup` 
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from ..errors import ConfigError
+from ..hashing import blake2b
 from .pool import KVInvariantError, KVPool, PoolSequence
 
 _DIGEST = 16  # bytes: 128-bit keys, collisions out of reach for any realistic cache
@@ -56,7 +56,7 @@ class PrefixCache:
         if pool._on_evict is not None:
             raise ConfigError("this KV pool already has a prefix cache")
         self.pool = pool
-        self._root = hashlib.blake2b(b"edgellm-prefix-v1" + salt, digest_size=_DIGEST).digest()
+        self._root = blake2b(b"edgellm-prefix-v1" + salt, digest_size=_DIGEST).digest()
         self._index: dict[bytes, int] = {}         # chained hash -> block
         self._key_of: dict[int, bytes] = {}        # block -> its chained hash
         self._ids_of: dict[int, np.ndarray] = {}   # block -> its token ids (int32, block_tokens)
@@ -64,7 +64,7 @@ class PrefixCache:
         pool.set_evict_hook(self._evicted)
 
     def _chain(self, parent: bytes, block_ids: np.ndarray) -> bytes:
-        return hashlib.blake2b(parent + block_ids.tobytes(), digest_size=_DIGEST).digest()
+        return blake2b(parent + block_ids.tobytes(), digest_size=_DIGEST).digest()
 
     def match(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """The longest chain of cached full blocks that prefixes token_ids, capped so that at

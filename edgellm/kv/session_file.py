@@ -27,7 +27,6 @@ mismatch or corruption is a cache miss: read_session returns None and logs one w
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -42,6 +41,7 @@ import numpy as np
 
 from ..errors import EdgeLLMError
 from ..fileio import fsync_dir
+from ..hashing import bulk_sha256
 
 __all__ = [
     "MAGIC", "VERSION", "ALIGN", "DTYPES", "MAX_HEADER_BYTES", "MAX_ARRAYS", "MAX_NDIM",
@@ -187,7 +187,7 @@ def write_session(path: str | os.PathLike, *, model_sha256: str, config_hash: st
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            h = hashlib.sha256()
+            h = bulk_sha256()
 
             def put(b) -> None:
                 h.update(b)
@@ -425,7 +425,7 @@ def _load(path: Path, model_sha256, config_hash, kv_layout, max_tokens, max_byte
     with f:
         if max_bytes is not None and size > max_bytes:
             raise SessionFileError(path, f"file is {size} bytes, over the cap of {max_bytes}")
-        h = hashlib.sha256()
+        h = bulk_sha256()
         hd = _read_head(f, path, size, h)
         for what, got, want in (("model sha256", hd.model_sha256, model_sha256),
                                 ("config hash", hd.config_hash, config_hash),

