@@ -1,7 +1,6 @@
 """The embedded Python API: load() -> Engine with generate / stream / chat / logits / tokenize."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -16,6 +15,7 @@ from .backends import opencl_child, reference
 from .dispatch import Dispatcher
 from .ops import weight_formats
 from .engine import CancelToken, ModelRunner
+from .hashing import bulk_sha256, sha256
 from .heap import release_free_pages
 from .procmem import available_bytes
 from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (GenerationStats: part of the API)
@@ -63,7 +63,7 @@ class Engine:
         self.model = model
         self.config = model.config
         self.tokenizer = model.tokenizer
-        self.template = ChatTemplate.from_metadata(model.metadata, model.path)
+        self._template: ChatTemplate | None = None   # compiled on first use: see the template property
         self.runner = runner
         self.kv = kv
         self.n_ctx = kv.capacity                   # tokens one conversation may hold
@@ -95,6 +95,14 @@ class Engine:
         return done
 
     # -- text <-> ids --------------------------------------------------------------------------
+    @property
+    def template(self) -> ChatTemplate:
+        """The model's chat template, compiled on first use (a bad one raises ModelFormatError
+        then): jinja2 costs a load ~20 ms and ~5 MB resident that completion-only apps never use."""
+        if self._template is None:
+            self._template = ChatTemplate.from_metadata(self.model.metadata, self.model.path)
+        return self._template
+
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos)
 
@@ -125,7 +133,7 @@ class Engine:
         rendered inside the TTFT clock, as part of tokenization."""
         t0 = time.perf_counter()
         cfg = generation_config(config, **kwargs)
-        self.template.check_messages(messages)
+        ChatTemplate.check_messages(messages)
         return self._stream(lambda: self.render_chat(messages), t0, cfg, cancel)
 
     def _stream(self, text_fn, t0: float, cfg: GenerationConfig, cancel: CancelToken | None) -> Iterator[str]:
@@ -174,7 +182,7 @@ class Engine:
 
     def model_sha256(self) -> str:
         if self._model_sha is None:
-            h = hashlib.sha256()
+            h = bulk_sha256()
             with open(self.model.path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 22), b""):
                     h.update(block)
@@ -182,7 +190,7 @@ class Engine:
         return self._model_sha
 
     def _session_keys(self) -> dict:
-        cfg_hash = hashlib.sha256(repr((self.config, self.kv.kv.layout)).encode()).hexdigest()[:32]
+        cfg_hash = sha256(repr((self.config, self.kv.kv.layout)).encode()).hexdigest()[:32]
         return dict(model_sha256=self.model_sha256(), config_hash=cfg_hash, kv_layout=self.kv.kv.layout)
 
     def save_session(self, path: str | os.PathLike, meta: dict | None = None) -> int:

@@ -21,6 +21,7 @@ from typing import Iterator, Sequence
 from .engine import CancelToken
 from .errors import ConfigError, EdgeLLMError
 from .generation import Generation, GenerationStats
+from .model.chat_template import ChatTemplate
 
 _DONE = object()
 
@@ -102,7 +103,7 @@ class Scheduler:
         if (prompt is None) == (messages is None):
             raise ConfigError("submit needs exactly one of prompt or messages")
         if messages is not None:
-            self.engine.template.check_messages(messages)
+            ChatTemplate.check_messages(messages)
         cfg = generation_config(**kwargs)
         req = Request(next(self._ids), priority, prompt if prompt is not None else messages, messages is not None, cfg)
         with self._cv:

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as QT
 import edgellm
 from edgellm.api import GenerationConfig
 from edgellm.engine import CancelToken
-from edgellm.errors import ConfigError, ContextFull, ModelNotFoundError
+from edgellm.errors import ConfigError, ContextFull, ModelFormatError, ModelNotFoundError
 from tests.synthetic import write_tiny_model
 
 
@@ -112,6 +112,19 @@ def test_bad_options_and_messages_fail_before_iteration(engine):
         engine.chat_stream([{"role": "user"}])
     with pytest.raises(ConfigError):
         engine.stream("x", temperature=-1)
+
+
+def test_a_bad_chat_template_fails_the_first_chat_not_the_load(tmp_path):
+    # the template compiles on first use (jinja2 stays out of completion-only processes); until
+    # then the model completes text, and a chat then names the field
+    tm = write_tiny_model(tmp_path / "t.gguf", extra_metadata={"tokenizer.chat_template": "{% for %}"})
+    eng = edgellm.load(tm.path, n_ctx=64, threads=1)
+    assert eng.generate("hi", max_tokens=2, temperature=0) == eng.generate("hi", max_tokens=2, temperature=0)
+    with pytest.raises(ModelFormatError) as e:
+        eng.chat([{"role": "user", "content": "hi"}], max_tokens=2)
+    assert e.value.field == "tokenizer.chat_template"
+    with pytest.raises(ConfigError):   # messages are still checked before the template is needed
+        eng.chat_stream([{"role": "user"}])
 
 
 def test_load_errors(tmp_path):

@@ -4,15 +4,16 @@ The environment matches what transformers and llama-cpp-python use for these tem
 trim_blocks + lstrip_blocks, the loopcontrols extension, ``raise_exception``, ``strftime_now``
 and a ``tojson`` that keeps non-ASCII text. A model without a template gets ChatML, and
 ``fallback_reason`` says so.
+
+jinja2 is imported when a template is compiled, not with this module: its import takes ~20 ms
+and, through its bytecode cache's hashlib, maps OpenSSL (~5 MB resident with jinja2 itself),
+which an app that only completes text never needs (the engine compiles on first chat use).
 """
 from __future__ import annotations
 
 import json
 from datetime import datetime
 from typing import Any, Mapping, Sequence
-
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from edgellm.errors import ConfigError, ModelFormatError
 
@@ -52,6 +53,9 @@ class ChatTemplate:
         self.bos_token = bos_token              # exposed to the template as bos_token
         self.eos_token = eos_token              # exposed to the template as eos_token
         self.fallback_reason = fallback_reason  # None when the model's own template is used
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
@@ -85,6 +89,8 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                **extra: Any) -> str:
         """The prompt text for ``messages``; ``extra`` reaches the template (e.g. tools)."""
+        import jinja2
+
         self.check_messages(messages)
         try:
             return self._template.render(messages=[dict(m) for m in messages],
