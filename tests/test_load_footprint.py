@@ -2,7 +2,7 @@
 would only add resident memory (numpy.random ~2.6 MB, psutil ~1.8, the gguf package ~1.6, HF
 tokenizers ~3.9 with the native tokenizer in its place, OpenSSL through hashlib ~3.3, jinja2
 until a chat needs it; on SmolLM2, whose RSS bound leaves the runtime ~47 MB beside the weights
-and the KV cache)."""
+and the KV cache). The CLI keeps pydantic out (typer 0.29 would bring it to every command)."""
 import os
 import subprocess
 import sys
@@ -22,12 +22,32 @@ print(sorted(m for m in ("numpy.random", "numpy.random._generator", "psutil", "g
                          "_hashlib", "jinja2") if m in sys.modules))
 """
 
+_CLI_CHILD = """
+import sys
+from edgellm.cli import main
+sys.argv = ["edgellm", "info", sys.argv[1]]
+try:
+    main()
+except SystemExit as e:
+    assert not e.code, e.code
+print(sorted(m for m in ("pydantic", "_hashlib", "jinja2") if m in sys.modules))
+"""
+
 
 def test_load_and_generate_do_not_import_modules_they_do_not_need(tmp_path):
     m = write_tiny_model(tmp_path / "m.gguf", n_layers=1)
     # an empty EDGELLM_HOME: no measured host profile, so the load estimates one, as on a fresh device
     env = dict(os.environ, EDGELLM_HOME=str(tmp_path / "home"))
     out = subprocess.run([sys.executable, "-c", _CHILD, str(m.path)], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_a_cli_command_does_not_import_pydantic(tmp_path):
+    m = write_tiny_model(tmp_path / "m.gguf", n_layers=1)
+    env = dict(os.environ, EDGELLM_HOME=str(tmp_path / "home"))
+    out = subprocess.run([sys.executable, "-c", _CLI_CHILD, str(m.path)], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
