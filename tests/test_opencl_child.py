@@ -13,7 +13,9 @@ from .synthetic import write_tiny_model
 
 
 @pytest.fixture(autouse=True)
-def fresh():
+def fresh(tmp_path, monkeypatch):
+    # an empty EDGELLM_HOME: no probe answer kept from an earlier load (opencl_probe_cache.py)
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
     opencl.reset()
     yield
     opencl.reset()

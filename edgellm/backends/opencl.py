@@ -25,7 +25,7 @@ import numpy as np
 from .. import quant
 from ..model import layout
 from ..model.config import ModelConfig
-from . import UnitFailed, opencl_child
+from . import UnitFailed, opencl_child, opencl_probe_cache
 from .opencl_runtime import ClRuntime, KernelBuildError, OpenCLUnavailable
 
 NAME = "opencl"
@@ -73,15 +73,23 @@ def reset() -> None:
 
 def _probe() -> tuple[bool, str]:
     """The probe child's answer: the one start_probe() began (with what is left of its
-    timeout), else a child started now."""
+    timeout), else a child started now; or, instead of either, the answer the probe gave on this
+    driver and kernel set before (backends/opencl_probe_cache.py)."""
     if not opencl_child.has_pyopencl():     # the cheap check first, in this process
         return False, "pyopencl is not installed (pip install 'edgellm[opencl]')"
-    child = opencl_child.take()
-    if child is None:
+    cached = opencl_child.take_cached()
+    child = None if cached is not None else opencl_child.take()
+    if cached is None and child is None:
         err = opencl_child.spawn()
-        child = opencl_child.take()
-        if child is None:
+        cached = opencl_child.take_cached()
+        child = None if cached is not None else opencl_child.take()
+        if cached is None and child is None:
             return False, f"the OpenCL probe could not start: {err or 'no child process'}"
+    if cached is not None:
+        _state["probe_report"] = dict(cached, cached=True)
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(cached["cached_at"]))
+        return True, (f"{cached.get('reason') or 'the OpenCL probe passed'} (the probe's answer of {when} for "
+                      f"this driver and kernel set; EDGELLM_OPENCL_PROBE_CACHE=0 probes again)")
     proc, t0 = child
     try:
         out, err = proc.communicate(timeout=max(0.0, PROBE_TIMEOUT_S - (time.monotonic() - t0)))
@@ -104,6 +112,7 @@ def _probe() -> tuple[bool, str]:
     _state["probe_report"] = res
     if not res.get("ok"):
         return False, str(res.get("reason", "probe failed"))
+    opencl_probe_cache.store(res)
     # the device itself is opened on first use (runtime()): a driver's libraries cost resident
     # memory (PoCL: ~29 MB) that a plan placing nothing on this unit should not pay
     return True, str(res.get("reason", "the OpenCL probe passed"))

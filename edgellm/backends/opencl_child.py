@@ -4,7 +4,8 @@ calls spawn() first, so that the child (~0.4 s with PoCL here: its own imports, 
 cached kernels, a self-check) runs while this process imports the runtime (~0.25 s) and parses
 the model; opencl.available() then takes the child's answer instead of waiting for a new one.
 A child that turns out not to be needed (the device profile lists no OpenCL GPU, or the units
-asked for exclude it) is killed by discard().
+asked for exclude it) is killed by discard(). When the probe passed before on the same driver and
+kernels (backends/opencl_probe_cache.py), spawn() takes that answer instead and starts nothing.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 _lock = threading.Lock()
 _child: list = []          # [(Popen, start time)] while one runs unclaimed
 _answered = [False]        # this process has the probe's answer (opencl.available): no more children
+_cached: list = []         # [answer] found in the probe cache by spawn(), until take_cached()
 
 
 def has_pyopencl() -> bool:
@@ -24,10 +26,16 @@ def has_pyopencl() -> bool:
 
 
 def spawn() -> str | None:
-    """Starts the child unless one runs already or pyopencl is missing; returns why it could not
-    start (an OSError's text), else None."""
+    """Starts the child unless one runs already, its answer is cached, or pyopencl is missing;
+    returns why it could not start (an OSError's text), else None."""
     with _lock:
-        if _child or _answered[0] or not has_pyopencl():
+        if _child or _cached or _answered[0] or not has_pyopencl():
+            return None
+        from . import opencl_probe_cache
+
+        answer = opencl_probe_cache.load()
+        if answer is not None:
+            _cached.append(answer)
             return None
         try:
             proc = subprocess.Popen([sys.executable, "-m", "edgellm.backends.opencl_probe"],
@@ -44,10 +52,18 @@ def take():
         return _child.pop() if _child else None
 
 
+def take_cached() -> dict | None:
+    """The cached answer spawn() found instead of starting a child, handed over; None if none."""
+    with _lock:
+        return _cached.pop() if _cached else None
+
+
 def set_answered(answered: bool) -> None:
     """opencl.available() has its answer (True), or forgot it (opencl.reset: False)."""
     with _lock:
         _answered[0] = answered
+        if not answered:
+            _cached.clear()
 
 
 def discard() -> None:

@@ -27,6 +27,7 @@ import numpy as np
 from ..hashing import sha256
 from ..errors import EdgeLLMError
 from ..fileio import write_atomic
+from .opencl_probe_cache import kernel_dir
 
 log = logging.getLogger("edgellm")
 
@@ -47,16 +48,6 @@ class KernelBuildError(EdgeLLMError):
         first = next((ln for ln in build_log.splitlines() if "error" in ln.lower()), build_log.strip()[:200])
         where = f" (full log: {log_path})" if log_path else ""
         super().__init__(f"opencl_kernels/{family}.cl failed to build with {options!r}: {first}{where}")
-
-
-def kernel_dir() -> Path:
-    env = os.environ.get("EDGELLM_OPENCL_KERNELS")
-    if env:
-        return Path(env)
-    shipped = Path(__file__).resolve().parent.parent / "opencl_kernels"
-    if shipped.is_dir():
-        return shipped
-    return Path(__file__).resolve().parents[2] / "opencl_kernels"    # editable install: the repo folder
 
 
 def kernel_source(family: str) -> str:
