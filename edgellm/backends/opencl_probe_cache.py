@@ -103,8 +103,9 @@ def identity() -> str:
     return sha256(repr(parts).encode()).hexdigest()
 
 
-def _path() -> Path:
-    return edgellm_home() / "cache" / "opencl" / "probe-answer.json"
+def _path(ident: str) -> Path:
+    # one file per identity: two Python environments sharing EDGELLM_HOME keep an answer each
+    return edgellm_home() / "cache" / "opencl" / f"probe-answer-{ident[:24]}.json"
 
 
 def load() -> dict | None:
@@ -113,8 +114,9 @@ def load() -> dict | None:
     if not enabled():
         return None
     try:
-        data = json.loads(_path().read_text())
-        if data.get("identity") != identity():
+        ident = identity()
+        data = json.loads(_path(ident).read_text())
+        if data.get("identity") != ident:
             return None
         answer = data["answer"]
         if not (isinstance(answer, dict) and answer.get("ok") is True):
@@ -129,9 +131,10 @@ def store(answer: dict) -> None:
     next time)."""
     if not enabled() or answer.get("ok") is not True:
         return
-    payload = {"identity": identity(), "written": time.time(),
+    ident = identity()
+    payload = {"identity": ident, "written": time.time(),
                "answer": {k: v for k, v in answer.items() if k != "cached_at"}}
     try:
-        write_atomic(_path(), json.dumps(payload).encode())
+        write_atomic(_path(ident), json.dumps(payload).encode())
     except OSError:
         pass
