@@ -74,6 +74,7 @@ class Engine:
         self.load_rss_mb = 0.0      # process peak RSS (MB) once loaded: at load()'s return, raised by
                                     # wait_loaded() to the end of the weights' background paging-in
         self.prefault = None        # model.prefault.Prefault: the weights' background paging-in, or None
+                                    # (the KV pool's background commit is self.kv.commit)
         self._load_rss_final = False
         self.last_stats = GenerationStats()
         self._cancel = CancelToken()
@@ -84,11 +85,12 @@ class Engine:
         self.quality_guard = None   # a QualityGuard, or None (off)
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
-        """Waits for load()'s background work (paging the mapped weights in); True once done.
-        Called before any request, it makes load_rss_mb the resident memory of the loaded model."""
-        if self.prefault is None:
-            return True
-        done = self.prefault.wait(timeout)
+        """Waits for load()'s background work (paging the mapped weights in, committing the KV
+        pool's memory); True once done. Called before any request, it makes load_rss_mb the
+        resident memory of the loaded model."""
+        jobs = [j for j in (self.prefault, getattr(self.kv, "commit", None)) if j is not None]
+        t_end = None if timeout is None else time.perf_counter() + timeout
+        done = all(j.wait(None if t_end is None else max(0.0, t_end - time.perf_counter())) for j in jobs)
         if done and not self._load_rss_final:
             self.load_rss_mb = max(self.load_rss_mb, peak_rss_mb())
             self._load_rss_final = True
@@ -369,7 +371,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     if not pinning.ok:
         log.warning("threads not pinned to the big cores: %s", pinning.reason)
     _limit_blas_threads(threads)
-    store = make_store(mf.config, kv_cfg, n_ctx)
+    store = make_store(mf.config, kv_cfg, n_ctx, background_commit=True)
     described = {"opencl": profile.gpu is not None, "npu": profile.npu is not None}
     for u in plan.units:
         if not u.available and (described.get(u.name, True) or u.name in (units or ())):

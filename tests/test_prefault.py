@@ -107,3 +107,53 @@ def test_load_leaves_the_mapping_alone_when_told_or_when_no_unit_maps_it(tiny, m
     monkeypatch.setenv("EDGELLM_PREFAULT", "0")
     eng = edgellm.load(tiny, n_ctx=64, units=["neon"])
     assert eng.prefault is None and eng.wait_loaded(0)
+
+
+# ---- committing an anonymous array (the KV pool's arena) ------------------------------------------
+
+def _resident_pages(a: np.ndarray) -> int:
+    """Pages of `a`'s range resident now (mincore)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = a.ctypes.data & ~(page - 1)
+    n = (a.ctypes.data + a.nbytes - start + page - 1) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(start, n * page, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(v & 1 for v in vec)
+
+
+def test_commit_makes_every_page_resident_and_keeps_what_was_written_meanwhile():
+    a, b = np.zeros(48 * MB, np.uint8), np.zeros(16 * MB, np.uint8)
+    job = prefault.commit((a, b), background=True)
+    # written while the commit may still run: populating must not change any contents (a fill
+    # racing these writes would wipe them)
+    a[::4096] = 7
+    b[-1] = 9
+    assert job.wait(30)
+    assert job.error is None and job.method in ("madvise", "fill"), (job.method, job.error)
+    assert _resident_pages(a) >= a.nbytes // 4096
+    assert _resident_pages(b) >= b.nbytes // 4096
+    assert int(a[::4096].min()) == 7 and int(b[-1]) == 9 and int(a[1::4096].max()) == 0
+
+
+def test_commit_fills_at_once_where_the_kernel_refuses_the_advice(monkeypatch):
+    monkeypatch.setattr(prefault, "_madvise_populate", lambda *a: errno.EINVAL)
+    a = np.empty(8 * MB, np.uint8)
+    a[:] = 3
+    job = prefault.commit((a,), background=True)
+    assert job._thread is None and job.method == "fill" and job.seconds is not None   # done on return
+    assert int(a.max()) == 0
+    assert _resident_pages(a) >= a.nbytes // 4096
+
+
+def test_the_engine_waits_for_its_kv_commit(tmp_path):
+    tm = write_tiny_model(tmp_path / "t.gguf", tensor_type=QT.Q8_0, n_layers=2)
+    eng = edgellm.load(tm.path, n_ctx=512, threads=1)
+    job = eng.kv.commit
+    assert job.method in ("madvise", "fill")
+    assert eng.wait_loaded(30) and job.seconds is not None and job.error is None
+    assert _resident_pages(eng.kv.pool.k) >= eng.kv.pool.k.nbytes // 4096

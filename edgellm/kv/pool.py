@@ -50,6 +50,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from ..errors import ConfigError, ContextFull
+from ..model.prefault import commit
 
 PRECISIONS = {"f32": np.float32, "f16": np.float16, "int8": np.int8}
 # below this many elements numpy's own float16 cast wins: f16_to_f32's ten passes each cost a
@@ -103,7 +104,7 @@ def f16_to_f32(bits: np.ndarray, out: np.ndarray, scratch: tuple[np.ndarray, np.
 
 class KVPool:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, n_blocks: int,
-                 block_tokens: int = 16, precision: str = "f16"):
+                 block_tokens: int = 16, precision: str = "f16", background_commit: bool = False):
         KVPool._validate(n_layers, n_kv_heads, head_dim, n_blocks, block_tokens, precision)
         self.n_layers = n_layers
         self.n_kv_heads = n_kv_heads
@@ -113,12 +114,13 @@ class KVPool:
         self.precision = precision        # storage type of k and v: "f32" | "f16" | "int8"
         shape = (n_blocks, n_layers, block_tokens, n_kv_heads, head_dim)
         dtype = PRECISIONS[precision]
-        # np.zeros would map pages lazily; filling them now commits the memory at load, where a
-        # shortage is a clear failure, instead of at some later token.
-        self.k = np.empty(shape, dtype=dtype)  # (blocks, layers, block_tokens, kv_heads, head_dim)
-        self.v = np.empty(shape, dtype=dtype)  # (blocks, layers, block_tokens, kv_heads, head_dim)
-        self.k.fill(0)
-        self.v.fill(0)
+        # np.zeros would map pages lazily; committing them now takes the memory at load, where a
+        # shortage is a clear failure, instead of at some later token. background_commit (the
+        # engine's pool): on a thread, where the kernel can do it without writing (prefault.commit)
+        alloc = np.zeros if background_commit else np.empty     # zeros: lazily zero pages, or memset
+        self.k = alloc(shape, dtype=dtype)  # (blocks, layers, block_tokens, kv_heads, head_dim)
+        self.v = alloc(shape, dtype=dtype)  # (blocks, layers, block_tokens, kv_heads, head_dim)
+        self.commit = commit((self.k, self.v), background_commit)   # model/prefault.Prefault
         if precision == "int8":
             # Scale per token per head (not per block): appending a token never changes the scale
             # of the tokens already in its block, so they are never requantized (a per-block scale

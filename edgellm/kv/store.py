@@ -47,8 +47,9 @@ class KVConfig:
         return f"ring/{self.precision}/window{self.window}/sinks{self.sinks}"
 
 
-def make_store(cfg: ModelConfig, kv: KVConfig, n_ctx: int):
-    return PoolStore(cfg, kv, n_ctx) if kv.kind == "pool" else RingStore(cfg, kv)
+def make_store(cfg: ModelConfig, kv: KVConfig, n_ctx: int, background_commit: bool = False):
+    """background_commit: the pool's arena is committed on a thread (model/prefault.py: commit)."""
+    return PoolStore(cfg, kv, n_ctx, background_commit) if kv.kind == "pool" else RingStore(cfg, kv)
 
 
 class PoolStore:
@@ -58,18 +59,23 @@ class PoolStore:
 
     rotate_on_read = False
 
-    def __init__(self, cfg: ModelConfig, kv: KVConfig, n_ctx: int):
+    def __init__(self, cfg: ModelConfig, kv: KVConfig, n_ctx: int, background_commit: bool = False):
         self.kv = kv
         self.capacity = n_ctx                      # tokens one sequence may hold
         self.max_positions = n_ctx                 # RoPE positions needed
         self.pool = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, math.ceil(n_ctx / kv.block_tokens),
-                           kv.block_tokens, kv.precision)
+                           kv.block_tokens, kv.precision, background_commit)
         self.prefix = PrefixCache(self.pool)
         self.last = None                           # the last finished sequence, kept whole
 
     @property
     def nbytes(self) -> int:
         return self.pool.nbytes
+
+    @property
+    def commit(self):
+        """The arena's commit (model/prefault.Prefault): Engine.wait_loaded waits for it."""
+        return self.pool.commit
 
     def new_sequence(self):
         return self.pool.new_sequence()

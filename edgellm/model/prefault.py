@@ -15,6 +15,13 @@ threads keep running between them. A page that cannot be read (the file shrank a
 parsed) ends the madvise with EFAULT, reported with a warning; before reading pages itself the
 thread checks the file's size (a file cut short would make the read a SIGBUS).
 EDGELLM_PREFAULT=0 (or load(prefault=False)) turns it off.
+
+commit() does the same for an anonymous array the process allocated (the KV pool's arena): its
+pages are faulted in writable so that the memory is committed at load. Filling the 45 MB arena
+took 3-5 ms in most loads here and 85-105 ms in about one in five, where the kernel compacted
+memory for its transparent huge pages. MADV_POPULATE_WRITE changes no contents, so it runs on a
+background thread while the array is already in use; without it the array is filled at once,
+in the caller's thread.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import numpy as np
 log = logging.getLogger("edgellm.load")
 
 MADV_POPULATE_READ = 22          # linux/mman.h: populate (prefault) page tables, readable
+MADV_POPULATE_WRITE = 23         # the same, writable: anonymous pages committed, contents untouched
 _TOUCH_SLICE = 4 << 20           # bytes read per numpy call in the fallback (1024 pages)
 
 
@@ -56,8 +64,8 @@ class Prefault:
         return True
 
 
-def _madvise_populate(addr: int, length: int) -> int:
-    """0 when done, else the errno: EINVAL where the kernel lacks MADV_POPULATE_READ (before 5.14,
+def _madvise_populate(addr: int, length: int, advice: int = MADV_POPULATE_READ) -> int:
+    """0 when done, else the errno: EINVAL where the kernel lacks MADV_POPULATE_* (before 5.14,
     or no madvise at all); EFAULT where a page cannot be read (the file shrank under the
     mapping: reading it would be a SIGBUS)."""
     try:
@@ -67,7 +75,7 @@ def _madvise_populate(addr: int, length: int) -> int:
         return errno.EINVAL
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return 0 if fn(addr, length, MADV_POPULATE_READ) == 0 else ctypes.get_errno()
+    return 0 if fn(addr, length, advice) == 0 else ctypes.get_errno()
 
 
 def _touch(mm: np.ndarray, start: int, end: int) -> None:
@@ -114,4 +122,50 @@ def start(mm: np.ndarray, offset: int, nbytes: int) -> Prefault:
         return job
     job._thread = threading.Thread(target=_run, args=(job, mm, offset, end), name="edgellm-prefault", daemon=True)
     job._thread.start()
+    return job
+
+
+
+def _spans(arrays) -> list[tuple[int, int]]:
+    page = mmap.PAGESIZE
+    out = []
+    for a in arrays:
+        addr = a.ctypes.data & ~(page - 1)
+        out.append((addr, a.ctypes.data + a.nbytes - addr))
+    return out
+
+
+def _run_commit(job: Prefault, arrays, spans) -> None:
+    t0 = time.perf_counter()
+    for addr, length in spans:
+        err = _madvise_populate(addr, length, MADV_POPULATE_WRITE)
+        if err:
+            job.error = f"madvise(MADV_POPULATE_WRITE): {os.strerror(err)}"
+            log.warning("committing the KV cache's memory stopped: %s (its pages are taken on first use)", job.error)
+            break
+    job.seconds = time.perf_counter() - t0
+    if not job.error:
+        log.info("KV cache committed: %.0f MiB in %.0f ms (in the background)", job.nbytes / 2**20, job.seconds * 1e3)
+
+
+def commit(arrays, background: bool = True) -> Prefault:
+    """Faults in every page of `arrays` (C-contiguous arrays of anonymous memory) writable,
+    committing them. With background and a kernel that has MADV_POPULATE_WRITE, on one daemon
+    thread (the arrays may be used meanwhile: no contents change; one thread, since a second
+    one's stack would wait for the first's populating to let go of the address space); else
+    a.fill(0) for each, now (method "fill")."""
+    job = Prefault(nbytes=sum(a.nbytes for a in arrays))
+    spans = [sp for sp in _spans(arrays) if sp[1] > 0]
+    # the advice on no bytes first, here (the kernel checks the advice, then returns at once):
+    # where it is refused the fill must happen before the arrays' first writer, not racing it
+    if background and spans and _madvise_populate(spans[0][0], 0, MADV_POPULATE_WRITE) == 0:
+        job.method = "madvise"
+        job._thread = threading.Thread(target=_run_commit, args=(job, list(arrays), spans), name="edgellm-commit",
+                                       daemon=True)
+        job._thread.start()
+        return job
+    t0 = time.perf_counter()
+    for a in arrays:
+        a.fill(0)
+    job.method, job.seconds = "fill", time.perf_counter() - t0
     return job
