@@ -34,20 +34,22 @@ print(sorted(m for m in ("pydantic", "_hashlib", "jinja2") if m in sys.modules))
 """
 
 
-def test_load_and_generate_do_not_import_modules_they_do_not_need(tmp_path):
+
+def _modules_left(tmp_path, child: str) -> str:
+    """The last line the child prints: the modules on its list that it imported, given a tiny
+    model and an empty EDGELLM_HOME (no measured host profile: the load estimates one, as on a
+    fresh device)."""
     m = write_tiny_model(tmp_path / "m.gguf", n_layers=1)
-    # an empty EDGELLM_HOME: no measured host profile, so the load estimates one, as on a fresh device
     env = dict(os.environ, EDGELLM_HOME=str(tmp_path / "home"))
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(m.path)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", child, str(m.path)], capture_output=True, text=True,
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_load_and_generate_do_not_import_modules_they_do_not_need(tmp_path):
+    assert _modules_left(tmp_path, _CHILD) == "[]"
 
 
 def test_a_cli_command_does_not_import_pydantic(tmp_path):
-    m = write_tiny_model(tmp_path / "m.gguf", n_layers=1)
-    env = dict(os.environ, EDGELLM_HOME=str(tmp_path / "home"))
-    out = subprocess.run([sys.executable, "-c", _CLI_CHILD, str(m.path)], capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+    assert _modules_left(tmp_path, _CLI_CHILD) == "[]"
