@@ -77,12 +77,11 @@ def _probe() -> tuple[bool, str]:
     driver and kernel set before (backends/opencl_probe_cache.py)."""
     if not opencl_child.has_pyopencl():     # the cheap check first, in this process
         return False, "pyopencl is not installed (pip install 'edgellm[opencl]')"
-    cached = opencl_child.take_cached()
-    child = None if cached is not None else opencl_child.take()
+    # spawn() leaves one of the two: the cached answer it found, or the child it started
+    cached, child = opencl_child.take_cached(), opencl_child.take()
     if cached is None and child is None:
         err = opencl_child.spawn()
-        cached = opencl_child.take_cached()
-        child = None if cached is not None else opencl_child.take()
+        cached, child = opencl_child.take_cached(), opencl_child.take()
         if cached is None and child is None:
             return False, f"the OpenCL probe could not start: {err or 'no child process'}"
     if cached is not None:

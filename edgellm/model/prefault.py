@@ -49,7 +49,8 @@ def enabled_by_env() -> bool:
 
 @dataclass
 class Prefault:
-    """A running (or finished) paging-in of [offset, offset + nbytes) of a mapping."""
+    """A running (or finished) paging-in of [offset, offset + nbytes) of a mapping, or commit of
+    nbytes of arrays."""
     nbytes: int
     method: str = ""                  # "madvise" or "touch", once known
     seconds: float | None = None      # wall time, once done
@@ -125,7 +126,6 @@ def start(mm: np.ndarray, offset: int, nbytes: int) -> Prefault:
     return job
 
 
-
 def _spans(arrays) -> list[tuple[int, int]]:
     page = mmap.PAGESIZE
     out = []
@@ -136,6 +136,7 @@ def _spans(arrays) -> list[tuple[int, int]]:
 
 
 def _run_commit(job: Prefault, arrays, spans) -> None:
+    # arrays: held here so that their memory outlives the thread, whoever drops them meanwhile
     t0 = time.perf_counter()
     for addr, length in spans:
         err = _madvise_populate(addr, length, MADV_POPULATE_WRITE)
