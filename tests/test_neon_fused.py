@@ -175,6 +175,26 @@ def test_fused_prefill_chunks_equal_per_op_path(name, precision, tmp_path_factor
     print(f"\n[{name} kv {precision}] worst prefill logits NMSE fused vs per-op: {worst:.3g}")
 
 
+def test_chunk_buffers_grow_to_the_largest_chunk_and_hand_back_the_old_ones(tmp_path_factory, monkeypatch):
+    """The chunk buffers grow only when a chunk needs more, to the largest seen, and each growth
+    hands the freed heap pages back to the OS (malloc_trim) before allocating."""
+    from edgellm.backends import neon_fused
+
+    eng, _ = engine("llama-Q4_1", tmp_path_factory)
+    r, cfg = eng.runner, eng.config
+    step = r._fused
+    trims = []
+    monkeypatch.setattr(neon_fused, "release_free_pages", lambda: trims.append(step._chunk_x.shape[0]) or True)
+    step._chunk_x = np.empty((0, cfg.d_model), np.float32)    # as a fresh step
+    step._chunk_scratch = np.empty(0, np.uint8)
+    seq = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 8, BT).new_sequence()
+    ids = np.random.default_rng(5).integers(3, cfg.vocab_size, 100)
+    for lo, hi in ((0, 12), (12, 20), (20, 60), (60, 70)):      # 12, 8, 40, 10 tokens
+        r.forward(seq, ids[lo:hi], chunk=64)
+    assert trims == [0, 0] and step._chunk_x.shape[0] == 40     # grown at 12 and at 40, old ones gone first
+    assert step._chunk_scratch.nbytes == step._lib.el_chunk_scratch(step._dims_p, 40)
+
+
 def test_fused_step_long_context(tmp_path_factory):
     """Past 512 keys with 2 threads the attention kernel also splits the keys of each head and
     merges partial softmax states: the fused step takes the same branch."""
