@@ -67,13 +67,17 @@ def test_what_the_answer_depends_on_changing_means_a_new_probe(home, children, k
     assert opencl_probe_cache.load() is not None
 
 
-@pytest.mark.parametrize("damage", [b"", b"{", b"[]", b'{"identity": 3}', b"\xff\xfe", None])
+@pytest.mark.parametrize("damage", [b"", b"{", b"[]", b'{"identity": 3}', b"\xff\xfe",
+                                    {"ok": False}, {"written": 1e300}, {"written": "yesterday"}, {"written": None}])
 def test_a_damaged_answer_file_is_a_miss(home, children, damage):
     assert opencl.available()[0]
     f = _answer_file(home)
-    if damage is None:               # the right identity with an answer that did not pass
+    if isinstance(damage, dict):     # the right identity, an answer that did not pass or a bad date
         data = json.loads(f.read_text())
-        data["answer"]["ok"] = False
+        if "ok" in damage:
+            data["answer"].update(damage)
+        else:
+            data.update(damage)
         f.write_text(json.dumps(data))
     else:
         f.write_bytes(damage)

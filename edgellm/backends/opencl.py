@@ -86,8 +86,7 @@ def _probe() -> tuple[bool, str]:
             return False, f"the OpenCL probe could not start: {err or 'no child process'}"
     if cached is not None:
         _state["probe_report"] = dict(cached, cached=True)
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(cached["cached_at"]))
-        return True, (f"{cached.get('reason') or 'the OpenCL probe passed'} (the probe's answer of {when} for "
+        return True, (f"{cached.get('reason') or 'the OpenCL probe passed'} (the probe's answer of {cached['cached_at']} for "
                       f"this driver and kernel set; EDGELLM_OPENCL_PROBE_CACHE=0 probes again)")
     proc, t0 = child
     try:

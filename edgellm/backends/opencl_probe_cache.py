@@ -109,8 +109,9 @@ def _path(ident: str) -> Path:
 
 
 def load() -> dict | None:
-    """The passing answer stored for this identity, with "cached_at" (a Unix time) added; None
-    when there is none, the cache is off, or the file is unreadable in any way (a miss)."""
+    """The passing answer stored for this identity, with "cached_at" (when it was kept, local
+    time, "YYYY-MM-DD HH:MM") added; None when there is none, the cache is off, or the file is
+    unreadable in any way (a miss)."""
     if not enabled():
         return None
     try:
@@ -121,8 +122,9 @@ def load() -> dict | None:
         answer = data["answer"]
         if not (isinstance(answer, dict) and answer.get("ok") is True):
             return None
-        return dict(answer, cached_at=float(data.get("written", 0.0)))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(data["written"])))
+        return dict(answer, cached_at=when)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return None
 
 
