@@ -6,6 +6,8 @@ import os
 import subprocess
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from edgellm.backends import opencl, opencl_child, opencl_probe_cache
 
@@ -104,3 +106,39 @@ def test_the_cache_can_be_turned_off(home, children, monkeypatch):
     assert not list((home / "cache" / "opencl").glob("probe-answer*"))
     opencl.reset()
     assert opencl.available()[0] and len(children) == 2
+
+
+def test_mutated_answer_files_are_answers_or_misses_never_errors(home):
+    """Random byte flips, truncations and JSON values in a kept answer: load() returns a
+    passing answer or None (a miss), and never raises."""
+    assert opencl.available()[0]
+    f = _answer_file(home)
+    good = f.read_bytes()
+
+    json_values = st.recursive(st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=8),
+                               lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                               max_leaves=8)
+
+    # the date gets its own numbers: far past, far future, NaN, infinities
+    dates = st.floats() | st.integers(-2**70, 2**70) | st.sampled_from([1e300, -1e300, 2.0**63])
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(flips=st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(0, 255)), max_size=6),
+           cut=st.integers(0, len(good)), field=st.sampled_from(["identity", "written", "answer", "ok", "reason"]),
+           value=json_values, date=dates, mode=st.sampled_from(["bytes", "json", "date"]))
+    def check(flips, cut, field, value, date, mode):
+        if mode == "bytes":
+            b = bytearray(good)
+            for i, v in flips:
+                b[i] = v
+            f.write_bytes(bytes(b[:cut]) if cut < len(good) // 2 else bytes(b))
+        elif mode == "json":
+            data = json.loads(good)
+            (data["answer"] if field in ("ok", "reason") else data)[field] = value
+            f.write_text(json.dumps(data))
+        else:
+            f.write_text(json.dumps(dict(json.loads(good), written=date)))
+        got = opencl_probe_cache.load()
+        assert got is None or (isinstance(got, dict) and got["ok"] is True and isinstance(got["cached_at"], str))
+
+    check()
