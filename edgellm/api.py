@@ -88,7 +88,7 @@ class Engine:
         """Waits for load()'s background work (paging the mapped weights in, committing the KV
         pool's memory); True once done. Called before any request, it makes load_rss_mb the
         resident memory of the loaded model."""
-        jobs = [j for j in (self.prefault, getattr(self.kv, "commit", None)) if j is not None]
+        jobs = [j for j in (self.prefault, self.kv.commit) if j is not None]
         t_end = None if timeout is None else time.perf_counter() + timeout
         done = all(j.wait(None if t_end is None else max(0.0, t_end - time.perf_counter())) for j in jobs)
         if done and not self._load_rss_final:

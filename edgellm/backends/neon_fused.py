@@ -108,9 +108,7 @@ class DecodeStep:
         self._head_p, self._n_vocab = ctypes.addressof(self._head), weights.lm_head.n
         self._pool = None              # the KVPool bound by _bind (arena addresses below)
         # run_chunk's buffers: (T, d) residual stream, (cos | sin, T, rope_dim/2), scratch
-        self._chunk_x = np.empty((0, cfg.d_model), np.float32)
-        self._chunk_rope = np.empty((2, 0, half), np.float32)
-        self._chunk_scratch = np.empty(0, np.uint8)
+        self._alloc_chunk_buffers(0, 0)
         self._chunk_need: dict[int, int] = {}   # T -> el_chunk_scratch bytes
         self._chunk_ptrs, self._chunk_scratch_p = (0, 0, 0), 0   # their addresses, set when they grow
 
@@ -199,15 +197,16 @@ class DecodeStep:
         T = max(T, self._chunk_x.shape[0])
         need = max(need, self._chunk_scratch.nbytes)
         # (empty, not None: an allocation that fails below leaves buffers the next call regrows)
-        self._chunk_x = np.empty((0, self.cfg.d_model), np.float32)
-        self._chunk_rope = np.empty((2, 0, self.cfg.rope_dim // 2), np.float32)
-        self._chunk_scratch = np.empty(0, np.uint8)
+        self._alloc_chunk_buffers(0, 0)
         release_free_pages()
+        self._alloc_chunk_buffers(T, need)
+
+    def _alloc_chunk_buffers(self, T: int, need: int) -> None:
         self._chunk_x = np.empty((T, self.cfg.d_model), np.float32)
         self._chunk_rope = np.empty((2, T, self.cfg.rope_dim // 2), np.float32)
         self._chunk_scratch = np.empty(need, np.uint8)
         self._chunk_ptrs = (self._chunk_x.ctypes.data, self._chunk_rope[0].ctypes.data,
-                            self._chunk_rope[1].ctypes.data)
+                            self._chunk_rope[1].ctypes.data)   # rows 0..T-1's first addresses
         self._chunk_scratch_p = self._chunk_scratch.ctypes.data
 
     def _chunk(self, x, pos, cos, sin, pool, table, logits, f32act) -> np.ndarray:

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+from . import opencl_probe_cache
+
 _lock = threading.Lock()
 _child: list = []          # [(Popen, start time)] while one runs unclaimed
 _answered = [False]        # this process has the probe's answer (opencl.available): no more children
@@ -31,8 +33,6 @@ def spawn() -> str | None:
     with _lock:
         if _child or _cached or _answered[0] or not has_pyopencl():
             return None
-        from . import opencl_probe_cache
-
         answer = opencl_probe_cache.load()
         if answer is not None:
             _cached.append(answer)

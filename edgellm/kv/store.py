@@ -141,6 +141,7 @@ class RingStore:
     seen, so a chat runs on in constant memory. Prompts longer than the window slide through."""
 
     rotate_on_read = True
+    commit = None      # the ring's arrays are np.zeros, committed page by page as the ring fills
 
     def __init__(self, cfg: ModelConfig, kv: KVConfig):
         self.kv = kv
