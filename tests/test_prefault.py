@@ -150,10 +150,28 @@ def test_commit_fills_at_once_where_the_kernel_refuses_the_advice(monkeypatch):
     assert _resident_pages(a) >= a.nbytes // 4096
 
 
-def test_the_engine_waits_for_its_kv_commit(tmp_path):
+def test_the_engine_waits_for_its_kv_commit(tmp_path, monkeypatch):
+    """wait_loaded() returns only once the KV arena's commit has: the commit is held open here
+    until the test lets it go (a wait that ignored it would return True at once)."""
+    import threading
+
+    release = threading.Event()
+    real = prefault._madvise_populate
+
+    def held(addr, length, advice=prefault.MADV_POPULATE_READ):
+        if advice == prefault.MADV_POPULATE_WRITE and length > 0:
+            release.wait(30)
+        return real(addr, length, advice)
+
+    monkeypatch.setattr(prefault, "_madvise_populate", held)
     tm = write_tiny_model(tmp_path / "t.gguf", tensor_type=QT.Q8_0, n_layers=2)
-    eng = edgellm.load(tm.path, n_ctx=512, threads=1)
+    eng = edgellm.load(tm.path, n_ctx=512, threads=1, prefault=False)
     job = eng.kv.commit
-    assert job.method in ("madvise", "fill")
-    assert eng.wait_loaded(30) and job.seconds is not None and job.error is None
+    if job.method == "fill":     # a kernel without MADV_POPULATE_WRITE: filled during load
+        assert eng.wait_loaded(0)
+    else:
+        assert job.method == "madvise"
+        assert not eng.wait_loaded(0.2) and job.seconds is None
+        release.set()
+        assert eng.wait_loaded(30) and job.seconds is not None and job.error is None
     assert _resident_pages(eng.kv.pool.k) >= eng.kv.pool.k.nbytes // 4096
