@@ -172,7 +172,7 @@ class Engine:
             raise ConfigError("warm needs a non-empty text")
         seq, n = self.kv.open(ids)
         if n < len(ids):
-            self.runner.forward(seq, ids[n:])
+            self.runner.forward(seq, ids[n:], logits=False)
         self.kv.close(seq, keep=True, token_ids=ids)
         return seq.n_tokens
 

@@ -94,10 +94,14 @@ class ModelRunner:
         self._kv_bufs = tuple(np.empty((cfg.n_kv_heads, max_positions, cfg.head_dim), np.float32) for _ in range(2))
 
     def forward(self, seq, ids: np.ndarray | list[int], *, all_logits: bool = False,
-                cancel: CancelToken | None = None, chunk: int | None = None) -> np.ndarray:
+                cancel: CancelToken | None = None, chunk: int | None = None,
+                logits: bool = True) -> np.ndarray | None:
         """Append `ids` to `seq` in chunks and return logits: (vocab,) for the last position, or
-        (len(ids), vocab) with all_logits. ContextFull before anything is written if a chunk
-        does not fit; on cancel the sequence is rolled back to where it was, so it stays usable."""
+        (len(ids), vocab) with all_logits; None with logits=False (a warm-up, or a prompt's part
+        that more parts follow: the K/V alone, no head). ContextFull before anything is written
+        if a chunk does not fit; on cancel the sequence is rolled back to where it was, so it
+        stays usable. The last layer computes its output only for the rows whose logits are
+        returned (out_rows of _layers): the K/V of every row are stored either way."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise ConfigError("forward needs a non-empty 1-D list of token ids")
@@ -119,16 +123,17 @@ class ModelRunner:
                 fused = phase in self._fused_phases and self._fusable(seq) \
                     and not (phase == "decode" and self.decode_override is not None)
                 last = c + step >= len(ids)
-                if fused and last and not all_logits and phase in self._fused_tail:
+                if fused and last and logits and not all_logits and phase in self._fused_tail:
                     outs.append(self._fused_step(seq, part, phase, logits=True)[None])
                     seq.commit(seq.n_tokens + len(part), part)
                     continue
-                h = self._fused_step(seq, part, phase) if fused else self._layers(seq, part, cancel, phase)
+                # the rows whose last-layer output the head reads
+                out_rows = len(part) if all_logits else int(last and logits)
+                h = self._fused_step(seq, part, phase, out_rows=out_rows) if fused \
+                    else self._layers(seq, part, cancel, phase, out_rows=out_rows)
                 seq.commit(seq.n_tokens + len(part), part)
-                if all_logits:
+                if out_rows:
                     outs.append(self._head(h, phase))
-                elif last:
-                    outs.append(self._head(h[-1:], phase))
         except Cancelled:
             seq.truncate(seq.n_tokens)  # drop the pending chunk: always exact
             # earlier chunks of this call: a pool drops them; a ring that already evicted for them
@@ -136,14 +141,21 @@ class ModelRunner:
             if seq.can_truncate(start0):
                 seq.truncate(start0)
             raise
-        logits = np.concatenate(outs) if len(outs) > 1 else outs[0]
-        return logits if all_logits else logits[0]
+        if not outs:
+            return None
+        out = np.concatenate(outs) if len(outs) > 1 else outs[0]
+        return out if all_logits else out[0]
 
-    def _layers(self, seq, ids: np.ndarray, cancel: CancelToken | None, phase: str = "prefill") -> np.ndarray:
-        """One chunk through every layer. The chunk's positions are seq.n_tokens.. (absolute for
-        a pool; cache positions for a ring, whose keys are stored unrotated and rotated here)."""
+    def _layers(self, seq, ids: np.ndarray, cancel: CancelToken | None, phase: str = "prefill",
+                out_rows: int | None = None) -> np.ndarray:
+        """One chunk through every layer -> the last layer's output of the chunk's last out_rows
+        rows (default all), (out_rows, d). The chunk's positions are seq.n_tokens.. (absolute for
+        a pool; cache positions for a ring, whose keys are stored unrotated and rotated here).
+        The last layer stores every row's K/V, then runs its attention output and FFN on the
+        returned rows only, as the fused step does (el_chunk_step_out)."""
         cfg = self.cfg
         T = len(ids)
+        out_rows = T if out_rows is None else out_rows
         P = self._ops[phase]
         start = seq.chunk_start(T) if seq.rotate_on_read else seq.n_tokens
         n = start + T                                                         # keys visible to the chunk
@@ -175,12 +187,17 @@ class ModelRunner:
                 kc = mrope.rope(kc.transpose(1, 0, 2), self.cos[:n], self.sin[:n], cfg.rope_style).transpose(1, 0, 2)
             else:
                 seq.write(li, start, mrope.rope(k, cos, sin, cfg.rope_style), v)
+            qs = start                                                        # the first query row's position
+            if li == cfg.n_layers - 1 and out_rows < T:                       # only these rows go on
+                if out_rows == 0:
+                    return x[:0]
+                q, x, qs = q[T - out_rows:], x[T - out_rows:], start + T - out_rows
             if from_pool:
-                att = matt.attention_pool(q, seq.pool, table, li, start)      # (T, q_dim)
+                att = matt.attention_pool(q, seq.pool, table, li, qs)         # (rows, q_dim)
             else:
                 if not seq.rotate_on_read:
                     kc, vc = seq.read(li, n, out=self._kv_bufs)               # (KVH, n, hd) views
-                att = matt.attention(q, kc, vc, start)                        # (T, q_dim)
+                att = matt.attention(q, kc, vc, qs)                           # (rows, q_dim)
             x = madd1.add(x, mo.matmul(att, wo.layers[li].wo, **kw["attn_out"][li]))
             h = norm2.rmsnorm(x, wn2.layers[li].ffn_norm, cfg.norm_eps)
             if ffn_fused:
@@ -194,7 +211,8 @@ class ModelRunner:
     def _fusable(self, seq) -> bool:
         return not seq.rotate_on_read and self._fused_mod.can_read_pool(seq.pool)
 
-    def _fused_step(self, seq, ids: np.ndarray, phase: str, logits: bool = False) -> np.ndarray:
+    def _fused_step(self, seq, ids: np.ndarray, phase: str, logits: bool = False,
+                    out_rows: int | None = None) -> np.ndarray:
         """A decode token or a prefill chunk through every layer in one native call (positions
         reserved by the caller). Cancellation is checked between chunks, not inside one. logits:
         the model's tail (output norm, head) in the same call, returning the (vocab,) logits of
@@ -209,7 +227,7 @@ class ModelRunner:
         if T == 1:
             return self._fused.run(x, pos, self.cos[pos], self.sin[pos], seq.pool, seq.block_table).copy()
         return self._fused.run_chunk(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
-                                     seq.block_table)
+                                     seq.block_table, out_rows=out_rows)
 
     def _head(self, x: np.ndarray, phase: str) -> np.ndarray:
         P = self._ops[phase]

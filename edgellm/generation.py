@@ -92,7 +92,8 @@ class Generation:
         try:
             if len(self.pending):
                 part, self.pending = self.pending[: self.chunk], self.pending[self.chunk :]
-                logits = runner.forward(self.seq, part, cancel=self.cancel)
+                # a part that more parts follow stores its K/V only: no head, no last-layer output
+                logits = runner.forward(self.seq, part, cancel=self.cancel, logits=not len(self.pending))
                 if len(self.pending):
                     return None
                 self.stats.prefill_ms = (time.perf_counter() - self.t_tok) * 1e3

@@ -11,6 +11,11 @@
  * and the RMSNorm after it run row by row in one pass: the same kernels on the same rows). el_use_generic
  * routes those kernels to their twins, and the fp16 K/V store below to its scalar twin.
  *
+ * The last layer's output is read only for the rows that need logits: one for a prompt's last
+ * chunk, none for the chunks before it or a warm-up (the per-op path's out_rows too). Its K/V
+ * are stored for every row, then its attention output, o-projection and FFN run on those rows
+ * alone: ~1/n_layers of a prefill's work that nothing reads (llama.cpp skips it the same way).
+ *
  * The only new arithmetic is the fp32 -> fp16 rounding of the K/V store, which must equal
  * numpy's astype(float16) (what PoolSequence.write stores): round to nearest even, overflow to
  * inf, subnormal halves rounded the same way. Arm: FCVTN (vcvt_f16_f32) in the default rounding
@@ -285,13 +290,14 @@ static void el_add_norm_rows(const void *args, int t0, int t1) {
     }
 }
 
-int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x, int T,
-                  int pos, const float *cos, const float *sin, void *k_pool, void *v_pool, int kv_type,
-                  const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
-                  size_t scratch_bytes) {
+int el_chunk_step_out(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,
+                      int T, int pos, const float *cos, const float *sin, void *k_pool, void *v_pool, int kv_type,
+                      const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
+                      size_t scratch_bytes, int out_rows) {
     int rc = el_dims_check(dims);
     if (rc != EL_OK) return rc;
     if ((rc = el_tokens_check(dims, T)) != EL_OK) return rc;
+    if (out_rows < 0 || out_rows > T) return EL_EINVAL;
     if (!layers || n_layers <= 0 || !x || !cos || !sin || !k_pool || !v_pool || !block_table || !scratch)
         return EL_EINVAL;
     if (kv_type != EL_F32 && kv_type != EL_F16) return EL_EUNSUPPORTED;
@@ -327,20 +333,28 @@ int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_
             tok.cos = cos + (size_t)t0 * half, tok.sin = sin + (size_t)t0 * half;
             if ((rc = el_mm(pool, &L->qkv, bs.h, b.qkv, n, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
             el_for_rows(pool, el_rope_store_rows, &tok, n, row_w);
-            if ((rc = el_attention_pool(pool, b.q, b.att, n, m.H, m.KVH, m.hd, p0, k_pool, v_pool, kv_type,
-                                        block_table, block_tokens, n_layers, l)) != EL_OK)
+            /* past the K/V store, the last layer runs only the rows the caller reads (the
+             * chunk's last out_rows): a slice before them stops here */
+            const int a = l + 1 < n_layers ? 0 : EL_MIN(n, EL_MAX(0, T - out_rows - t0)), k = n - a;
+            if (k == 0) continue;
+            if (a > 0) {   /* (then T > 1: the rows' q are in b.q) */
+                bs.h += (size_t)a * m.d;
+                tok.x += (size_t)a * m.d;
+            }
+            if ((rc = el_attention_pool(pool, b.q + (size_t)a * q_dim, b.att, k, m.H, m.KVH, m.hd, p0 + a, k_pool,
+                                        v_pool, kv_type, block_table, block_tokens, n_layers, l)) != EL_OK)
                 return rc;
-            if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, n, q_dim, NULL, b.mm)) != EL_OK) return rc;
+            if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, k, q_dim, NULL, b.mm)) != EL_OK) return rc;
             tok.norm_w = L->ffn_norm;
-            el_for_rows(pool, el_add_norm_rows, &tok, n, 2 * m.d);
-            if ((rc = el_mm(pool, &L->gate_up, bs.h, b.gu, n, m.d, NULL, b.mm)) != EL_OK) return rc;
-            if ((rc = el_swiglu(pool, b.gu, b.act, n, m.ff)) != EL_OK) return rc;
-            if ((rc = el_mm(pool, &L->down, b.act, b.o, n, m.ff, NULL, b.mm)) != EL_OK) return rc;
+            el_for_rows(pool, el_add_norm_rows, &tok, k, 2 * m.d);
+            if ((rc = el_mm(pool, &L->gate_up, bs.h, b.gu, k, m.d, NULL, b.mm)) != EL_OK) return rc;
+            if ((rc = el_swiglu(pool, b.gu, b.act, k, m.ff)) != EL_OK) return rc;
+            if ((rc = el_mm(pool, &L->down, b.act, b.o, k, m.ff, NULL, b.mm)) != EL_OK) return rc;
             if (l + 1 < n_layers) {
                 tok.norm_w = layers[l + 1].attn_norm;
-                el_for_rows(pool, el_add_norm_rows, &tok, n, 2 * m.d);
+                el_for_rows(pool, el_add_norm_rows, &tok, k, 2 * m.d);
             } else {
-                el_for_rows(pool, el_add_rows, &tok, n, m.d);
+                el_for_rows(pool, el_add_rows, &tok, k, m.d);
             }
         }
     }
@@ -362,8 +376,8 @@ int el_chunk_logits(el_pool *pool, const el_layer *layers, int n_layers, const e
     if (!x || el_overlaps(logits, lb, x, (size_t)T * dims->d * sizeof(float)) ||
         (scratch && el_overlaps(logits, lb, scratch, scratch_bytes)))
         return EL_EINVAL;
-    rc = el_chunk_step(pool, layers, n_layers, dims, x, T, pos, cos, sin, k_pool, v_pool, kv_type, block_table,
-                       n_table, block_tokens, n_blocks, scratch, scratch_bytes);
+    rc = el_chunk_step_out(pool, layers, n_layers, dims, x, T, pos, cos, sin, k_pool, v_pool, kv_type, block_table,
+                           n_table, block_tokens, n_blocks, scratch, scratch_bytes, 1);
     if (rc != EL_OK) return rc;
     /* the step is done with its scratch: the normed row goes where its rows went (b.h), the
      * head's int8 x into the matmul region */
@@ -374,6 +388,14 @@ int el_chunk_logits(el_pool *pool, const el_layer *layers, int n_layers, const e
                                      dims->d, NULL)
                   : el_matmul(pool, head->wtype, head->seg_ptr, head->seg_rows, head->n_seg, b.h, logits, 1, dims->d,
                               NULL, b.mm);
+}
+
+int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x, int T,
+                  int pos, const float *cos, const float *sin, void *k_pool, void *v_pool, int kv_type,
+                  const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
+                  size_t scratch_bytes) {
+    return el_chunk_step_out(pool, layers, n_layers, dims, x, T, pos, cos, sin, k_pool, v_pool, kv_type, block_table,
+                             n_table, block_tokens, n_blocks, scratch, scratch_bytes, T);
 }
 
 int el_decode_step(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,

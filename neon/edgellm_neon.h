@@ -167,11 +167,20 @@ EL_API int el_chunk_step(el_pool *pool, const el_layer *layers, int n_layers, co
                          int T, int pos, const float *cos, const float *sin, void *k_pool, void *v_pool,
                          int kv_type, const int32_t *block_table, int n_table, int block_tokens, int n_blocks,
                          void *scratch, size_t scratch_bytes);
-/* el_chunk_step, then the model's tail on the chunk's last row: logits (n_vocab,) = head .
- * rmsnorm(x[T-1], out_norm (d,), dims->eps), head (n_vocab, d) of a block or float type;
- * f32act = 1 keeps the normed row in fp32 (el_matmul_f32act), 0 quantizes it (el_matmul). The
- * head's arguments are checked with the rest, before anything is written; x is left as
- * el_chunk_step leaves it. One call per decode token instead of three (step, norm, head). */
+/* el_chunk_step for a caller that reads only the chunk's last out_rows rows (0..T) of x: the
+ * last layer stores every row's K/V, then computes its attention output and FFN for those rows
+ * alone (a prompt's last chunk needs one row for its logits, the chunks before it none). x rows
+ * before them are left holding the last layer's input. el_chunk_step is its out_rows = T case. */
+EL_API int el_chunk_step_out(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
+                             float *x, int T, int pos, const float *cos, const float *sin, void *k_pool,
+                             void *v_pool, int kv_type, const int32_t *block_table, int n_table,
+                             int block_tokens, int n_blocks, void *scratch, size_t scratch_bytes, int out_rows);
+/* el_chunk_step_out with out_rows = 1, then the model's tail on the chunk's last row: logits
+ * (n_vocab,) = head . rmsnorm(x[T-1], out_norm (d,), dims->eps), head (n_vocab, d) of a block
+ * or float type; f32act = 1 keeps the normed row in fp32 (el_matmul_f32act), 0 quantizes it
+ * (el_matmul). The head's arguments are checked with the rest, before anything is written; x is
+ * left as el_chunk_step_out leaves it. One call per decode token instead of three (step, norm,
+ * head). */
 EL_API int el_chunk_logits(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,
                            int T, int pos, const float *cos, const float *sin, void *k_pool, void *v_pool,
                            int kv_type, const int32_t *block_table, int n_table, int block_tokens, int n_blocks,

@@ -416,6 +416,14 @@ def test_chunk_step_bad_token_counts_and_tables_write_nothing(rig):
     bad = table.copy()
     bad[1] = pool.n_blocks                              # the second block outside the arena
     assert call(tbl=bad) == EINVAL
+
+    def call_out(out_rows):
+        return lib.el_chunk_step_out(None, good["layers"], good["n_layers"], good["dims"], x.ctypes.data, T, 0,
+                                     rope[0].ctypes.data, rope[1].ctypes.data, good["k"], good["v"],
+                                     good["kv_type"], table.ctypes.data, 2, BT, pool.n_blocks, scratch.ctypes.data,
+                                     need, out_rows)
+    assert call_out(-1) == EINVAL
+    assert call_out(T + 1) == EINVAL
     assert np.array_equal(x, x0)
     assert np.array_equal(pool.k.view(np.uint16), k0.view(np.uint16))
     assert call() == 0                                  # the rig is sound: the valid call runs
@@ -427,9 +435,9 @@ def test_chunk_step_bad_token_counts_and_tables_write_nothing(rig):
 @pytest.mark.parametrize("f32act", [True, False], ids=["fp32-x", "int8-x"])
 @pytest.mark.parametrize("name", ["llama-Q4_1", "qwen2-Q4_0", "llama-F32"])
 def test_tail_in_the_step_equals_step_then_norm_and_head(name, f32act, tmp_path_factory):
-    """run_logits = run / run_chunk, then neon.rmsnorm and the head (fp32 or int8 x) as separate
-    calls, on a prefill chunk and on decode tokens: the same kernels on the same rows, so the
-    logits are equal bit for bit, and so are the K/V rows written."""
+    """run_logits = run_chunk of the last row (out_rows=1), then neon.rmsnorm and the head (fp32
+    or int8 x) as separate calls, on a prefill chunk and on decode tokens: the same kernels on
+    the same rows, so the logits are equal bit for bit, and so are the K/V rows written."""
     eng, w = engine(name, tmp_path_factory)
     r, cfg = eng.runner, eng.config
     steps = [DecodeStep.build(w, cfg) for _ in range(2)]
@@ -445,7 +453,7 @@ def test_tail_in_the_step_equals_step_then_norm_and_head(name, f32act, tmp_path_
         cos, sin = r.cos[lo:hi], r.sin[lo:hi]
         for s in seqs:
             s.reserve(hi - lo)
-        ref = tail(steps[0].run_chunk(x, lo, cos, sin, seqs[0].pool, seqs[0].block_table))
+        ref = tail(steps[0].run_chunk(x, lo, cos, sin, seqs[0].pool, seqs[0].block_table, out_rows=1))
         got = steps[1].run_logits(x, lo, cos, sin, seqs[1].pool, seqs[1].block_table, f32act=f32act)
         for s in seqs:
             s.commit(hi, ids[lo:hi])

@@ -171,12 +171,19 @@ class DecodeStep:
             raise DecodeStepError(f"{fn} failed with {_ERRORS.get(rc, rc)}: {where}, {n_table} table entries of "
                                   f"{self._bt} tokens, pool of {self._nb} blocks; dims {self._dims_text()}")
 
-    def run_chunk(self, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table) -> np.ndarray:
+    def run_chunk(self, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table,
+                  out_rows: int | None = None) -> np.ndarray:
         """A prefill chunk: x (T, d) float32 embeddings of positions pos..pos+T-1 (reserved,
-        their blocks exclusively owned) -> (T, d), the last layer's output (this object's
-        buffer, overwritten by the next run_chunk). cos, sin (T, rope_dim/2): the RoPE rows of
-        those positions. Same contract and errors as run."""
-        return self._chunk(x, pos, cos, sin, pool, table, None, True)
+        their blocks exclusively owned) -> the last layer's output of the chunk's last out_rows
+        rows (default all T), (out_rows, d) in this object's buffer, overwritten by the next
+        run_chunk. Every row's K/V are stored whatever out_rows is; the last layer computes its
+        output for the returned rows only (el_chunk_step_out). cos, sin (T, rope_dim/2): the RoPE
+        rows of those positions. Same contract and errors as run."""
+        T = x.shape[0]
+        out_rows = T if out_rows is None else out_rows
+        if not 0 <= out_rows <= T:
+            raise ValueError(f"out_rows must be in 0..{T} for a chunk of {T} tokens, got {out_rows}")
+        return self._chunk(x, pos, cos, sin, pool, table, None, True, out_rows)[T - out_rows:]
 
     def run_logits(self, x: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table,
                    f32act: bool = True) -> np.ndarray:
@@ -209,7 +216,7 @@ class DecodeStep:
                             self._chunk_rope[1].ctypes.data)   # rows 0..T-1's first addresses
         self._chunk_scratch_p = self._chunk_scratch.ctypes.data
 
-    def _chunk(self, x, pos, cos, sin, pool, table, logits, f32act) -> np.ndarray:
+    def _chunk(self, x, pos, cos, sin, pool, table, logits, f32act, out_rows: int = 1) -> np.ndarray:
         n = self._take(pool, table)
         T = x.shape[0]
         need = self._chunk_need.get(T)
@@ -227,7 +234,7 @@ class DecodeStep:
                 self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb, self._chunk_scratch_p,
                 self._chunk_scratch.nbytes)
         if logits is None:
-            rc, fn = self._lib.el_chunk_step(*args), "el_chunk_step"
+            rc, fn = self._lib.el_chunk_step_out(*args, out_rows), "el_chunk_step_out"
         else:
             rc, fn = self._lib.el_chunk_logits(*args, self._onorm.ctypes.data, self._head_p, self._n_vocab,
                                                int(f32act), logits.ctypes.data), "el_chunk_logits"
