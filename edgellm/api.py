@@ -99,8 +99,9 @@ class Engine:
     # -- text <-> ids --------------------------------------------------------------------------
     @property
     def template(self) -> ChatTemplate:
-        """The model's chat template, compiled on first use (a bad one raises ModelFormatError
-        then): jinja2 costs a load ~20 ms and ~5 MB resident that completion-only apps never use."""
+        """The model's chat template, built on first use (a bad one raises ModelFormatError
+        then): jinja2 costs ~20 ms and ~5 MB resident that completion-only apps never use, and
+        a template chat_builtin knows (SmolLM2's, ChatML) never needs it."""
         if self._template is None:
             self._template = ChatTemplate.from_metadata(self.model.metadata, self.model.path)
         return self._template

@@ -7,7 +7,9 @@ and a ``tojson`` that keeps non-ASCII text. A model without a template gets Chat
 
 jinja2 is imported when a template is compiled, not with this module: its import takes ~20 ms
 and, through its bytecode cache's hashlib, maps OpenSSL (~5 MB resident with jinja2 itself),
-which an app that only completes text never needs (the engine compiles on first chat use).
+which an app that only completes text never needs (the engine compiles on first chat use). A
+template whose source chat_builtin.py knows (SmolLM2's, ChatML) renders in plain Python and never
+needs jinja2 at all, unless a call passes the template extra variables.
 """
 from __future__ import annotations
 
@@ -16,15 +18,11 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from edgellm.errors import ConfigError, ModelFormatError
+from edgellm.model.chat_builtin import BUILTIN, CHATML
 
 _KEY = "tokenizer.chat_template"
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+CHATML_TEMPLATE = CHATML
 
 
 class _TemplateRaised(Exception):
@@ -53,6 +51,10 @@ class ChatTemplate:
         self.bos_token = bos_token              # exposed to the template as bos_token
         self.eos_token = eos_token              # exposed to the template as eos_token
         self.fallback_reason = fallback_reason  # None when the model's own template is used
+        self.builtin = BUILTIN.get(text)        # its plain-Python renderer, when chat_builtin knows it
+        self._template = None if self.builtin else self._compile()
+
+    def _compile(self):
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -62,9 +64,9 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         try:
-            self._template = env.from_string(text)
+            return env.from_string(self.text)
         except jinja2.TemplateError as e:
-            raise ModelFormatError(source, _KEY, f"not a valid jinja2 template: {e}") from None
+            raise ModelFormatError(self.source, _KEY, f"not a valid jinja2 template: {e}") from None
 
     @classmethod
     def from_metadata(cls, metadata: Mapping[str, Any], source: str) -> "ChatTemplate":
@@ -89,9 +91,13 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                **extra: Any) -> str:
         """The prompt text for ``messages``; ``extra`` reaches the template (e.g. tools)."""
+        self.check_messages(messages)
+        if self.builtin is not None and not extra:
+            return self.builtin(messages, add_generation_prompt)
         import jinja2
 
-        self.check_messages(messages)
+        if self._template is None:          # a known template asked for extra variables
+            self._template = self._compile()
         try:
             return self._template.render(messages=[dict(m) for m in messages],
                                          add_generation_prompt=add_generation_prompt,
