@@ -95,11 +95,22 @@ static size_t el_a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* A layer runs over a chunk in slices of S = min(T, EL_CHUNK_SLICE) rows, so every buffer but
  * h holds one slice: a chunk's scratch stops growing with T (SmolLM2: 24.4 KiB a token, 14.5
- * MiB at 608 tokens before, 6.9 MiB now). A slice's attention reads the K/V rows earlier slices
- * of the same layer stored. Why 256 and not 128 (4.1 MiB): each slice reads the layer's weights
+ * MiB at 608 tokens before slices, 6.9 MiB with them, 4.4 MiB with the FFN pieces below). A
+ * slice's attention reads the K/V rows earlier slices of the same layer stored. Why 256 and
+ * not 128 (4.1 MiB before the FFN pieces): each slice reads the layer's weights
  * again, and in slow-memory stretches 128-row slices cost 3-5% of a 433-512 token prefill,
- * 256-row ones ~1%; a chunk of up to 256 tokens runs as before. */
+ * 256-row ones ~1%; a chunk of up to 256 tokens runs as before.
+ *
+ * Inside a slice the FFN runs in pieces of EL_CHUNK_FFN_ROWS rows: gate|up and the SwiGLU
+ * output are 3 * ff floats a row, the widest buffers of a layer (SmolLM2: 4.7 MiB for 256 rows,
+ * 2.4 for 128). A piece re-reads the FFN weights, which the piece before it has just brought
+ * into the caches, and a GEMM of 128 rows runs as fast per row as one of 256 (x86 host,
+ * 3072 x 576 and 576 x 1536 Q4_1). Every row goes through the kernel the per-op path's one
+ * matmul of the slice gives it: el_matmul cuts x into chunks of 128 rows (K up to 4096), each
+ * chunk of 2+ rows on the GEMM tile, whose rows do not depend on their neighbours, and a lone
+ * row on the GEMV, as a one-row piece is. */
 #define EL_CHUNK_SLICE 256
+#define EL_CHUNK_FFN_ROWS 128
 
 typedef struct {
     float *h;      /* (T, d) normed input of a projection: the next layer's, for every row */
@@ -109,9 +120,9 @@ typedef struct {
     float *q;      /* (S, H*hd) the rows' q, contiguous, as attention reads it (T > 1) */
     float *att;    /* (S, H*hd) attention output */
     /* the FFN half, in the same bytes as the attention half */
-    float *gu;     /* (S, 2*ff) gate | up */
-    float *act;    /* (S, ff) swiglu output */
-    void *mm;      /* el_matmul's scratch for S rows of the widest K */
+    float *gu;     /* (F, 2*ff) gate | up, F = min(S, EL_CHUNK_FFN_ROWS): one FFN piece */
+    float *act;    /* (F, ff) swiglu output */
+    void *mm;      /* el_matmul's scratch: S rows of the attention half's K, F of the FFN's */
 } el_chunk_bufs;
 
 #define EL_CHUNK_NBUF 8
@@ -119,17 +130,17 @@ typedef struct {
 /* Region sizes in bytes, in el_chunk_bufs order; the layout starts 64-byte aligned. */
 static void el_chunk_sizes(const el_model_dims *m, int T, size_t sz[EL_CHUNK_NBUF]) {
     const size_t q = (size_t)m->H * m->hd, kv = (size_t)m->KVH * m->hd, t = (size_t)T;
-    const int S = EL_MIN(T, EL_CHUNK_SLICE);
-    const size_t s = (size_t)S;
-    const int kmax = EL_MAX(m->d, EL_MAX((int)q, m->ff));
+    const int S = EL_MIN(T, EL_CHUNK_SLICE), F = EL_MIN(S, EL_CHUNK_FFN_ROWS);
+    const size_t s = (size_t)S, f = (size_t)F;
     sz[0] = el_a64(t * m->d * 4);
     sz[1] = el_a64(s * m->d * 4);
     sz[2] = el_a64(s * (q + 2 * kv) * 4);
     sz[3] = T > 1 ? el_a64(s * q * 4) : 0;
     sz[4] = el_a64(s * q * 4);
-    sz[5] = el_a64(s * m->ff * 2 * 4);
-    sz[6] = el_a64(s * m->ff * 4);
-    sz[7] = el_a64(el_matmul_scratch(S, kmax));
+    sz[5] = el_a64(f * m->ff * 2 * 4);
+    sz[6] = el_a64(f * m->ff * 4);
+    /* qkv and gate|up read d-wide rows, attn_out q-wide, down ff-wide */
+    sz[7] = el_a64(EL_MAX(el_matmul_scratch(S, EL_MAX(m->d, (int)q)), el_matmul_scratch(F, EL_MAX(m->d, m->ff))));
 }
 
 /* bytes of the shared region: the larger of the two halves */
@@ -347,9 +358,14 @@ int el_chunk_step_out(el_pool *pool, const el_layer *layers, int n_layers, const
             if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, k, q_dim, NULL, b.mm)) != EL_OK) return rc;
             tok.norm_w = L->ffn_norm;
             el_for_rows(pool, el_add_norm_rows, &tok, k, 2 * m.d);
-            if ((rc = el_mm(pool, &L->gate_up, bs.h, b.gu, k, m.d, NULL, b.mm)) != EL_OK) return rc;
-            if ((rc = el_swiglu(pool, b.gu, b.act, k, m.ff)) != EL_OK) return rc;
-            if ((rc = el_mm(pool, &L->down, b.act, b.o, k, m.ff, NULL, b.mm)) != EL_OK) return rc;
+            for (int f0 = 0; f0 < k; f0 += EL_CHUNK_FFN_ROWS) {
+                const int nf = EL_MIN(EL_CHUNK_FFN_ROWS, k - f0);
+                if ((rc = el_mm(pool, &L->gate_up, bs.h + (size_t)f0 * m.d, b.gu, nf, m.d, NULL, b.mm)) != EL_OK)
+                    return rc;
+                if ((rc = el_swiglu(pool, b.gu, b.act, nf, m.ff)) != EL_OK) return rc;
+                if ((rc = el_mm(pool, &L->down, b.act, b.o + (size_t)f0 * m.d, nf, m.ff, NULL, b.mm)) != EL_OK)
+                    return rc;
+            }
             if (l + 1 < n_layers) {
                 tok.norm_w = layers[l + 1].attn_norm;
                 el_for_rows(pool, el_add_norm_rows, &tok, k, 2 * m.d);

@@ -175,6 +175,36 @@ def test_fused_prefill_chunks_equal_per_op_path(name, precision, tmp_path_factor
     print(f"\n[{name} kv {precision}] worst prefill logits NMSE fused vs per-op: {worst:.3g}")
 
 
+_wide = None
+
+
+@pytest.mark.parametrize("T", [129, 130, 200, 256, 257])
+def test_fused_ffn_pieces_equal_per_op_path(T, tmp_path_factory):
+    """A slice's FFN runs in pieces of 128 rows: chunks around those sizes give the per-op
+    path's K/V bit for bit and its logits within BOUND (257 tokens: slices of 256 and 1, against
+    per-op chunks of 256 and 1). The FFN is wider than engine()'s (K = 576, 18 blocks a row,
+    which the GEMV sums in another order than the GEMM tile), so a row on the other kernel
+    than the per-op path's would show."""
+    global _wide
+    if _wide is None:
+        path = tmp_path_factory.mktemp("wide") / "wide.gguf"
+        write_tiny_model(path, n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, d_ff=576, seed=5,
+                         context_length=512, tensor_type=QT.Q4_1)
+        _wide = edgellm.load(str(path), n_ctx=512, units=["neon"], threads=THREADS)
+    eng = _wide
+    r, cfg = eng.runner, eng.config
+    ids = np.random.default_rng(T).integers(3, cfg.vocab_size, T)
+    n_blocks = -(-T // BT) + 1
+    # fp32 K/V: a last-bit difference in a row's FFN output shows in the next layer's K/V
+    seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n_blocks, BT, "f32").new_sequence() for _ in range(2)]
+    with per_op(r):
+        ref = r.forward(seqs[0], ids, all_logits=True, chunk=256)
+    got = r.forward(seqs[1], ids, all_logits=True, chunk=T)
+    assert nmse(got, ref) <= BOUND
+    for a, b in zip(kv_rows(seqs[0]), kv_rows(seqs[1])):
+        np.testing.assert_array_equal(b, a)
+
+
 def test_chunk_buffers_grow_to_the_largest_chunk_and_hand_back_the_old_ones(tmp_path_factory, monkeypatch):
     """The chunk buffers grow only when a chunk needs more, to the largest seen, and each growth
     hands the freed heap pages back to the OS (malloc_trim) before allocating."""
