@@ -8,8 +8,10 @@ differs only by the kernels' rounding (its last layer runs with 1 query row, not
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType as QT
 import pytest
 
+import edgellm
 from edgellm.backends import neon, neon_lib
 from edgellm.backends.neon_fused import DecodeStep
 from edgellm.kv.pool import KVPool
@@ -134,3 +136,23 @@ def test_run_chunk_rejects_out_rows_outside_the_chunk(tmp_path_factory):
         with pytest.raises(ValueError, match="out_rows"):
             step.run_chunk(x, 0, r.cos[:4], r.sin[:4], seq.pool, seq.block_table, out_rows=bad)
     assert step.run_chunk(x, 0, r.cos[:4], r.sin[:4], seq.pool, seq.block_table, out_rows=2).shape == (2, cfg.d_model)
+
+
+def test_ring_past_its_window_keeps_the_last_row_and_every_kv_row(tmp_path):
+    """A ring (keys stored unrotated, rotated at attention, positions past its window) takes the
+    per-op path: its last-position logits match the full computation's last row, and the ring
+    holds the same K/V rows either way."""
+    from tests.synthetic import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "r.gguf", n_layers=3, tensor_type=QT.Q8_0, seed=2, context_length=512).path
+    engines = [edgellm.load(str(path), n_ctx=512, threads=1, kv="ring", window=32, sinks=4, prefill_chunk=8)
+               for _ in range(2)]
+    ids = np.random.default_rng(8).integers(3, engines[0].config.vocab_size, 70)   # past the 32-token window
+    seqs = [e._new_sequence() for e in engines]
+    full = engines[0].runner.forward(seqs[0], ids, all_logits=True)[-1]
+    got = engines[1].runner.forward(seqs[1], ids)
+    assert got.shape == full.shape and nmse(got, full) <= 1e-10
+    a, b = seqs                                            # RingKV: (layers, KVH, window, hd) by slot
+    assert a.n_tokens == b.n_tokens == 32 and np.abs(a.k).sum() > 0
+    for x, y in zip((a.k, a.v), (b.k, b.v)):
+        np.testing.assert_array_equal(x, y)
