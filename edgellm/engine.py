@@ -219,7 +219,8 @@ class ModelRunner:
         the chunk's last position, the head computing in the precision the plan asks of it."""
         pos, T = seq.n_tokens, len(ids)
         be, w = self._ops[phase]["embedding"]
-        x = be.embedding(w.embedding, ids)                                   # (T, d)
+        # a chunk's embeddings go straight into the step's input buffer: no (T, d) copy beside it
+        x = be.embedding(w.embedding, ids, out=self._fused.chunk_input(T) if T > 1 else None)   # (T, d)
         if logits:
             precision = self._precision_kwargs(phase, 0)["lm_head"][0].get("precision", "fp32")
             return self._fused.run_logits(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,

@@ -67,15 +67,20 @@ def dequantize(raw: np.ndarray, qtype: T, shape: tuple[int, ...], out: np.ndarra
     return out
 
 
-def dequantize_rows(raw: np.ndarray, qtype: T, row_len: int, rows: np.ndarray) -> np.ndarray:
+def dequantize_rows(raw: np.ndarray, qtype: T, row_len: int, rows: np.ndarray,
+                    out: np.ndarray | None = None) -> np.ndarray:
     """Dequantize only the given rows of a (n_rows, row_len) tensor: embedding lookup without
-    materialising the whole table in fp32."""
+    materialising the whole table in fp32. With `out` (float32, C-contiguous, (len(rows),
+    row_len)), the rows are written there: a fused step's input buffer, no second copy."""
     if qtype in (T.F32, T.F16):
         table = np.asarray(raw).view(np.float32 if qtype == T.F32 else np.float16).reshape(-1, row_len)
-        return table[rows].astype(np.float32)
+        if out is None:
+            return table[rows].astype(np.float32)
+        out[...] = table[rows]
+        return out
     table = np.asarray(raw).view(np.uint8).reshape(-1, bytes_per_row(qtype, row_len))
     picked = np.ascontiguousarray(table[rows])
-    return dequantize(picked.reshape(-1), qtype, (len(rows), row_len))
+    return dequantize(picked.reshape(-1), qtype, (len(rows), row_len), out=out)
 
 
 def _round_half_away(x: np.ndarray) -> np.ndarray:

@@ -156,3 +156,27 @@ def test_ring_past_its_window_keeps_the_last_row_and_every_kv_row(tmp_path):
     assert a.n_tokens == b.n_tokens == 32 and np.abs(a.k).sum() > 0
     for x, y in zip((a.k, a.v), (b.k, b.v)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_chunk_embeddings_written_into_the_step_buffer_run_as_a_copied_input(tmp_path_factory):
+    """The engine writes a chunk's embeddings straight into the step's input buffer
+    (chunk_input): the chunk then runs as one whose input is copied in, bit for bit."""
+    eng, w = engine("llama-Q4_1", tmp_path_factory)
+    r, cfg = eng.runner, eng.config
+    ids = np.random.default_rng(6).integers(3, cfg.vocab_size, 21)
+    outs = []
+    for direct in (False, True):
+        step = DecodeStep.build(w, cfg)
+        [seq] = _pools(cfg, 1)
+        seq.reserve(len(ids))
+        if direct:
+            x = neon.embedding(w.embedding, ids, out=step.chunk_input(len(ids)))
+            assert x.ctypes.data == step._chunk_x.ctypes.data
+        else:
+            x = neon.embedding(w.embedding, ids)
+        outs.append((step.run_chunk(x, 0, r.cos[:21], r.sin[:21], seq.pool, seq.block_table).copy(), seq))
+        seq.commit(len(ids), ids)
+    (a, sa), (b, sb) = outs
+    np.testing.assert_array_equal(b, a)
+    for u, v in zip(kv_rows(sa), kv_rows(sb)):
+        np.testing.assert_array_equal(v, u)

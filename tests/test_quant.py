@@ -48,6 +48,19 @@ def test_dequantize_rows_equals_full_table_rows(qtype):
     np.testing.assert_array_equal(quant.dequantize_rows(raw.reshape(-1), qtype, x.shape[1], rows), full[rows])
 
 
+@pytest.mark.parametrize("qtype", BLOCK_TYPES + [T.F32, T.F16])
+def test_dequantize_rows_into_out_writes_there(qtype):
+    """With out, the rows land in the caller's buffer (a fused step's input: no second copy),
+    equal to the rows returned without it."""
+    x = _data(9, rows=11)
+    raw = quant.quantize(x, qtype).reshape(-1)
+    rows = np.array([10, 0, 3, 3])
+    out = np.full((len(rows), x.shape[1]), np.nan, np.float32)
+    got = quant.dequantize_rows(raw, qtype, x.shape[1], rows, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, quant.dequantize_rows(raw, qtype, x.shape[1], rows))
+
+
 @pytest.mark.parametrize("qtype,bound", [(T.Q8_0, 1e-4), (T.Q4_1, 1e-2), (T.Q4_0, 2e-2)])
 def test_round_trip_error_is_small(qtype, bound):
     x = np.random.default_rng(3).standard_normal((16, 256)).astype(np.float32)

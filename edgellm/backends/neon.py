@@ -233,8 +233,8 @@ def _f32(a: np.ndarray) -> np.ndarray:
     return a if (a.dtype == np.float32 and a.flags.c_contiguous) else np.ascontiguousarray(a, dtype=np.float32)
 
 
-def embedding(table, ids: np.ndarray) -> np.ndarray:
-    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids)
+def embedding(table, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids, out=out)
 
 
 # compute precisions a precision plan may ask of a matmul with block-quantized weights: int8

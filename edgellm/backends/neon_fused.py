@@ -216,9 +216,14 @@ class DecodeStep:
                             self._chunk_rope[1].ctypes.data)   # rows 0..T-1's first addresses
         self._chunk_scratch_p = self._chunk_scratch.ctypes.data
 
-    def _chunk(self, x, pos, cos, sin, pool, table, logits, f32act, out_rows: int = 1) -> np.ndarray:
-        n = self._take(pool, table)
-        T = x.shape[0]
+    def chunk_input(self, T: int) -> np.ndarray:
+        """The (T, d) buffer a chunk of T tokens runs in: the caller may write the embeddings
+        there (no copy), valid until the next chunk."""
+        self._fit_chunk(T)
+        return self._chunk_x[:T]
+
+    def _fit_chunk(self, T: int) -> None:
+        """The chunk buffers, grown when T rows need more."""
         need = self._chunk_need.get(T)
         if need is None:   # one ctypes call per chunk size, not per token
             need = self._chunk_need[T] = self._lib.el_chunk_scratch(self._dims_p, T)
@@ -226,8 +231,14 @@ class DecodeStep:
             raise DecodeStepError(f"el_chunk_scratch rejects a chunk of {T} tokens with dims {self._dims_text()}")
         if self._chunk_x.shape[0] < T or self._chunk_scratch.nbytes < need:
             self._grow_chunk_buffers(T, need)
+
+    def _chunk(self, x, pos, cos, sin, pool, table, logits, f32act, out_rows: int = 1) -> np.ndarray:
+        n = self._take(pool, table)
+        T = x.shape[0]
+        self._fit_chunk(T)
         xb, rope = self._chunk_x[:T], self._chunk_rope[:, :T]
-        xb[...] = x
+        if x.ctypes.data != xb.ctypes.data:    # (not already written there: chunk_input)
+            xb[...] = x
         rope[0], rope[1] = cos, sin
         x_p, cos_p, sin_p = self._chunk_ptrs     # rows 0..T-1 of the buffers: their first addresses
         args = (neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, x_p, T, pos, cos_p, sin_p,

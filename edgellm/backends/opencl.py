@@ -280,8 +280,8 @@ def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
 
 # ---- ops -----------------------------------------------------------------------------------------
 
-def embedding(table, ids: np.ndarray) -> np.ndarray:
-    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids)
+def embedding(table, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids, out=out)
 
 
 def matmul(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:

@@ -30,9 +30,9 @@ def supports(op: str, precision: str = "fp32") -> tuple[bool, str]:
 
 # ---- ops -------------------------------------------------------------------------------------
 
-def embedding(table: "EmbeddingTable", ids: np.ndarray) -> np.ndarray:
-    """ids (T,) -> (T, d) float32; dequantizes only the looked-up rows."""
-    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids)
+def embedding(table: "EmbeddingTable", ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """ids (T,) -> (T, d) float32; dequantizes only the looked-up rows (into `out` when given)."""
+    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids, out=out)
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
