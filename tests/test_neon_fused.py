@@ -61,13 +61,18 @@ def installed_library():
 _engines: dict[str, tuple] = {}
 
 
+# beside MODELS, not in the tests parametrized over them: an FFN as wide as K = 576 (18 blocks a
+# row, which the GEMV sums in another order than the GEMM tile)
+WIDE = {"llama-Q4_1-wide": dict(arch="llama", tensor_type=QT.Q4_1, d_model=128, d_ff=576)}
+
+
 def engine(name: str, tmp_path_factory):
     """(an engine with every op on neon: the per-op path, the model's neon.PreparedWeights), one
     per model, kept for the module."""
     if name not in _engines:
         path = tmp_path_factory.mktemp("fused") / f"{name}.gguf"
-        write_tiny_model(path, n_layers=3, d_model=64, n_heads=4, d_ff=128, seed=3, context_length=1024,
-                         **{"n_kv_heads": 2, **MODELS[name]})
+        write_tiny_model(path, **{"n_layers": 3, "d_model": 64, "n_heads": 4, "d_ff": 128, "seed": 3,
+                                  "context_length": 1024, "n_kv_heads": 2, **{**MODELS, **WIDE}[name]})
         eng = edgellm.load(str(path), n_ctx=1024, units=["neon"], threads=THREADS)
         assert set(eng.runner.placement["decode"].values()) == {"neon"}, eng.runner.placement
         _engines[name] = eng, neon.prepare(eng.model)
@@ -175,23 +180,13 @@ def test_fused_prefill_chunks_equal_per_op_path(name, precision, tmp_path_factor
     print(f"\n[{name} kv {precision}] worst prefill logits NMSE fused vs per-op: {worst:.3g}")
 
 
-_wide = None
-
-
 @pytest.mark.parametrize("T", [129, 130, 200, 256, 257])
 def test_fused_ffn_pieces_equal_per_op_path(T, tmp_path_factory):
     """A slice's FFN runs in pieces of 128 rows: chunks around those sizes give the per-op
     path's K/V bit for bit and its logits within BOUND (257 tokens: slices of 256 and 1, against
-    per-op chunks of 256 and 1). The FFN is wider than engine()'s (K = 576, 18 blocks a row,
-    which the GEMV sums in another order than the GEMM tile), so a row on the other kernel
-    than the per-op path's would show."""
-    global _wide
-    if _wide is None:
-        path = tmp_path_factory.mktemp("wide") / "wide.gguf"
-        write_tiny_model(path, n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, d_ff=576, seed=5,
-                         context_length=512, tensor_type=QT.Q4_1)
-        _wide = edgellm.load(str(path), n_ctx=512, units=["neon"], threads=THREADS)
-    eng = _wide
+    per-op chunks of 256 and 1). On the wide FFN, a row on another kernel than the per-op
+    path's would show."""
+    eng, _ = engine("llama-Q4_1-wide", tmp_path_factory)
     r, cfg = eng.runner, eng.config
     ids = np.random.default_rng(T).integers(3, cfg.vocab_size, T)
     n_blocks = -(-T // BT) + 1

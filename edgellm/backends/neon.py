@@ -18,6 +18,8 @@ from ..model import layout
 from ..model.config import ModelConfig
 from . import neon_lib
 from .neon_lib import fptr
+# the embedding lookup dequantizes rows on the host, the same for every unit
+from .reference import embedding  # noqa: F401
 
 NAME = "neon"
 KIND = "cpu"
@@ -231,10 +233,6 @@ def _check(rc: int, op: str) -> None:
 
 def _f32(a: np.ndarray) -> np.ndarray:
     return a if (a.dtype == np.float32 and a.flags.c_contiguous) else np.ascontiguousarray(a, dtype=np.float32)
-
-
-def embedding(table, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids, out=out)
 
 
 # compute precisions a precision plan may ask of a matmul with block-quantized weights: int8

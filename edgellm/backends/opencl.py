@@ -27,6 +27,8 @@ from ..model import layout
 from ..model.config import ModelConfig
 from . import UnitFailed, opencl_child, opencl_probe_cache
 from .opencl_runtime import ClRuntime, KernelBuildError, OpenCLUnavailable
+# the embedding lookup dequantizes rows on the host, the same for every unit
+from .reference import embedding  # noqa: F401
 
 NAME = "opencl"
 KIND = "gpu"
@@ -279,10 +281,6 @@ def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
 
 
 # ---- ops -----------------------------------------------------------------------------------------
-
-def embedding(table, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    return quant.dequantize_rows(table.raw, table.qtype, table.d_model, ids, out=out)
-
 
 def matmul(x: np.ndarray, w, b: np.ndarray | None = None) -> np.ndarray:
     from . import opencl_matmul
