@@ -674,6 +674,7 @@ static EL_AI void el_dec_pv_avx2(const int NR, const int F16, float *const *acc,
 }
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include "attn_dec_avx512.h"
+#define EL_DEC_X5 1
 #define el_dec_scores4_x el_dec_scores4_avx512
 #define el_dec_pv_x el_dec_pv_avx512
 #else
@@ -685,7 +686,11 @@ static EL_AI void el_dec_pv_avx2(const int NR, const int F16, float *const *acc,
 #define el_dec_pv_x el_dec_pv
 #endif
 
-/* Query rows h0..h0+NR-1 of kv head kh over one chunk: scores for every 4 keys */
+#ifndef EL_DEC_X5
+#define EL_DEC_X5 0   /* 1: the AVX-512 score block above, 8 keys a call */
+#endif
+
+/* Query rows h0..h0+NR-1 of kv head kh over one chunk: scores for every 4 (AVX-512: 8) keys */
 static EL_AI void el_dec_chunk_scores(const int NR, const int F16, const el_attn_job *J, int kh, int h0,
                                       const size_t *off, int c, const size_t *off_next, int c_next,
                                       float (*sc)[EL_ATTN_DEC_CH]) {
@@ -694,15 +699,28 @@ static EL_AI void el_dec_chunk_scores(const int NR, const int F16, const el_attn
     const float *q[4];
     float *s[4];
     for (int r = 0; r < NR; r++) q[r] = J->q + (size_t)(h0 + r) * hd;
-    for (int i0 = 0; i0 < c; i0 += 4) {
-        const char *kr[4];
+    /* keys KG at a time (EL_ATTN_DEC_CH is a multiple of 8) */
+#if EL_DEC_X5
+    const int KG = NR <= 3 ? 8 : 4;
+#else
+    const int KG = 4;
+#endif
+    for (int i0 = 0; i0 < c; i0 += KG) {
+        const char *kr[8];
         /* past the chunk's end repeat its last key: those scores are never read */
-        for (int k = 0; k < 4; k++) kr[k] = kb + off[EL_MIN(i0 + k, c - 1)] * esz;
+        for (int k = 0; k < KG; k++) kr[k] = kb + off[EL_MIN(i0 + k, c - 1)] * esz;
         if (off_next)
-            for (int k = i0; k < EL_MIN(i0 + 4, c_next); k++)
+            for (int k = i0; k < EL_MIN(i0 + KG, c_next); k++)
                 el_prefetch_span(kb + off_next[k] * esz, (size_t)hd * esz);
         for (int r = 0; r < NR; r++) s[r] = sc[h0 + r] + i0;
+#if EL_DEC_X5
+        if (KG == 8 && hd == 64) el_dec_scoresk_avx512(NR, 8, F16, 64, q, kr, hd, J->scale, s);
+        else if (KG == 8) el_dec_scoresk_avx512(NR, 8, F16, 0, q, kr, hd, J->scale, s);
+        else if (hd == 64) el_dec_scoresk_avx512(NR, 4, F16, 64, q, kr, hd, J->scale, s);
+        else el_dec_scoresk_avx512(NR, 4, F16, 0, q, kr, hd, J->scale, s);
+#else
         el_dec_scores4_x(NR, F16, q, kr, hd, J->scale, s);
+#endif
     }
 }
 

@@ -22,24 +22,39 @@ static EL_AI __m512 el_kv_ld16(const int F16, const char *p, int n) {
     return F16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)) : _mm512_maskz_loadu_ps(m, p);
 }
 
-static EL_AI void el_dec_scores4_avx512(const int NR, const int F16, const float *const *q, const char *const *kr,
-                                        int hd, float scale, float *const *s) {
-    const int esz = F16 ? 2 : 4;
-    __m512 a[4][4];   /* [query row][key] */
+/* s[r][k] = scale * (q[r] . key k), k < KG (4 or 8), for NR (1..4) query rows; kr: the KG keys'
+ * rows (this kv head's part). HD: hd as a compile-time constant (64: the dim loop unrolls, no
+ * masks), or 0 for any hd (the last 16 dims masked). Each register is 16 consecutive dims of one
+ * key, one accumulator per key and row, folded 4 keys at a time at the end (el_x5_sum4): the
+ * same sums in the same order for KG 4 and 8 and either HD. 8 keys a call halve the per-call
+ * work (the key pointers, the zeroed accumulators, the loop) against the FMAs: at hd 64 that
+ * work and a dim loop the compiler kept rolled took ~60% of the scores' time. NR 4 x 8 keys
+ * would need 32 accumulators, the whole register file: 4 keys there. */
+static EL_AI void el_dec_scoresk_avx512(const int NR, const int KG, const int F16, const int HD, const float *const *q,
+                                        const char *const *kr, int hd_rt, float scale, float *const *s) {
+    const int esz = F16 ? 2 : 4, hd = HD ? HD : hd_rt;
+    __m512 a[4][8];   /* [query row][key] */
     for (int r = 0; r < NR; r++)
-        for (int k = 0; k < 4; k++) a[r][k] = _mm512_setzero_ps();
+        for (int k = 0; k < KG; k++) a[r][k] = _mm512_setzero_ps();
     for (int d = 0; d < hd; d += 16) {
         const int n = hd - d;
         __m512 qd[4];
         for (int r = 0; r < NR; r++)
             qd[r] = n >= 16 ? _mm512_loadu_ps(q[r] + d) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), q[r] + d);
-        for (int k = 0; k < 4; k++) {
+        for (int k = 0; k < KG; k++) {
             const __m512 kv = el_kv_ld16(F16, kr[k] + (size_t)d * esz, n);
             for (int r = 0; r < NR; r++) a[r][k] = _mm512_fmadd_ps(kv, qd[r], a[r][k]);
         }
     }
+    const __m128 sc = _mm_set1_ps(scale);
     for (int r = 0; r < NR; r++)
-        _mm_storeu_ps(s[r], _mm_mul_ps(el_x5_sum4(a[r][0], a[r][1], a[r][2], a[r][3]), _mm_set1_ps(scale)));
+        for (int k = 0; k < KG; k += 4)
+            _mm_storeu_ps(s[r] + k, _mm_mul_ps(el_x5_sum4(a[r][k], a[r][k + 1], a[r][k + 2], a[r][k + 3]), sc));
+}
+
+static EL_AI void el_dec_scores4_avx512(const int NR, const int F16, const float *const *q, const char *const *kr,
+                                        int hd, float scale, float *const *s) {
+    el_dec_scoresk_avx512(NR, 4, F16, 0, q, kr, hd, scale, s);
 }
 
 /* NV registers (16 dims each) of NR rows' accumulators from dim d over keys i < c */
