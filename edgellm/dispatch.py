@@ -349,15 +349,22 @@ class Dispatcher:
             layer_ms, lpath, lopts, home = fused
         e_ms, e_path, e_opts = self._chain([emb], phase, tokens, context, e_home := self._cpu_home(), home)
         h_ms, h_path, h_opts = self._chain([onorm, head], phase, tokens, context, home, None)
-        tail_note = ""
+        lead_note = tail_note = ""
         if fused_note:
+            lead = self._fused_tail([emb], phase, tokens, context, home, dispatch=False)
+            if lead is not None and lead[0] < e_ms:
+                lead_note = (f"in the fused {what}'s native call on {home} (the step's token ids looked up there, "
+                             f"serially: no call or pool dispatch of its own): {lead[0]:.4f} ms vs {e_ms:.4f} ms "
+                             f"as a separate call")
+                e_ms, e_path, e_opts = lead
+                e_home = home
             tail = self._fused_tail([onorm, head], phase, tokens, context, home)
             if tail is not None and tail[0] < h_ms:
                 tail_note = (f"in the fused {what}'s native call on {home} (the output norm and head on the "
                              f"last row, no call of their own): {tail[0]:.4f} ms vs {h_ms:.4f} ms as separate calls")
                 h_ms, h_path, h_opts = tail
         placements = []
-        for ops, path, opts, start, note in (([emb], e_path, e_opts, e_home, ""),
+        for ops, path, opts, start, note in (([emb], e_path, e_opts, e_home, lead_note),
                                              (lops, lpath, lopts, home, fused_note),
                                              ([onorm, head], h_path, h_opts, home, tail_note)):
             prev = start
@@ -403,12 +410,13 @@ class Dispatcher:
                     best = (ms, [u.name] * len(lops), opts, u.name)
         return best
 
-    def _fused_tail(self, ops, phase, tokens, context, home: str):
-        """The model's tail (output norm, head) inside the fused step's call on `home`: each op at
-        the fused per-op cost, none paying a call of its own. (ms, path, opts), or None when
-        home cannot run one of them."""
+    def _fused_tail(self, ops, phase, tokens, context, home: str, dispatch: bool = True):
+        """Ops inside the fused step's call on `home` (the model's tail: output norm, head; or its
+        lead, the embedding lookup): each op at the fused per-op cost, none paying a call of its
+        own; dispatch=False: not even a pool dispatch (an op the call runs serially). (ms, path,
+        opts), or None when home cannot run one of them."""
         u = self.unit(home)
-        fast = replace(u, launch_s=FUSED_OP_S)
+        fast = replace(u, launch_s=FUSED_OP_S if dispatch else 0.0)
         opts, ms = [], 0.0
         for op in ops:
             ok, no = self._options(op, phase, tokens, context)

@@ -87,6 +87,9 @@ class ModelRunner:
         # step's own call on the chunk's last row (DecodeStep.run_logits)
         self._fused_tail = {ph for ph in self._fused_phases
                             if self.placement[ph]["output_norm"] == self.placement[ph]["lm_head"] == self._fused_unit}
+        # ... and whose embedding lookup it put there: the step starts from the token ids, in the
+        # same call (DecodeStep.run_ids)
+        self._fused_lead = {ph for ph in self._fused_phases if self.placement[ph]["embedding"] == self._fused_unit}
         rope_freqs = reference.prepare_rope_freqs(model)
         self.cos, self.sin = reference.rope_tables(cfg, max_positions, rope_freqs)  # (positions, rope_dim/2)
         # K/V read buffers reused by every layer and step: (KVH, positions, hd) each. Fresh arrays
@@ -218,6 +221,10 @@ class ModelRunner:
         the model's tail (output norm, head) in the same call, returning the (vocab,) logits of
         the chunk's last position, the head computing in the precision the plan asks of it."""
         pos, T = seq.n_tokens, len(ids)
+        if phase in self._fused_lead:
+            f32act = self._precision_kwargs(phase, 0)["lm_head"][0].get("precision", "fp32") == "fp32"
+            return self._fused.run_ids(ids, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
+                                       seq.block_table, logits=logits, f32act=f32act, out_rows=out_rows)
         be, w = self._ops[phase]["embedding"]
         # a chunk's embeddings go straight into the step's input buffer: no (T, d) copy beside it
         x = be.embedding(w.embedding, ids, out=self._fused.chunk_input(T) if T > 1 else None)   # (T, d)

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 
-OP_MATMUL, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL = range(1, 9)
+OP_MATMUL, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED = range(1, 10)
 CASES_MAGIC, CASES_VERSION = b"ELSTCASE", 1
 KIND_F32, KIND_RAW = 1, 2
 BOUND_ELEMENTWISE = 1e-7     # NMSE bounds of DESIGN.md's correctness discipline
@@ -21,6 +21,10 @@ BOUND_MATMUL = 5e-4
 # summation order differs (~K eps^2 ~ 1e-11 at K = 1536); one wrong output in 33 is ~3e-2.
 BOUND_F32ACT = 1e-9
 BOUND_ATTENTION = 5e-4
+# the embedding lookup computes what quant.dequantize does (its products are exact in fp32):
+# bit-identical, so any difference fails (the file needs a positive bound; a one-ulp error in one
+# value of a row is ~1e-15)
+BOUND_EXACT = 1e-30
 EL_F32, EL_F16, EL_Q4_0, EL_Q4_1, EL_Q8_0 = 0, 1, 2, 3, 8
 
 
@@ -243,11 +247,31 @@ def _attention_cases(rng: np.random.Generator) -> list[Case]:
     return cases
 
 
+def _embed_cases(rng: np.random.Generator) -> list[Case]:
+    from . import quant
+
+    cases = []
+    for tname, qt in (("f32", quant.T.F32), ("f16", quant.T.F16), ("q8_0", quant.T.Q8_0), ("q4_0", quant.T.Q4_0),
+                      ("q4_1", quant.T.Q4_1)):
+        # (T, row_len, n_rows): a decode token, a chunk with a repeated id, one block a row; rows
+        # scaled far apart (tiny and large d)
+        for T, d, n_rows in ((1, 64, 9), (7, 576, 40), (5, 32, 3)):
+            w = rng.standard_normal((n_rows, d)) * rng.choice([1e-3, 1.0, 50.0], size=(n_rows, 1))
+            raw = quant.quantize(_f32(w), qt).reshape(-1)
+            ids = rng.integers(0, n_rows, T).astype(np.int32)
+            if T > 2:
+                ids[-1] = ids[0]
+            want = quant.dequantize_rows(raw, qt, d, ids)
+            cases.append(Case(OP_EMBED, f"embed/{tname}/t{T}_d{d}_rows{n_rows}", BOUND_EXACT,
+                              (int(qt), T, d, n_rows), (), (raw, ids, _f32(want))))
+    return cases
+
+
 def make_cases(seed: int = 20240531) -> list[Case]:
     """Every kernel, awkward shapes included (tails of 1, 7, 33; M = 1, 3, 17; GQA 9:3; fused
     segments; shuffled KV blocks), with expected outputs from the numpy reference."""
     rng = np.random.default_rng(seed)
-    return [*_matmul_cases(rng), *_elementwise_cases(rng), *_attention_cases(rng)]
+    return [*_matmul_cases(rng), *_elementwise_cases(rng), *_attention_cases(rng), *_embed_cases(rng)]
 
 
 def write_cases(path: str | os.PathLike, seed: int = 20240531) -> int:

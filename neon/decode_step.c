@@ -421,3 +421,21 @@ int el_decode_step(el_pool *pool, const el_layer *layers, int n_layers, const el
     return el_chunk_step(pool, layers, n_layers, dims, x, 1, pos, cos_row, sin_row, k_pool, v_pool, kv_type,
                          block_table, n_table, block_tokens, n_blocks, scratch, scratch_bytes);
 }
+
+int el_chunk_ids(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
+                 const el_embedding *emb, const int32_t *ids, float *x, int T, int pos, const float *cos,
+                 const float *sin, void *k_pool, void *v_pool, int kv_type, const int32_t *block_table, int n_table,
+                 int block_tokens, int n_blocks, void *scratch, size_t scratch_bytes, int out_rows,
+                 const float *out_norm, const el_matrix *head, int n_vocab, int f32act, float *logits) {
+    int rc = el_dims_check(dims);
+    if (rc != EL_OK) return rc;
+    if (!emb || emb->row_len != dims->d || !x || T <= 0) return EL_EINVAL;
+    if (logits && out_rows != 1) return EL_EINVAL;
+    if ((rc = el_embed_rows(emb, ids, T, x)) != EL_OK) return rc;
+    if (logits)
+        return el_chunk_logits(pool, layers, n_layers, dims, x, T, pos, cos, sin, k_pool, v_pool, kv_type,
+                               block_table, n_table, block_tokens, n_blocks, scratch, scratch_bytes, out_norm, head,
+                               n_vocab, f32act, logits);
+    return el_chunk_step_out(pool, layers, n_layers, dims, x, T, pos, cos, sin, k_pool, v_pool, kv_type, block_table,
+                             n_table, block_tokens, n_blocks, scratch, scratch_bytes, out_rows);
+}

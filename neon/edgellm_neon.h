@@ -186,6 +186,30 @@ EL_API int el_chunk_logits(el_pool *pool, const el_layer *layers, int n_layers, 
                            int kv_type, const int32_t *block_table, int n_table, int block_tokens, int n_blocks,
                            void *scratch, size_t scratch_bytes, const float *out_norm, const el_matrix *head,
                            int n_vocab, int f32act, float *logits);
+/* ---- embedding lookup (embedding.c) ------------------------------------------------------ */
+/* A token table of n_rows rows of row_len values, type wtype (EL_F32, EL_F16, EL_Q8_0, EL_Q4_0 or
+ * EL_Q4_1; row_len a multiple of 32 for the block types), as GGUF stores it. */
+typedef struct {
+    int wtype;
+    int row_len;
+    int64_t n_rows;
+    const void *table;
+} el_embedding;
+/* out (T, row_len) = the rows ids[0..T) dequantized to fp32, bit-identical to the reference
+ * backend's lookup (quant.dequantize). EINVAL for an id outside 0..n_rows-1 (every id is
+ * checked before anything is written), EUNSUPPORTED for another wtype. */
+EL_API int el_embed_rows(const el_embedding *emb, const int32_t *ids, int T, float *out);
+/* A step from its token ids: x (T, d) = el_embed_rows(emb, ids), then el_chunk_logits (logits
+ * not NULL; out_rows must be 1) or el_chunk_step_out (logits NULL). One call from token ids to
+ * K/V and logits: a decode token's lookup costs no call of its own. Same arguments and codes as
+ * those two; the ids are checked first (a bad one writes nothing); a step that refuses its
+ * other arguments leaves the embeddings in x and the pool untouched. */
+EL_API int el_chunk_ids(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
+                        const el_embedding *emb, const int32_t *ids, float *x, int T, int pos, const float *cos,
+                        const float *sin, void *k_pool, void *v_pool, int kv_type, const int32_t *block_table,
+                        int n_table, int block_tokens, int n_blocks, void *scratch, size_t scratch_bytes,
+                        int out_rows, const float *out_norm, const el_matrix *head, int n_vocab, int f32act,
+                        float *logits);
 /* y (n,) = x rounded to fp16 bits (nearest even; overflow to inf; NaN stays NaN): the pool's
  * fp16 K/V conversion, exported so that tests can hold it against numpy's astype(float16). */
 EL_API int el_f32_to_f16(const float *x, uint16_t *y, size_t n);

@@ -38,6 +38,8 @@
  *                q f32 (T*H*hd), k raw, v raw (n_blocks*n_layers*block_tokens*KVH*hd elements of
  *                kv_type), block_table raw (int32 x n_table, n_table*block_tokens >= start+T,
  *                entries in 0..n_blocks-1), expected f32 (T*H*hd)
+ *   9 embed      wtype T row_len n_rows; -; table raw (n_rows * row_bytes(wtype, row_len)),
+ *                ids raw (int32 x T, in 0..n_rows-1), expected f32 (T*row_len)
  * Besides the file's cases, a few built-in checks run: the pool's thread count, el_parallel_for
  * running each task once, and bad arguments answered with a negative code (never an abort).
  */
@@ -55,7 +57,7 @@
 #error "the cases file is little-endian; this reader assumes a little-endian host"
 #endif
 
-enum { OP_MATMUL = 1, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL };
+enum { OP_MATMUL = 1, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED };
 enum { KIND_F32 = 1, KIND_RAW = 2 };
 enum { MAX_NAME = 127, MAX_INT = 64, MAX_FLOAT = 16, MAX_ARR = 64, MAX_CASES = 100000 };
 #define MAX_FILE_BYTES ((uint64_t)1 << 30)
@@ -275,6 +277,20 @@ static void validate(const case_t *k) {
         need_array(2, KIND_F32, n, "expected");
         break;
     }
+    case OP_EMBED: {
+        need_counts(4, 0, 3);
+        int wtype = k->ints[0];
+        int64_t T = dim(1, "T", 1), row_len = dim(2, "row_len", 1), n_rows = dim(3, "n_rows", 1);
+        if (row_bytes(wtype, row_len) <= 0 || (wtype != EL_F32 && wtype != EL_F16 && row_len % 32))
+            BAD("case %s: weight type %d with rows of %lld", k->name, wtype, (long long)row_len);
+        need_array(0, KIND_RAW, prod(n_rows, row_bytes(wtype, row_len)), "table");
+        need_array(1, KIND_RAW, prod(T, 4), "ids");
+        const int32_t *ids = k->arr[1].data;
+        for (int64_t t = 0; t < T; t++)
+            if (ids[t] < 0 || ids[t] >= n_rows) BAD("case %s: id %d of %lld rows", k->name, ids[t], (long long)n_rows);
+        need_array(2, KIND_F32, prod(T, row_len), "expected");
+        break;
+    }
     case OP_ATTN_DENSE:
     case OP_ATTN_POOL: {
         int pool = k->op == OP_ATTN_POOL;
@@ -421,6 +437,11 @@ static void run_case(const case_t *k, const char *path) {
         rc = el_attention_pool(g_pool, a[0].data, y, p[0], p[1], p[2], p[3], p[4], a[1].data, a[2].data, p[5],
                                a[3].data, p[6], p[7], p[8]);
         break;
+    case OP_EMBED: {
+        const el_embedding emb = {.wtype = p[0], .row_len = p[2], .n_rows = p[3], .table = a[0].data};
+        rc = el_embed_rows(&emb, a[1].data, p[1], y);
+        break;
+    }
     }
     compare(k, path, rc, y, n_out, guard && guard_ok(y, n_out));
     free(y);

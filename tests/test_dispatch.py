@@ -405,3 +405,25 @@ def test_the_model_tail_joins_the_fused_step_when_that_is_cheaper():
     tail = {q.op: q for q in unfused.decode.placements if q.op in ("output_norm", "lm_head")}
     assert tail["output_norm"].unit == "reference"      # 50 us a call on neon: numpy is cheaper alone
     assert not any("native call" in q.reason for q in tail.values())
+
+
+def test_the_embedding_joins_the_fused_step_as_its_lead():
+    """With the layers in a fused native step, the embedding lookup runs inside the same call
+    (serially: no call, no pool dispatch) and the reason says so and why; without a fused step it
+    is placed as an op of its own, on the cheaper unit alone (50 us a neon call: reference)."""
+    from dataclasses import replace
+
+    p = cpu_only()
+    ref = cpu_unit("reference", p)
+    neon = replace(cpu_unit("neon", p), launch_s=50e-6, fused_decode_s=50e-6)
+    plan = Dispatcher(p, CFG, Q41, probe=False, units=[neon, ref]).plan(prompt_tokens=64, n_ctx=256,
+                                                                         memory_budget=2**30)
+    for phase in (plan.decode, plan.prefill):
+        (emb,) = [q for q in phase.placements if q.op == "embedding"]
+        assert emb.unit == "neon", emb
+        assert "native call on neon (the step's token ids looked up there" in emb.reason
+        assert "as a separate call" in emb.reason
+    unfused = Dispatcher(p, CFG, Q41, probe=False, units=[replace(neon, fused_decode_s=None), ref]).plan(
+        prompt_tokens=64, n_ctx=256, memory_budget=2**30)
+    (emb,) = [q for q in unfused.decode.placements if q.op == "embedding"]
+    assert emb.unit == "reference" and "native call" not in emb.reason

@@ -526,16 +526,86 @@ def test_tail_bad_arguments_write_nothing(rig):
     assert call() == 0 and np.isfinite(logits).all() and not (logits == 7.0).all()
 
 
+# ---- the embedding lookup in the same call (el_chunk_ids) -------------------------------------------
+
+@pytest.mark.parametrize("name", ["llama-Q4_1", "qwen2-Q4_0", "llama-F32", "llama-Q8_0"])
+def test_step_from_ids_equals_lookup_then_step(name, tmp_path_factory):
+    """run_ids = neon.embedding of the ids, then run_logits (logits) or run_chunk (out_rows), on
+    prefill chunks and decode tokens: the lookup is bit-identical and the step the same, so the
+    logits, the returned rows and every K/V row are equal bit for bit."""
+    eng, w = engine(name, tmp_path_factory)
+    r, cfg = eng.runner, eng.config
+    steps = [DecodeStep.build(w, cfg) for _ in range(2)]
+    ids = np.random.default_rng(12).integers(3, cfg.vocab_size, 60)
+    seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 5, BT, "f16").new_sequence() for _ in range(2)]
+    # (lo, hi, logits, out_rows): a chunk without logits, one returning 3 rows, one with logits,
+    # then decode tokens with and without logits
+    parts = [(0, 20, False, 0), (20, 37, False, 3), (37, 50, True, 1),
+             *((i, i + 1, i % 2 == 0, 1) for i in range(50, 60))]
+    for lo, hi, logits, out_rows in parts:
+        cos, sin = r.cos[lo:hi], r.sin[lo:hi]
+        for s in seqs:
+            s.reserve(hi - lo)
+        x = neon.embedding(w.embedding, ids[lo:hi])
+        if logits:
+            ref = steps[0].run_logits(x, lo, cos, sin, seqs[0].pool, seqs[0].block_table)
+        else:
+            ref = steps[0].run_chunk(x, lo, cos, sin, seqs[0].pool, seqs[0].block_table, out_rows=out_rows).copy()
+        got = steps[1].run_ids(ids[lo:hi], lo, cos, sin, seqs[1].pool, seqs[1].block_table, logits=logits,
+                               out_rows=out_rows)
+        for s in seqs:
+            s.commit(hi, ids[lo:hi])
+        assert got.shape == ref.shape
+        np.testing.assert_array_equal(got, ref)
+    for a, b in zip(kv_rows(seqs[0]), kv_rows(seqs[1])):
+        np.testing.assert_array_equal(b, a)
+
+
+def test_step_from_ids_refuses_bad_ids_and_writes_nothing(tmp_path_factory):
+    """An id outside the table (or one that does not fit int32) is refused before the step: a
+    DecodeStepError, the pool untouched; el_chunk_ids also refuses logits with out_rows != 1 and
+    an embedding table whose rows are not the model's width."""
+    eng, w = engine("llama-Q4_1", tmp_path_factory)
+    r, cfg = eng.runner, eng.config
+    step = DecodeStep.build(w, cfg)
+    seq = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "f16").new_sequence()
+    seq.reserve(3)
+    k0 = seq.pool.k.copy()
+    for bad in ([1, cfg.vocab_size, 2], [-1, 1, 2], [1, 2, 2 ** 32 + 1]):
+        with pytest.raises(DecodeStepError, match="el_chunk_ids failed with EL_EINVAL|does not fit int32"):
+            step.run_ids(np.array(bad), 0, r.cos[0:3], r.sin[0:3], seq.pool, seq.block_table)
+        assert np.array_equal(seq.pool.k.view(np.uint16), k0.view(np.uint16))
+    lib, ids = neon._lib(), np.array([1, 2, 3], np.int32)
+    step.run_ids(ids, 0, r.cos[0:3], r.sin[0:3], seq.pool, seq.block_table, logits=False)   # binds, sizes buffers
+    logits = np.full(step._n_vocab, 7.0, np.float32)
+    emb = neon.ElEmbedding.from_buffer_copy(step._emb)
+
+    def call(emb_p=step._emb_p, out_rows=1):
+        return lib.el_chunk_ids(None, step._layers_p, cfg.n_layers, step._dims_p, emb_p, ids.ctypes.data,
+                                step._chunk_ptrs[0], 3, 0, r.cos.ctypes.data, r.sin.ctypes.data, step._k_p, step._v_p,
+                                step._kv_type, step._tbl_p, 1, step._bt, step._nb, step._chunk_scratch_p,
+                                step._chunk_scratch.nbytes, out_rows, step._onorm.ctypes.data, step._head_p,
+                                step._n_vocab, 1, logits.ctypes.data)
+    emb.row_len = cfg.d_model // 2
+    k1 = seq.pool.k.copy()
+    assert call(out_rows=3) == EINVAL
+    assert call(emb_p=ctypes.addressof(emb)) == EINVAL
+    assert call(emb_p=None) == EINVAL
+    assert (logits == 7.0).all() and np.array_equal(seq.pool.k.view(np.uint16), k1.view(np.uint16))
+    assert call() == 0 and np.isfinite(logits).all()
+
+
 def test_engine_runs_the_tail_in_the_step_when_the_plan_puts_it_there(tmp_path_factory, monkeypatch):
-    """The engine's forward (last position's logits) takes run_logits when the plan puts the
-    output norm and head on the fused unit: its logits match the per-op path's within BOUND and
-    greedy picks the same tokens."""
+    """The engine's forward (last position's logits) takes run_ids with logits when the plan puts
+    the embedding, the output norm and the head on the fused unit: its logits match the per-op
+    path's within BOUND and greedy picks the same tokens."""
     eng, _ = engine("llama-Q4_1", tmp_path_factory)
     r, cfg = eng.runner, eng.config
-    assert r._fused_tail == {"prefill", "decode"}, r.placement
+    assert r._fused_tail == r._fused_lead == {"prefill", "decode"}, r.placement
     calls = []
-    orig = DecodeStep.run_logits
-    monkeypatch.setattr(DecodeStep, "run_logits", lambda self, *a, **k: calls.append(1) or orig(self, *a, **k))
+    orig = DecodeStep.run_ids
+    monkeypatch.setattr(DecodeStep, "run_ids",
+                        lambda self, *a, **k: calls.append(k.get("logits", True)) or orig(self, *a, **k))
     ids = np.random.default_rng(5).integers(3, cfg.vocab_size, 20)
     seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "f16").new_sequence() for _ in range(2)]
     with per_op(r):
@@ -549,4 +619,4 @@ def test_engine_runs_the_tail_in_the_step_when_the_plan_puts_it_there(tmp_path_f
             ref = r.forward(seqs[0], [t])
         got = r.forward(seqs[1], [t])
         assert nmse(got, ref) <= BOUND
-    assert len(calls) == 11
+    assert calls == [True] * 11

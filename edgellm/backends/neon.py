@@ -18,8 +18,6 @@ from ..model import layout
 from ..model.config import ModelConfig
 from . import neon_lib
 from .neon_lib import fptr
-# the embedding lookup dequantizes rows on the host, the same for every unit
-from .reference import embedding  # noqa: F401
 
 NAME = "neon"
 KIND = "cpu"
@@ -222,6 +220,43 @@ def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
 
 
 # ---- ops ---------------------------------------------------------------------------------------
+
+class ElEmbedding(ctypes.Structure):
+    """el_embedding of neon/edgellm_neon.h: a token table in its GGUF type."""
+    _fields_ = [("wtype", ctypes.c_int), ("row_len", ctypes.c_int), ("n_rows", ctypes.c_int64),
+                ("table", ctypes.c_void_p)]
+
+
+def embedding_desc(table) -> ElEmbedding:
+    """The C description of a reference.EmbeddingTable (the caller keeps `table` alive)."""
+    raw = np.asarray(table.raw)
+    if not raw.flags.c_contiguous:
+        raise ValueError("the embedding table must be C-contiguous (a view of the mapped file)")
+    n_rows = raw.nbytes // quant.bytes_per_row(table.qtype, table.d_model)
+    return ElEmbedding(_GGML_TO_EL[table.qtype.name], table.d_model, n_rows, raw.ctypes.data)
+
+
+def embedding(table, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """ids (T,) -> (T, d) float32: the rows dequantized by el_embed_rows, bit-identical to
+    reference.embedding (same roundings), without its numpy calls per row block. out: a
+    (T, d) float32 C-contiguous buffer to write (a fused step's input), else a new array."""
+    ids64 = np.asarray(ids, dtype=np.int64)
+    if ids64.ndim != 1 or len(ids64) == 0:
+        raise ValueError(f"embedding ids must be a non-empty 1-D array, got shape {ids64.shape}")
+    desc = embedding_desc(table)
+    bad = ids64[(ids64 < 0) | (ids64 >= desc.n_rows)]
+    if len(bad):
+        raise ValueError(f"embedding id {int(bad[0])} is outside the table's {desc.n_rows} rows")
+    T, d = len(ids64), table.d_model
+    if out is None:
+        out = np.empty((T, d), np.float32)
+    elif out.shape != (T, d) or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"embedding out must be a C-contiguous float32 ({T}, {d}) array, got {out.dtype} {out.shape}")
+    ids32 = ids64.astype(np.int32)
+    rc = _lib().el_embed_rows(ctypes.addressof(desc), ids32.ctypes.data, T, out.ctypes.data)
+    _check(rc, "embedding")
+    return out
+
 
 _scratch = {"buf": np.empty(0, np.uint8), "sizes": {}}   # sizes: (T, K) -> el_matmul_scratch bytes
 

@@ -17,6 +17,10 @@ the K/V rows written are the same bit for bit.
     # or the model's tail in the same call (when the plan puts the output norm and head on neon):
     logits = step.run_logits(x (T, d), pos, cos[pos:pos+T], sin[pos:pos+T], seq.pool, seq.block_table)
 
+    # or from the token ids, the embedding lookup inside the same call (el_chunk_ids: when the
+    # plan puts the embedding on neon too):
+    logits = step.run_ids(ids (T,), pos, cos[pos:pos+T], sin[pos:pos+T], seq.pool, seq.block_table)
+
 run() returns its own (1, d) buffer: valid until the next run (copy it to keep it).
 """
 from __future__ import annotations
@@ -106,6 +110,10 @@ class DecodeStep:
         self._onorm = _f32(weights.output_norm)
         self._head = _matrix(weights.lm_head)
         self._head_p, self._n_vocab = ctypes.addressof(self._head), weights.lm_head.n
+        # the token table, for steps that start from token ids (run_ids)
+        self._emb = neon.embedding_desc(weights.embedding)
+        self._emb_p = ctypes.addressof(self._emb)
+        self._ids = np.empty(0, np.int32)              # a step's ids, copied in as int32
         self._pool = None              # the KVPool bound by _bind (arena addresses below)
         # run_chunk's buffers: (T, d) residual stream, (cos | sin, T, rope_dim/2), scratch
         self._alloc_chunk_buffers(0, 0)
@@ -195,6 +203,54 @@ class DecodeStep:
         logits = np.empty(self._n_vocab, np.float32)
         self._chunk(x, pos, cos, sin, pool, table, logits, f32act)
         return logits
+
+    def run_ids(self, ids: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table,
+                logits: bool = True, f32act: bool = True, out_rows: int | None = None) -> np.ndarray:
+        """run_logits (logits=True) or run_chunk (logits=False, out_rows) of a step given as its
+        token ids (T,): the rows of the embedding table are looked up inside the same native call
+        (el_chunk_ids), bit-identical to reference.embedding's, so the results equal those of
+        run_logits / run_chunk on the looked-up rows. An id outside the table raises
+        DecodeStepError and writes nothing."""
+        T = len(ids)
+        if T == 0:
+            raise ValueError("run_ids needs at least one token id")
+        out_rows = 1 if logits else (T if out_rows is None else out_rows)
+        if not 0 <= out_rows <= T:
+            raise ValueError(f"out_rows must be in 0..{T} for a chunk of {T} tokens, got {out_rows}")
+        if self._ids.size < T:
+            self._ids = np.empty(max(T, 2 * self._ids.size), np.int32)
+        if T == 1:    # a decode token: no numpy reductions
+            v = int(ids[0])
+            wide = not -2 ** 31 <= v < 2 ** 31
+        else:
+            a = np.asarray(ids)
+            wide = a.dtype != np.int32 and bool((a < -2 ** 31).any() or (a >= 2 ** 31).any())
+        if wide:   # (the C side checks the table's range; int32 would wrap these first)
+            raise DecodeStepError(f"a token id of {list(ids)[:8]} does not fit int32")
+        self._ids[:T] = ids
+        n = self._take(pool, table)
+        self._fit_chunk(T)
+        out = np.empty(self._n_vocab, np.float32) if logits else None
+        rc = self._lib.el_chunk_ids(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._emb_p,
+                                    self._ids.ctypes.data, self._chunk_ptrs[0], T, pos, *self._rope_ptrs(cos, sin, T),
+                                    self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
+                                    self._chunk_scratch_p, self._chunk_scratch.nbytes, out_rows,
+                                    self._onorm.ctypes.data, self._head_p, self._n_vocab, int(f32act),
+                                    None if out is None else out.ctypes.data)
+        self._check(rc, "el_chunk_ids", f"{T} tokens at position {pos}", n)
+        return out if logits else self._chunk_x[T - out_rows:T]
+
+    def _rope_ptrs(self, cos: np.ndarray, sin: np.ndarray, T: int) -> tuple[int, int]:
+        """Addresses of the chunk's (T, rope_dim/2) RoPE rows: the caller's arrays where they are
+        C-contiguous float32 rows (the engine's tables: no copy), else copies in this object's
+        buffer."""
+        half = self.cfg.rope_dim // 2
+        ok = all(a.dtype == np.float32 and a.flags.c_contiguous and a.size == T * half for a in (cos, sin))
+        if ok:
+            return cos.ctypes.data, sin.ctypes.data
+        rope = self._chunk_rope[:, :T]
+        rope[0], rope[1] = cos, sin
+        return self._chunk_ptrs[1], self._chunk_ptrs[2]
 
     def _grow_chunk_buffers(self, T: int, need: int) -> None:
         """The chunk buffers, grown to T rows and `need` scratch bytes and then reused. The old
