@@ -105,6 +105,10 @@ class ModelRunner:
         if a chunk does not fit; on cancel the sequence is rolled back to where it was, so it
         stays usable. The last layer computes its output only for the rows whose logits are
         returned (out_rows of _layers): the K/V of every row are stored either way."""
+        if (len(ids) == 1 and logits and not all_logits and "decode" in self._fused_phases
+                and "decode" in self._fused_lead and "decode" in self._fused_tail and self.decode_override is None
+                and self._fusable(seq)):
+            return self._decode_fused(seq, ids, cancel)
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise ConfigError("forward needs a non-empty 1-D list of token ids")
@@ -148,6 +152,24 @@ class ModelRunner:
             return None
         out = np.concatenate(outs) if len(outs) > 1 else outs[0]
         return out if all_logits else out[0]
+
+    def _decode_fused(self, seq, ids, cancel: CancelToken | None) -> np.ndarray:
+        """forward's decode token when the whole step (lookup, layers, tail) is one fused call:
+        the call the loop below would make, without its numpy work around it. That work cost
+        ~80 us of a ~2.5 ms SmolLM2 token: the interpreter's code and data are cold after the
+        step streams ~100 MB of weights, so each small numpy call costs several times its warm
+        time."""
+        t = int(ids[0])
+        if not 0 <= t < self.cfg.vocab_size:
+            raise ConfigError(f"token id {t} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
+        if cancel is not None and cancel.cancelled:
+            raise Cancelled("cancelled between prefill chunks")
+        pos = seq.n_tokens
+        seq.reserve(1)
+        f32act = self._precision_kwargs("decode", 0)["lm_head"][0].get("precision", "fp32") == "fp32"
+        out = self._fused.run_ids((t,), pos, self.cos, self.sin, seq.pool, seq.block_table, f32act=f32act)
+        seq.commit(pos + 1, (t,))
+        return out
 
     def _layers(self, seq, ids: np.ndarray, cancel: CancelToken | None, phase: str = "prefill",
                 out_rows: int | None = None) -> np.ndarray:
@@ -223,8 +245,8 @@ class ModelRunner:
         pos, T = seq.n_tokens, len(ids)
         if phase in self._fused_lead:
             f32act = self._precision_kwargs(phase, 0)["lm_head"][0].get("precision", "fp32") == "fp32"
-            return self._fused.run_ids(ids, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
-                                       seq.block_table, logits=logits, f32act=f32act, out_rows=out_rows)
+            return self._fused.run_ids(ids, pos, self.cos, self.sin, seq.pool, seq.block_table, logits=logits,
+                                       f32act=f32act, out_rows=out_rows)
         be, w = self._ops[phase]["embedding"]
         # a chunk's embeddings go straight into the step's input buffer: no (T, d) copy beside it
         x = be.embedding(w.embedding, ids, out=self._fused.chunk_input(T) if T > 1 else None)   # (T, d)

@@ -551,7 +551,7 @@ def test_step_from_ids_equals_lookup_then_step(name, tmp_path_factory):
             ref = steps[0].run_logits(x, lo, cos, sin, seqs[0].pool, seqs[0].block_table)
         else:
             ref = steps[0].run_chunk(x, lo, cos, sin, seqs[0].pool, seqs[0].block_table, out_rows=out_rows).copy()
-        got = steps[1].run_ids(ids[lo:hi], lo, cos, sin, seqs[1].pool, seqs[1].block_table, logits=logits,
+        got = steps[1].run_ids(ids[lo:hi], lo, r.cos, r.sin, seqs[1].pool, seqs[1].block_table, logits=logits,
                                out_rows=out_rows)
         for s in seqs:
             s.commit(hi, ids[lo:hi])
@@ -573,10 +573,18 @@ def test_step_from_ids_refuses_bad_ids_and_writes_nothing(tmp_path_factory):
     k0 = seq.pool.k.copy()
     for bad in ([1, cfg.vocab_size, 2], [-1, 1, 2], [1, 2, 2 ** 32 + 1]):
         with pytest.raises(DecodeStepError, match="el_chunk_ids failed with EL_EINVAL|does not fit int32"):
-            step.run_ids(np.array(bad), 0, r.cos[0:3], r.sin[0:3], seq.pool, seq.block_table)
+            step.run_ids(np.array(bad), 0, r.cos, r.sin, seq.pool, seq.block_table)
+        assert np.array_equal(seq.pool.k.view(np.uint16), k0.view(np.uint16))
+    rows = len(r.cos)
+    for cos, sin, pos, what in ((r.cos, r.sin, rows - 2, "past the RoPE tables"),
+                                (r.cos.astype(np.float64), r.sin, 0, "C-contiguous float32"),
+                                (r.cos[:, :2], r.sin, 0, "C-contiguous float32"),
+                                (r.cos, r.sin[:5], 0, "different shapes")):
+        with pytest.raises(ValueError, match=what):
+            step.run_ids(np.array([1, 2, 3]), pos, cos, sin, seq.pool, seq.block_table)
         assert np.array_equal(seq.pool.k.view(np.uint16), k0.view(np.uint16))
     lib, ids = neon._lib(), np.array([1, 2, 3], np.int32)
-    step.run_ids(ids, 0, r.cos[0:3], r.sin[0:3], seq.pool, seq.block_table, logits=False)   # binds, sizes buffers
+    step.run_ids(ids, 0, r.cos, r.sin, seq.pool, seq.block_table, logits=False)   # binds, sizes buffers
     logits = np.full(step._n_vocab, 7.0, np.float32)
     emb = neon.ElEmbedding.from_buffer_copy(step._emb)
 
@@ -620,3 +628,39 @@ def test_engine_runs_the_tail_in_the_step_when_the_plan_puts_it_there(tmp_path_f
         got = r.forward(seqs[1], [t])
         assert nmse(got, ref) <= BOUND
     assert calls == [True] * 11
+
+
+def test_decode_token_fast_path_checks_like_the_loop(tmp_path_factory, monkeypatch):
+    """forward's one-token case takes the single fused call (Runner._decode_fused) and returns the
+    same logits as the general loop does for that token (bit for bit: the same run_ids call);
+    a bad id is a ConfigError and a cancelled token a Cancelled, each leaving the sequence and the
+    pool as they were."""
+    from edgellm.engine import CancelToken
+    from edgellm.errors import Cancelled, ConfigError
+
+    eng, _ = engine("llama-Q4_1", tmp_path_factory)
+    r, cfg = eng.runner, eng.config
+    used = []
+    orig = type(r)._decode_fused
+    monkeypatch.setattr(type(r), "_decode_fused", lambda self, *a: used.append(1) or orig(self, *a))
+    ids = np.random.default_rng(6).integers(3, cfg.vocab_size, 9)
+    seqs = [KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "f16").new_sequence() for _ in range(2)]
+    for s in seqs:
+        r.forward(s, ids)
+    for t in (5, 17, 3):
+        fast = r.forward(seqs[0], [t])
+        seqs[1].reserve(1)                       # what the loop does for the token
+        loop = r._fused_step(seqs[1], np.array([t]), "decode", logits=True)
+        seqs[1].commit(seqs[1].n_tokens + 1, [t])
+        np.testing.assert_array_equal(fast, loop)
+    assert len(used) == 3
+    n, k0 = seqs[0].n_tokens, seqs[0].pool.k.copy()
+    for bad in (cfg.vocab_size, -1):
+        with pytest.raises(ConfigError, match=f"token id {bad} is outside the vocabulary"):
+            r.forward(seqs[0], [bad])
+    token = CancelToken()
+    token.cancel()
+    with pytest.raises(Cancelled):
+        r.forward(seqs[0], [5], cancel=token)
+    assert seqs[0].n_tokens == n and np.array_equal(seqs[0].pool.k.view(np.uint16), k0.view(np.uint16))
+    assert len(used) == 6

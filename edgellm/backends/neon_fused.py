@@ -19,7 +19,7 @@ the K/V rows written are the same bit for bit.
 
     # or from the token ids, the embedding lookup inside the same call (el_chunk_ids: when the
     # plan puts the embedding on neon too):
-    logits = step.run_ids(ids (T,), pos, cos[pos:pos+T], sin[pos:pos+T], seq.pool, seq.block_table)
+    logits = step.run_ids(ids (T,), pos, cos, sin, seq.pool, seq.block_table)   # the whole tables
 
 run() returns its own (1, d) buffer: valid until the next run (copy it to keep it).
 """
@@ -114,6 +114,8 @@ class DecodeStep:
         self._emb = neon.embedding_desc(weights.embedding)
         self._emb_p = ctypes.addressof(self._emb)
         self._ids = np.empty(0, np.int32)              # a step's ids, copied in as int32
+        self._ids_addr = (None, 0)                     # (self._ids, its address)
+        self._rope_tabs = (None, None, 0, 0, 0, 0)     # (cos, sin, their addresses, rows, row bytes)
         self._pool = None              # the KVPool bound by _bind (arena addresses below)
         # run_chunk's buffers: (T, d) residual stream, (cos | sin, T, rope_dim/2), scratch
         self._alloc_chunk_buffers(0, 0)
@@ -204,13 +206,18 @@ class DecodeStep:
         self._chunk(x, pos, cos, sin, pool, table, logits, f32act)
         return logits
 
-    def run_ids(self, ids: np.ndarray, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table,
+    def run_ids(self, ids, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table,
                 logits: bool = True, f32act: bool = True, out_rows: int | None = None) -> np.ndarray:
         """run_logits (logits=True) or run_chunk (logits=False, out_rows) of a step given as its
         token ids (T,): the rows of the embedding table are looked up inside the same native call
         (el_chunk_ids), bit-identical to reference.embedding's, so the results equal those of
-        run_logits / run_chunk on the looked-up rows. An id outside the table raises
-        DecodeStepError and writes nothing."""
+        run_logits / run_chunk on the looked-up rows. cos, sin: the RoPE tables (positions,
+        rope_dim/2), of which rows pos..pos+T-1 are read in place. An id outside the table raises
+        DecodeStepError and writes nothing.
+
+        A decode token's Python work here is kept to a few attribute reads: after the step has
+        streamed ~100 MB of weights the interpreter runs cold, and checking two row slices'
+        dtype and flags took ~15 us of a ~2.5 ms token."""
         T = len(ids)
         if T == 0:
             raise ValueError("run_ids needs at least one token id")
@@ -221,18 +228,20 @@ class DecodeStep:
             self._ids = np.empty(max(T, 2 * self._ids.size), np.int32)
         if T == 1:    # a decode token: no numpy reductions
             v = int(ids[0])
-            wide = not -2 ** 31 <= v < 2 ** 31
+            if not -2 ** 31 <= v < 2 ** 31:
+                raise DecodeStepError(f"token id {v} does not fit int32")
+            self._ids[0] = v
         else:
             a = np.asarray(ids)
-            wide = a.dtype != np.int32 and bool((a < -2 ** 31).any() or (a >= 2 ** 31).any())
-        if wide:   # (the C side checks the table's range; int32 would wrap these first)
-            raise DecodeStepError(f"a token id of {list(ids)[:8]} does not fit int32")
-        self._ids[:T] = ids
+            if a.dtype != np.int32 and bool((a < -2 ** 31).any() or (a >= 2 ** 31).any()):
+                raise DecodeStepError(f"a token id of {a[:8].tolist()} does not fit int32")
+            self._ids[:T] = a
+        cos_p, sin_p = self._rope_rows(cos, sin, pos, T)
         n = self._take(pool, table)
         self._fit_chunk(T)
         out = np.empty(self._n_vocab, np.float32) if logits else None
         rc = self._lib.el_chunk_ids(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._emb_p,
-                                    self._ids.ctypes.data, self._chunk_ptrs[0], T, pos, *self._rope_ptrs(cos, sin, T),
+                                    self._ids_p(), self._chunk_ptrs[0], T, pos, cos_p, sin_p,
                                     self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
                                     self._chunk_scratch_p, self._chunk_scratch.nbytes, out_rows,
                                     self._onorm.ctypes.data, self._head_p, self._n_vocab, int(f32act),
@@ -240,17 +249,29 @@ class DecodeStep:
         self._check(rc, "el_chunk_ids", f"{T} tokens at position {pos}", n)
         return out if logits else self._chunk_x[T - out_rows:T]
 
-    def _rope_ptrs(self, cos: np.ndarray, sin: np.ndarray, T: int) -> tuple[int, int]:
-        """Addresses of the chunk's (T, rope_dim/2) RoPE rows: the caller's arrays where they are
-        C-contiguous float32 rows (the engine's tables: no copy), else copies in this object's
-        buffer."""
-        half = self.cfg.rope_dim // 2
-        ok = all(a.dtype == np.float32 and a.flags.c_contiguous and a.size == T * half for a in (cos, sin))
-        if ok:
-            return cos.ctypes.data, sin.ctypes.data
-        rope = self._chunk_rope[:, :T]
-        rope[0], rope[1] = cos, sin
-        return self._chunk_ptrs[1], self._chunk_ptrs[2]
+    def _ids_p(self) -> int:
+        if self._ids_addr[0] is not self._ids:
+            self._ids_addr = (self._ids, self._ids.ctypes.data)
+        return self._ids_addr[1]
+
+    def _rope_rows(self, cos: np.ndarray, sin: np.ndarray, pos: int, T: int) -> tuple[int, int]:
+        """Addresses of rows pos..pos+T-1 of the RoPE tables (positions, rope_dim/2): read in
+        place. The pair of tables is checked once (C-contiguous float32 of that width), then
+        reused while the same two objects come back (the engine's tables, every step)."""
+        if self._rope_tabs[0] is not cos or self._rope_tabs[1] is not sin:
+            half = self.cfg.rope_dim // 2
+            for name, a in (("cos", cos), ("sin", sin)):
+                if not (isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim == 2 and a.shape[1] == half
+                        and a.flags.c_contiguous):
+                    raise ValueError(f"run_ids needs the RoPE tables as C-contiguous float32 (positions, {half}); "
+                                     f"{name} is {getattr(a, 'dtype', type(a))} {getattr(a, 'shape', '')}")
+            if cos.shape != sin.shape:
+                raise ValueError(f"RoPE tables of different shapes {cos.shape}, {sin.shape}")
+            self._rope_tabs = (cos, sin, cos.ctypes.data, sin.ctypes.data, len(cos), 4 * half)
+        _, _, c0, s0, rows, row_bytes = self._rope_tabs
+        if pos < 0 or pos + T > rows:
+            raise ValueError(f"positions {pos}..{pos + T - 1} are past the RoPE tables' {rows} rows")
+        return c0 + pos * row_bytes, s0 + pos * row_bytes
 
     def _grow_chunk_buffers(self, T: int, need: int) -> None:
         """The chunk buffers, grown to T rows and `need` scratch bytes and then reused. The old
