@@ -353,6 +353,10 @@ static void el_attn_row_out(const el_attn_job *J, size_t row, const float *acc, 
     }
 }
 
+#ifndef EL_ATTN_X5_KV
+#define EL_ATTN_X5_KV 0   /* 1: attn_avx512.h's K/V chunk fetch */
+#endif
+
 /* One tile: kv head kh, query heads h0..h1-1 (all of group kh), token rows t0..t1-1, keys
  * [j_lo, j_hi) (a split; each row is also capped by causality). */
 static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, int t1, int j_lo, int j_hi, int split) {
@@ -389,12 +393,20 @@ static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, i
         if (c_next > 0) el_row_offsets(&J->kv, j0 + c, c_next, off[cur ^ 1]);
         for (int i = 0; i < c_next; i++) off[cur ^ 1][i] += kh_off;
         const int cp = (c + EL_ATTN_KB - 1) / EL_ATTN_KB * EL_ATTN_KB;   /* zero-padded key columns */
-        el_fetch_rows(&J->kv, J->kv.k, off[cur], c, off[cur ^ 1], c_next, hd, kbuf, krow);
-        el_transpose_rows(kt, cp, krow, c, hd);
-        if (cp > (c + 3) / 4 * 4)
-            for (int d = 0; d < hd; d++) memset(kt + (size_t)d * cp + (c + 3) / 4 * 4, 0,
-                                                (size_t)(cp - (c + 3) / 4 * 4) * sizeof(float));
-        el_fetch_rows(&J->kv, J->kv.v, off[cur], c, off[cur ^ 1], c_next, hd, vbuf, vrow);
+#if EL_ATTN_X5_KV
+        if (hd % 16 == 0) {
+            el_kt_x5(&J->kv, J->kv.k, off[cur], c, off[cur ^ 1], c_next, hd, kt, cp);
+            el_vrows_x5(&J->kv, J->kv.v, off[cur], c, off[cur ^ 1], c_next, hd, vbuf, vrow);
+        } else
+#endif
+        {
+            el_fetch_rows(&J->kv, J->kv.k, off[cur], c, off[cur ^ 1], c_next, hd, kbuf, krow);
+            el_transpose_rows(kt, cp, krow, c, hd);
+            if (cp > (c + 3) / 4 * 4)
+                for (int d = 0; d < hd; d++) memset(kt + (size_t)d * cp + (c + 3) / 4 * 4, 0,
+                                                    (size_t)(cp - (c + 3) / 4 * 4) * sizeof(float));
+            el_fetch_rows(&J->kv, J->kv.v, off[cur], c, off[cur ^ 1], c_next, hd, vbuf, vrow);
+        }
         int qi;
         for (qi = 0; qi < nq; qi += EL_ATTN_NR) {
             const int nr = EL_MIN(EL_ATTN_NR, nq - qi);
