@@ -166,8 +166,8 @@ class ModelRunner:
             raise Cancelled("cancelled between prefill chunks")
         pos = seq.n_tokens
         seq.reserve(1)
-        f32act = self._precision_kwargs("decode", 0)["lm_head"][0].get("precision", "fp32") == "fp32"
-        out = self._fused.run_ids((t,), pos, self.cos, self.sin, seq.pool, seq.block_table, f32act=f32act)
+        out = self._fused.run_ids((t,), pos, self.cos, self.sin, seq.pool, seq.block_table,
+                                  f32act=self._head_f32act("decode"))
         seq.commit(pos + 1, (t,))
         return out
 
@@ -244,20 +244,22 @@ class ModelRunner:
         the chunk's last position, the head computing in the precision the plan asks of it."""
         pos, T = seq.n_tokens, len(ids)
         if phase in self._fused_lead:
-            f32act = self._precision_kwargs(phase, 0)["lm_head"][0].get("precision", "fp32") == "fp32"
             return self._fused.run_ids(ids, pos, self.cos, self.sin, seq.pool, seq.block_table, logits=logits,
-                                       f32act=f32act, out_rows=out_rows)
+                                       f32act=self._head_f32act(phase), out_rows=out_rows)
         be, w = self._ops[phase]["embedding"]
         # a chunk's embeddings go straight into the step's input buffer: no (T, d) copy beside it
         x = be.embedding(w.embedding, ids, out=self._fused.chunk_input(T) if T > 1 else None)   # (T, d)
         if logits:
-            precision = self._precision_kwargs(phase, 0)["lm_head"][0].get("precision", "fp32")
             return self._fused.run_logits(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
-                                          seq.block_table, f32act=precision == "fp32")
+                                          seq.block_table, f32act=self._head_f32act(phase))
         if T == 1:
             return self._fused.run(x, pos, self.cos[pos], self.sin[pos], seq.pool, seq.block_table).copy()
         return self._fused.run_chunk(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
                                      seq.block_table, out_rows=out_rows)
+
+    def _head_f32act(self, phase: str) -> bool:
+        """Whether the fused step's head keeps its input row in fp32 (the plan's ask for lm_head)."""
+        return self._precision_kwargs(phase, 0)["lm_head"][0].get("precision", "fp32") == "fp32"
 
     def _head(self, x: np.ndarray, phase: str) -> np.ndarray:
         P = self._ops[phase]

@@ -429,8 +429,16 @@ int el_chunk_ids(el_pool *pool, const el_layer *layers, int n_layers, const el_m
                  const float *out_norm, const el_matrix *head, int n_vocab, int f32act, float *logits) {
     int rc = el_dims_check(dims);
     if (rc != EL_OK) return rc;
-    if (!emb || emb->row_len != dims->d || !x || T <= 0) return EL_EINVAL;
+    if (!emb || emb->row_len != dims->d || !x || !k_pool || !v_pool || T <= 0 || n_layers <= 0 || block_tokens <= 0 ||
+        n_blocks <= 0)
+        return EL_EINVAL;
     if (logits && out_rows != 1) return EL_EINVAL;
+    if (kv_type != EL_F32 && kv_type != EL_F16) return EL_EUNSUPPORTED;
+    /* x is written before the step checks the rest: it must not lie in the K/V arena, whose
+     * live rows a refused call leaves untouched */
+    const size_t xb = (size_t)T * dims->d * sizeof(float);
+    const size_t arena = (size_t)n_blocks * n_layers * block_tokens * dims->KVH * dims->hd * (kv_type == EL_F16 ? 2 : 4);
+    if (el_overlaps(x, xb, k_pool, arena) || el_overlaps(x, xb, v_pool, arena)) return EL_EINVAL;
     if ((rc = el_embed_rows(emb, ids, T, x)) != EL_OK) return rc;
     if (logits)
         return el_chunk_logits(pool, layers, n_layers, dims, x, T, pos, cos, sin, k_pool, v_pool, kv_type,

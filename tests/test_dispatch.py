@@ -385,23 +385,29 @@ def test_a_fused_decode_step_takes_the_whole_layer_when_it_is_cheaper():
     assert plan.decode.step_ms < unfused.decode.step_ms
 
 
-def test_the_model_tail_joins_the_fused_step_when_that_is_cheaper():
-    """With the layers in a fused native step, the output norm and head run in the same call on
-    the last row (no call of their own) when that beats their own best placement; the reason
-    says so. Without a fused step they are placed as ops of their own."""
+def fused_and_unfused_plans():
+    """Plans with a neon unit whose per-op calls cost more than numpy's (50 us) but whose fused
+    step costs one call, and with the same unit lacking the fused step."""
     from dataclasses import replace
 
     p = cpu_only()
     ref = cpu_unit("reference", p)
     neon = replace(cpu_unit("neon", p), launch_s=50e-6, fused_decode_s=50e-6)
-    plan = Dispatcher(p, CFG, Q41, probe=False, units=[neon, ref]).plan(prompt_tokens=64, n_ctx=256,
-                                                                         memory_budget=2**30)
+    plans = [Dispatcher(p, CFG, Q41, probe=False, units=[u, ref]).plan(prompt_tokens=64, n_ctx=256,
+                                                                       memory_budget=2**30)
+             for u in (neon, replace(neon, fused_decode_s=None))]
+    return tuple(plans)
+
+
+def test_the_model_tail_joins_the_fused_step_when_that_is_cheaper():
+    """With the layers in a fused native step, the output norm and head run in the same call on
+    the last row (no call of their own) when that beats their own best placement; the reason
+    says so. Without a fused step they are placed as ops of their own."""
+    plan, unfused = fused_and_unfused_plans()
     for phase in (plan.decode, plan.prefill):
         tail = {q.op: q for q in phase.placements if q.op in ("output_norm", "lm_head")}
         assert {q.unit for q in tail.values()} == {"neon"}, tail
         assert all("native call on neon" in q.reason for q in tail.values())
-    unfused = Dispatcher(p, CFG, Q41, probe=False, units=[replace(neon, fused_decode_s=None), ref]).plan(
-        prompt_tokens=64, n_ctx=256, memory_budget=2**30)
     tail = {q.op: q for q in unfused.decode.placements if q.op in ("output_norm", "lm_head")}
     assert tail["output_norm"].unit == "reference"      # 50 us a call on neon: numpy is cheaper alone
     assert not any("native call" in q.reason for q in tail.values())
@@ -411,19 +417,11 @@ def test_the_embedding_joins_the_fused_step_as_its_lead():
     """With the layers in a fused native step, the embedding lookup runs inside the same call
     (serially: no call, no pool dispatch) and the reason says so and why; without a fused step it
     is placed as an op of its own, on the cheaper unit alone (50 us a neon call: reference)."""
-    from dataclasses import replace
-
-    p = cpu_only()
-    ref = cpu_unit("reference", p)
-    neon = replace(cpu_unit("neon", p), launch_s=50e-6, fused_decode_s=50e-6)
-    plan = Dispatcher(p, CFG, Q41, probe=False, units=[neon, ref]).plan(prompt_tokens=64, n_ctx=256,
-                                                                         memory_budget=2**30)
+    plan, unfused = fused_and_unfused_plans()
     for phase in (plan.decode, plan.prefill):
         (emb,) = [q for q in phase.placements if q.op == "embedding"]
         assert emb.unit == "neon", emb
         assert "native call on neon (the step's token ids looked up there" in emb.reason
         assert "as a separate call" in emb.reason
-    unfused = Dispatcher(p, CFG, Q41, probe=False, units=[replace(neon, fused_decode_s=None), ref]).plan(
-        prompt_tokens=64, n_ctx=256, memory_budget=2**30)
     (emb,) = [q for q in unfused.decode.placements if q.op == "embedding"]
     assert emb.unit == "reference" and "native call" not in emb.reason

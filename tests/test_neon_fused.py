@@ -588,17 +588,22 @@ def test_step_from_ids_refuses_bad_ids_and_writes_nothing(tmp_path_factory):
     logits = np.full(step._n_vocab, 7.0, np.float32)
     emb = neon.ElEmbedding.from_buffer_copy(step._emb)
 
-    def call(emb_p=step._emb_p, out_rows=1):
+    def call(emb_p=step._emb_p, out_rows=1, x=step._chunk_ptrs[0], kv_type=step._kv_type):
         return lib.el_chunk_ids(None, step._layers_p, cfg.n_layers, step._dims_p, emb_p, ids.ctypes.data,
-                                step._chunk_ptrs[0], 3, 0, r.cos.ctypes.data, r.sin.ctypes.data, step._k_p, step._v_p,
-                                step._kv_type, step._tbl_p, 1, step._bt, step._nb, step._chunk_scratch_p,
+                                x, 3, 0, r.cos.ctypes.data, r.sin.ctypes.data, step._k_p, step._v_p,
+                                kv_type, step._tbl_p, 1, step._bt, step._nb, step._chunk_scratch_p,
                                 step._chunk_scratch.nbytes, out_rows, step._onorm.ctypes.data, step._head_p,
                                 step._n_vocab, 1, logits.ctypes.data)
     emb.row_len = cfg.d_model // 2
-    k1 = seq.pool.k.copy()
+    k1, v1 = seq.pool.k.copy(), seq.pool.v.copy()
     assert call(out_rows=3) == EINVAL
     assert call(emb_p=ctypes.addressof(emb)) == EINVAL
     assert call(emb_p=None) == EINVAL
+    assert call(kv_type=7) == EUNSUPPORTED
+    # x inside the K or V arena (its last row or its first): refused before the lookup writes it
+    assert call(x=step._k_p + seq.pool.k.nbytes - 4) == EINVAL
+    assert call(x=step._v_p) == EINVAL
+    assert np.array_equal(seq.pool.v.view(np.uint16), v1.view(np.uint16))
     assert (logits == 7.0).all() and np.array_equal(seq.pool.k.view(np.uint16), k1.view(np.uint16))
     assert call() == 0 and np.isfinite(logits).all()
 

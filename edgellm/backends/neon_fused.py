@@ -113,8 +113,8 @@ class DecodeStep:
         # the token table, for steps that start from token ids (run_ids)
         self._emb = neon.embedding_desc(weights.embedding)
         self._emb_p = ctypes.addressof(self._emb)
-        self._ids = np.empty(0, np.int32)              # a step's ids, copied in as int32
-        self._ids_addr = (None, 0)                     # (self._ids, its address)
+        self._ids = np.empty(1, np.int32)              # a step's ids, copied in as int32
+        self._ids_p = self._ids.ctypes.data
         self._rope_tabs = (None, None, 0, 0, 0, 0)     # (cos, sin, their addresses, rows, row bytes)
         self._pool = None              # the KVPool bound by _bind (arena addresses below)
         # run_chunk's buffers: (T, d) residual stream, (cos | sin, T, rope_dim/2), scratch
@@ -226,6 +226,7 @@ class DecodeStep:
             raise ValueError(f"out_rows must be in 0..{T} for a chunk of {T} tokens, got {out_rows}")
         if self._ids.size < T:
             self._ids = np.empty(max(T, 2 * self._ids.size), np.int32)
+            self._ids_p = self._ids.ctypes.data
         if T == 1:    # a decode token: no numpy reductions
             v = int(ids[0])
             if not -2 ** 31 <= v < 2 ** 31:
@@ -241,18 +242,13 @@ class DecodeStep:
         self._fit_chunk(T)
         out = np.empty(self._n_vocab, np.float32) if logits else None
         rc = self._lib.el_chunk_ids(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._emb_p,
-                                    self._ids_p(), self._chunk_ptrs[0], T, pos, cos_p, sin_p,
+                                    self._ids_p, self._chunk_ptrs[0], T, pos, cos_p, sin_p,
                                     self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
                                     self._chunk_scratch_p, self._chunk_scratch.nbytes, out_rows,
                                     self._onorm.ctypes.data, self._head_p, self._n_vocab, int(f32act),
                                     None if out is None else out.ctypes.data)
         self._check(rc, "el_chunk_ids", f"{T} tokens at position {pos}", n)
         return out if logits else self._chunk_x[T - out_rows:T]
-
-    def _ids_p(self) -> int:
-        if self._ids_addr[0] is not self._ids:
-            self._ids_addr = (self._ids, self._ids.ctypes.data)
-        return self._ids_addr[1]
 
     def _rope_rows(self, cos: np.ndarray, sin: np.ndarray, pos: int, T: int) -> tuple[int, int]:
         """Addresses of rows pos..pos+T-1 of the RoPE tables (positions, rope_dim/2): read in
