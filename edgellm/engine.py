@@ -105,7 +105,8 @@ class ModelRunner:
         if a chunk does not fit; on cancel the sequence is rolled back to where it was, so it
         stays usable. The last layer computes its output only for the rows whose logits are
         returned (out_rows of _layers): the K/V of every row are stored either way."""
-        if (len(ids) == 1 and logits and not all_logits and "decode" in self._fused_phases
+        one = (isinstance(ids, (list, tuple)) or getattr(ids, "ndim", 0) == 1) and len(ids) == 1
+        if (one and logits and not all_logits and "decode" in self._fused_phases
                 and "decode" in self._fused_lead and "decode" in self._fused_tail and self.decode_override is None
                 and self._fusable(seq)):
             return self._decode_fused(seq, ids, cancel)

@@ -663,6 +663,9 @@ def test_decode_token_fast_path_checks_like_the_loop(tmp_path_factory, monkeypat
     for bad in (cfg.vocab_size, -1):
         with pytest.raises(ConfigError, match=f"token id {bad} is outside the vocabulary"):
             r.forward(seqs[0], [bad])
+    for bad in (5, np.array(5), np.array([[5]]), []):   # not a 1-D list of ids: the loop's error
+        with pytest.raises(ConfigError, match="non-empty 1-D list of token ids"):
+            r.forward(seqs[0], bad)
     token = CancelToken()
     token.cancel()
     with pytest.raises(Cancelled):
