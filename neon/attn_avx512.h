@@ -101,9 +101,9 @@ el_pv_block_avx512(const int NR, float *const *acc, const float *alpha, const fl
  * (el_fetch_rows, el_transpose_rows) converts fp16 4 values at a time into a buffer, then
  * transposes that buffer in 4 x 4 blocks: perf put ~6% of a cached 32-token chat turn's samples
  * (SmolLM2, 401 keys cached) on the conversion alone. Here 16 keys' 16 dims are converted
- * straight from the arena into 16 registers and transposed there (64 shuffles), and V rows are
- * converted 16 values at a time. The same values land in the same places (conversion is exact,
- * keys past c are zeros): the tile's results are bit-identical. */
+ * straight from the arena into 16 registers and transposed there (64 shuffles); V rows go
+ * through el_fetch_rows, whose conversion is 16-lane on x86. The same values land in the same
+ * places (conversion is exact, keys past c are zeros): the tile's results are bit-identical. */
 #define EL_ATTN_X5_KV 1
 
 /* r[i] lane j -> r[j] lane i, for 16 registers of 16 floats */
@@ -132,19 +132,12 @@ static inline __attribute__((always_inline)) void el_x5_transpose16(__m512 r[16]
     }
 }
 
-static inline void el_x5_prefetch_rows(const void *base, const size_t *pf, int npf, size_t esz, size_t row_bytes) {
-    for (int i = 0; i < npf; i++) {
-        const char *r = (const char *)base + pf[i] * esz;
-        for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(r + b);
-    }
-}
-
 /* kt[d * cp + j] = key j's dim d (keys at element offsets off[j], j < c; zeros for c <= j < cp),
  * cp a multiple of 16, hd a multiple of 16; prefetches the next chunk's rows (pf[i], i < npf) */
 static void el_kt_x5(const el_kv_src *s, const void *base, const size_t *off, int c, const size_t *pf, int npf,
                      int hd, float *kt, int cp) {
     const size_t esz = s->f16 ? 2 : 4;
-    el_x5_prefetch_rows(base, pf, npf, esz, (size_t)hd * esz);
+    el_prefetch_rows(s, base, pf, npf, hd);
     for (int j0 = 0; j0 < cp; j0 += 16) {
         const char *row[16];
         for (int i = 0; i < 16; i++) row[i] = j0 + i < c ? (const char *)base + off[j0 + i] * esz : NULL;
@@ -158,28 +151,6 @@ static void el_kt_x5(const el_kv_src *s, const void *base, const size_t *off, in
             el_x5_transpose16(r);
             for (int i = 0; i < 16; i++) _mm512_storeu_ps(kt + (size_t)(d0 + i) * cp + j0, r[i]);
         }
-    }
-}
-
-/* el_fetch_rows with fp16 rows converted 16 values at a time */
-static void el_vrows_x5(const el_kv_src *s, const void *base, const size_t *off, int c, const size_t *pf, int npf,
-                        int hd, float *buf, const float **rows) {
-    const size_t esz = s->f16 ? 2 : 4;
-    el_x5_prefetch_rows(base, pf, npf, esz, (size_t)hd * esz);
-    for (int i = 0; i < c; i++) {
-        if (!s->f16) {
-            rows[i] = (const float *)base + off[i];
-            continue;
-        }
-        const uint16_t *src = (const uint16_t *)base + off[i];
-        float *dst = buf + (size_t)i * hd;
-        int d = 0;
-        for (; d + 16 <= hd; d += 16) _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + d))));
-        if (d < hd) {
-            const __mmask16 m = (__mmask16)((1u << (hd - d)) - 1);
-            _mm512_mask_storeu_ps(dst + d, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + d)));
-        }
-        rows[i] = dst;
     }
 }
 

@@ -1,6 +1,6 @@
 /* x86 AVX-512 (development builds on AVX-512 CPUs): attention.c's two decode blocks on 16-lane
- * registers. Included by attention.c inside its AVX2 section, with the same signatures as
- * el_dec_scores4 / el_dec_pv.
+ * registers. Included by attention.c inside its AVX2 section; the PV block has el_dec_pv's
+ * signature, the score block also takes its key count and a compile-time hd.
  *
  * Why: inside a decode step (Zen 5, SmolLM2, 2 threads) the 8-lane blocks took 13.2 us a layer
  * at 500-700 keys with the K/V rows already in cache, 17.9 us from DRAM: compute, not memory.
@@ -50,11 +50,6 @@ static EL_AI void el_dec_scoresk_avx512(const int NR, const int KG, const int F1
     for (int r = 0; r < NR; r++)
         for (int k = 0; k < KG; k += 4)
             _mm_storeu_ps(s[r] + k, _mm_mul_ps(el_x5_sum4(a[r][k], a[r][k + 1], a[r][k + 2], a[r][k + 3]), sc));
-}
-
-static EL_AI void el_dec_scores4_avx512(const int NR, const int F16, const float *const *q, const char *const *kr,
-                                        int hd, float scale, float *const *s) {
-    el_dec_scoresk_avx512(NR, 4, F16, 0, q, kr, hd, scale, s);
 }
 
 /* NV registers (16 dims each) of NR rows' accumulators from dim d over keys i < c */
