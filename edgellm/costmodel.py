@@ -59,7 +59,7 @@ class Unit:
     head_precision: str | None = None          # compute precision of lm_head, when not quant_precision
     quant_fp32_slowdown: float | None = None   # fp32 activations against 4-bit block weights (a plan's
                                                # ask) run at curve / this; None: at the fp32 peak
-    fused_kv_bytes: frozenset = frozenset({2.0, 4.0})   # KV element sizes its fused step reads in place
+    fused_kv_bytes: frozenset = frozenset({1.0, 2.0, 4.0})   # KV element sizes its fused step reads in place
     fused_decode_s: float | None = None        # cost of one call running every layer of a decode
                                                # step or a prefill chunk natively (None: no such call)
     op_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()

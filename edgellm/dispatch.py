@@ -385,9 +385,9 @@ class Dispatcher:
             if not u.available or u.fused_decode_s is None:
                 continue
             if self.kv_bytes not in u.fused_kv_bytes:
-                # e.g. neon's fused step reads f16/f32 pools only: an int8 cache runs op by op
-                msg = (f"{u.name}'s fused layer step reads an f16 or f32 KV cache only: with this "
-                       f"{self.kv_bytes:g}-byte KV cache decode and prefill run op by op")
+                # a unit whose fused step reads only some KV element sizes runs the others op by op
+                msg = (f"{u.name}'s fused layer step cannot read a {self.kv_bytes:g}-byte KV cache: "
+                       f"decode and prefill run op by op")
                 if msg not in self.warnings:
                     self.warnings.append(msg)
                 continue

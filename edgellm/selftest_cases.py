@@ -12,7 +12,8 @@ from typing import Sequence
 import numpy as np
 
 
-OP_MATMUL, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED = range(1, 10)
+(OP_MATMUL, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED,
+ OP_KV_QUANT) = range(1, 11)
 CASES_MAGIC, CASES_VERSION = b"ELSTCASE", 1
 KIND_F32, KIND_RAW = 1, 2
 BOUND_ELEMENTWISE = 1e-7     # NMSE bounds of DESIGN.md's correctness discipline
@@ -26,6 +27,7 @@ BOUND_ATTENTION = 5e-4
 # value of a row is ~1e-15)
 BOUND_EXACT = 1e-30
 EL_F32, EL_F16, EL_Q4_0, EL_Q4_1, EL_Q8_0 = 0, 1, 2, 3, 8
+EL_KV_I8 = 16                # an int8 KV pool's kv_type (arena + per-row scales)
 
 
 @dataclass(frozen=True)
@@ -244,6 +246,60 @@ def _attention_cases(rng: np.random.Generator) -> list[Case]:
             ints = (T, H, KVH, hd, start, kv_type, bt, L, layer, n_blocks)
             cases.append(Case(OP_ATTN_POOL, name, BOUND_ATTENTION, ints, (),
                               (q, karena.view(np.uint8), varena.view(np.uint8), table, _f32(want))))
+    cases += _attention_i8_cases(rng)
+    return cases
+
+
+def _attention_i8_cases(rng: np.random.Generator) -> list[Case]:
+    """An int8 pool (EL_KV_I8): rows quantized as kv/pool.py writes them; the scales of every row
+    the kernel must not read are NaN (garbage int8 values beside them), so reading one fails."""
+    from .backends import reference
+    from .kv.pool import quantize_int8
+
+    cases = []
+    # decode (the tile path with its key splits), a chunk after a prefix, one head, hd 80
+    for T, H, KVH, hd, start, bt, L, layer in ((1, 9, 3, 64, 45, 16, 3, 2), (7, 9, 3, 64, 20, 16, 3, 0),
+                                               (1, 1, 1, 64, 0, 16, 2, 1), (5, 6, 2, 80, 70, 8, 2, 1)):
+        n = start + T
+        need = -(-n // bt)
+        n_blocks = need + 3
+        table = rng.permutation(n_blocks)[:need].astype(np.int32)
+        shape = (n_blocks, L, bt, KVH, hd)
+        karena = rng.integers(-127, 128, shape).astype(np.int8)
+        varena = rng.integers(-127, 128, shape).astype(np.int8)
+        kscale, vscale = np.full(shape[:-1], np.nan, np.float32), np.full(shape[:-1], np.nan, np.float32)
+        k = _f32(rng.standard_normal((n, KVH, hd)) * rng.choice([0.1, 1.0, 20.0], (n, KVH, 1)))
+        v = _f32(rng.standard_normal((n, KVH, hd)))
+        (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+        for p in range(n):
+            b, r = table[p // bt], p % bt
+            karena[b, layer, r], kscale[b, layer, r] = kq[p], ks[p]
+            varena[b, layer, r], vscale[b, layer, r] = vq[p], vs[p]
+        kd, vd = (_f32(a.astype(np.float32) * s_[..., None]) for a, s_ in ((kq, ks), (vq, vs)))
+        q = _f32(rng.standard_normal((T, H, hd)) * 2.0)
+        want = reference.attention(q, _f32(kd.transpose(1, 0, 2)), _f32(vd.transpose(1, 0, 2)), start)
+        name = f"attn_pool/i8/t{T}_h{H}_kvh{KVH}_hd{hd}_s{start}_bt{bt}_l{layer}of{L}"
+        ints = (T, H, KVH, hd, start, EL_KV_I8, bt, L, layer, n_blocks)
+        cases.append(Case(OP_ATTN_POOL, name, BOUND_ATTENTION, ints, (),
+                          (q, karena.view(np.uint8), varena.view(np.uint8), table, kscale, vscale, _f32(want))))
+    return cases
+
+
+def _kv_quant_cases(rng: np.random.Generator) -> list[Case]:
+    """The int8 KV store (el_kv_quantize_i8) against the pool writer, bit for bit: random rows at
+    several magnitudes, rounding ties, a zero row, a subnormal maximum, hd not a multiple of 8."""
+    from .kv.pool import quantize_int8
+
+    cases = []
+    for rows, hd in ((6, 64), (5, 13), (3, 128)):
+        x = _f32(rng.standard_normal((rows, hd)) * rng.choice([1e-3, 1.0, 1e3], (rows, 1)))
+        x[0] = 0.0
+        x[1] = (np.arange(hd) % 127 + 0.5) * 3.0
+        x[1, 0] = 381.0                      # scale 3.0 exactly: the others are ties
+        x[2] = 1e-40
+        q, s = quantize_int8(x)
+        cases.append(Case(OP_KV_QUANT, f"kv_quant/rows{rows}_hd{hd}", BOUND_EXACT, (rows, hd), (),
+                          (x, _f32(np.concatenate([q.reshape(-1).astype(np.float32), s])))))
     return cases
 
 
@@ -271,7 +327,8 @@ def make_cases(seed: int = 20240531) -> list[Case]:
     """Every kernel, awkward shapes included (tails of 1, 7, 33; M = 1, 3, 17; GQA 9:3; fused
     segments; shuffled KV blocks), with expected outputs from the numpy reference."""
     rng = np.random.default_rng(seed)
-    return [*_matmul_cases(rng), *_elementwise_cases(rng), *_attention_cases(rng), *_embed_cases(rng)]
+    return [*_matmul_cases(rng), *_elementwise_cases(rng), *_attention_cases(rng), *_embed_cases(rng),
+            *_kv_quant_cases(rng)]
 
 
 def write_cases(path: str | os.PathLike, seed: int = 20240531) -> int:

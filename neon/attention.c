@@ -45,6 +45,8 @@
 typedef struct {
     const void *k, *v;
     int f16;
+    int i8;                 /* int8 arena: element (kh, j) is k[off] * ks[off / hd] (v: vs) */
+    const float *ks, *vs;   /* i8: per (token, kv head) scales, the arena's shape without hd */
     const int32_t *table;   /* NULL: dense */
     int bt;
     size_t block_stride, layer_off, row_stride, head_stride;
@@ -146,8 +148,27 @@ static void el_row_offsets(const el_kv_src *s, int j0, int c, size_t *off) {
 }
 
 /* Prefetches the rows at element offsets pf[i], i < npf, of one kv head */
+static inline size_t el_kv_esz(const el_kv_src *s) { return s->i8 ? 1 : s->f16 ? 2 : 4; }
+
+/* dst[i] = q[i] * scale: int8 K/V dequantized as the pool's reader does (one rounding each) */
+static inline void el_dq_row(float *dst, const int8_t *q, float scale, int n) {
+    int i = 0;
+#if EL_SIMDE && defined(__AVX512F__)
+    const __m512 s16 = _mm512_set1_ps(scale);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                     _mm_loadu_si128((const __m128i *)(q + i)))), s16));
+#endif
+    for (; i + 8 <= n; i += 8) {
+        const int16x8_t w = vmovl_s8(vld1_s8(q + i));
+        vst1q_f32(dst + i, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), scale));
+        vst1q_f32(dst + i + 4, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(w))), scale));
+    }
+    for (; i < n; i++) dst[i] = (float)q[i] * scale;
+}
+
 static void el_prefetch_rows(const el_kv_src *s, const void *base, const size_t *pf, int npf, int hd) {
-    const size_t esz = s->f16 ? 2 : 4, row_bytes = (size_t)hd * esz;
+    const size_t esz = el_kv_esz(s), row_bytes = (size_t)hd * esz;
     for (int i = 0; i < npf; i++) {
         const char *r = (const char *)base + pf[i] * esz;
         for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(r + b);
@@ -161,8 +182,12 @@ static void el_prefetch_rows(const el_kv_src *s, const void *base, const size_t 
 static void el_fetch_rows(const el_kv_src *s, const void *base, const size_t *off, int c, const size_t *pf, int npf,
                           int hd, float *buf, const float **rows) {
     el_prefetch_rows(s, base, pf, npf, hd);
+    const float *scale = base == s->k ? s->ks : s->vs;
     for (int i = 0; i < c; i++) {
-        if (s->f16) {
+        if (s->i8) {
+            el_dq_row(buf + (size_t)i * hd, (const int8_t *)base + off[i], scale[off[i] / s->head_stride], hd);
+            rows[i] = buf + (size_t)i * hd;
+        } else if (s->f16) {
             el_cvt_row(buf + (size_t)i * hd, (const uint16_t *)base + off[i], hd);
             rows[i] = buf + (size_t)i * hd;
         } else {
@@ -404,7 +429,7 @@ static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, i
         for (int i = 0; i < c_next; i++) off[cur ^ 1][i] += kh_off;
         const int cp = (c + EL_ATTN_KB - 1) / EL_ATTN_KB * EL_ATTN_KB;   /* zero-padded key columns */
 #if EL_ATTN_X5_KV
-        if (hd % 16 == 0) {
+        if (hd % 16 == 0 && !J->kv.i8) {
             el_kt_x5(&J->kv, J->kv.k, off[cur], c, off[cur ^ 1], c_next, hd, kt, cp);
         } else
 #endif
@@ -851,8 +876,9 @@ static void el_attn_dec_item(void *ctx, int split, int flags) {
     el_attn_dec_split(ctx, split, (flags & EL_ITEM_MORE) != 0);
 }
 
+/* (int8 K/V take the tile path: its chunks are dequantized into fp32 buffers) */
 static int el_attn_dec_fits(const el_attn_job *J) {
-    return J->T == 1 && J->hd % 4 == 0 && J->H <= EL_ATTN_DEC_HMAX && (size_t)J->H * J->hd <= EL_ATTN_DEC_ACC;
+    return J->T == 1 && !J->kv.i8 && J->hd % 4 == 0 && J->H <= EL_ATTN_DEC_HMAX && (size_t)J->H * J->hd <= EL_ATTN_DEC_ACC;
 }
 
 /* Decode: tasks are key ranges over all heads, whole pool blocks each where possible */
@@ -884,6 +910,7 @@ static void el_attn_dec_run(el_pool *pool, el_attn_job *J) {
 /* ---- generic twin ---------------------------------------------------------------------------- */
 
 static inline float el_kv_at(const el_kv_src *s, const void *base, size_t off) {
+    if (s->i8) return (float)((const int8_t *)base)[off] * (base == s->k ? s->ks : s->vs)[off / s->head_stride];
     return s->f16 ? el_f16_to_f32(((const uint16_t *)base)[off]) : ((const float *)base)[off];
 }
 
@@ -985,8 +1012,10 @@ int el_attention_pool(el_pool *pool, const float *q, float *out, int T, int H, i
                       int n_layers, int layer) {
     int rc = el_attn_check(q, out, T, H, KVH, hd, start, k, v);
     if (rc != EL_OK) return rc;
-    if (kv_type != EL_F32 && kv_type != EL_F16) return EL_EUNSUPPORTED;
+    if (kv_type != EL_F32 && kv_type != EL_F16 && kv_type != EL_KV_I8) return EL_EUNSUPPORTED;
     if (!block_table || block_tokens <= 0 || n_layers <= 0 || layer < 0 || layer >= n_layers) return EL_EINVAL;
+    const el_kv_i8 *k8 = k, *v8 = v;
+    if (kv_type == EL_KV_I8 && (!k8->q || !k8->scale || !v8->q || !v8->scale)) return EL_EINVAL;
     const int n = start + T, n_blocks = (n - 1) / block_tokens + 1;
     for (int i = 0; i < n_blocks; i++)
         if (block_table[i] < 0) return EL_EINVAL;
@@ -995,5 +1024,7 @@ int el_attention_pool(el_pool *pool, const float *q, float *out, int T, int H, i
     J.kv = (el_kv_src){.k = k, .v = v, .f16 = kv_type == EL_F16, .table = block_table, .bt = block_tokens,
                        .block_stride = (size_t)n_layers * layer_sz, .layer_off = (size_t)layer * layer_sz,
                        .row_stride = row, .head_stride = (size_t)hd};
+    if (kv_type == EL_KV_I8)
+        J.kv.i8 = 1, J.kv.k = k8->q, J.kv.v = v8->q, J.kv.ks = k8->scale, J.kv.vs = v8->scale;
     return el_attn_run(pool, &J);
 }

@@ -240,6 +240,12 @@ static int el_mm(el_pool *pool, const el_matrix *w, const float *x, float *y, in
     return el_matmul(pool, w->wtype, w->seg_ptr, w->seg_rows, w->n_seg, x, y, M, K, bias, mm);
 }
 
+/* an EL_KV_I8 pool's two descriptors name an arena and scales each */
+static int el_kv_i8_ok(const void *k_pool, const void *v_pool) {
+    const el_kv_i8 *k8 = k_pool, *v8 = v_pool;
+    return k8->q && k8->scale && v8->q && v8->scale;
+}
+
 /* Per-token work between the projections: RoPE on the token's q and k heads, its K/V rows into
  * the arena, its q into the contiguous q buffer; and the residual adds. Each token (row) is
  * independent, so with enough of them el_for_rows splits them over the pool: serial, they left
@@ -256,6 +262,48 @@ typedef struct {
     const int32_t *block_table;
 } el_tok_ctx;
 
+/* One (token, kv head) row of an int8 pool: scale = max |x| / 127, q = x / scale rounded to
+ * nearest even and clipped to +-127; a row whose max is 0 or NaN stores q = 0 (its scale as
+ * computed). The same operations, in fp32, as the pool's Python writer (quantize_int8), so the
+ * stored bytes are the same whichever path wrote them: a division, not a multiplication by
+ * 1 / scale, which would round differently. */
+static void el_quant_kv_row(const float *x, int8_t *q, float *scale, int n) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) {
+        const float a = fabsf(x[i]);
+        if (a != a || a > amax) amax = a;
+        if (amax != amax) break;
+    }
+    const float s = amax / 127.0f;
+    *scale = s;
+    int i = 0;
+    if (s > 0.0f) {
+        if (el_generic_flag) goto tail;   /* the generic twin: every element the scalar way */
+        const float32x4_t vs = vdupq_n_f32(s), lo = vdupq_n_f32(-127.0f), hi = vdupq_n_f32(127.0f);
+        for (; i + 8 <= n; i += 8) {
+            int32x4_t r[2];
+            for (int h = 0; h < 2; h++) {
+                const float32x4_t v = vrndnq_f32(vdivq_f32(vld1q_f32(x + i + 4 * h), vs));
+                r[h] = vcvtq_s32_f32(vminq_f32(vmaxq_f32(v, lo), hi));   /* integral: exact */
+            }
+            vst1_s8(q + i, vmovn_s16(vcombine_s16(vmovn_s32(r[0]), vmovn_s32(r[1]))));
+        }
+    tail:
+        for (; i < n; i++) {
+            const float v = rintf(x[i] / s);
+            q[i] = (int8_t)(v != v ? 0 : v < -127.0f ? -127 : v > 127.0f ? 127 : (int)v);
+        }
+    } else {
+        memset(q, 0, (size_t)n);
+    }
+}
+
+int el_kv_quantize_i8(const float *x, int8_t *q, float *scale, int rows, int hd) {
+    if (rows < 0 || hd <= 0 || (rows > 0 && (!x || !q || !scale))) return EL_EINVAL;
+    for (int r = 0; r < rows; r++) el_quant_kv_row(x + (size_t)r * hd, q + (size_t)r * hd, scale + r, hd);
+    return EL_OK;
+}
+
 static void el_rope_store_rows(const void *args, int t0, int t1) {
     const el_tok_ctx *c = args;
     const el_model_dims *m = c->m;
@@ -271,7 +319,15 @@ static void el_rope_store_rows(const void *args, int t0, int t1) {
         const size_t off = (size_t)c->block_table[p / c->block_tokens] * c->n_layers * layer_sz +
                            (size_t)c->layer * layer_sz + (size_t)(p % c->block_tokens) * kv_dim;
         const float *kr = row + q_dim, *vr = row + q_dim + kv_dim;
-        if (c->kv_type == EL_F16) {
+        if (c->kv_type == EL_KV_I8) {
+            const el_kv_i8 *k8 = c->k_pool, *v8 = c->v_pool;
+            const size_t srow = off / (size_t)m->hd;   /* the row's first scale: (token, kv head 0) */
+            for (int h = 0; h < m->KVH; h++) {
+                const size_t o = (size_t)h * m->hd;
+                el_quant_kv_row(kr + o, (int8_t *)k8->q + off + o, k8->scale + srow + h, m->hd);
+                el_quant_kv_row(vr + o, (int8_t *)v8->q + off + o, v8->scale + srow + h, m->hd);
+            }
+        } else if (c->kv_type == EL_F16) {
             el_f32_to_f16(kr, (uint16_t *)c->k_pool + off, (size_t)kv_dim);
             el_f32_to_f16(vr, (uint16_t *)c->v_pool + off, (size_t)kv_dim);
         } else {
@@ -311,7 +367,8 @@ int el_chunk_step_out(el_pool *pool, const el_layer *layers, int n_layers, const
     if (out_rows < 0 || out_rows > T) return EL_EINVAL;
     if (!layers || n_layers <= 0 || !x || !cos || !sin || !k_pool || !v_pool || !block_table || !scratch)
         return EL_EINVAL;
-    if (kv_type != EL_F32 && kv_type != EL_F16) return EL_EUNSUPPORTED;
+    if (kv_type != EL_F32 && kv_type != EL_F16 && kv_type != EL_KV_I8) return EL_EUNSUPPORTED;
+    if (kv_type == EL_KV_I8 && !el_kv_i8_ok(k_pool, v_pool)) return EL_EINVAL;
     if (pos < 0 || pos > INT_MAX - T || block_tokens <= 0 || n_blocks <= 0 || n_table <= 0) return EL_EINVAL;
     const el_model_dims m = *dims;
     const size_t need = el_chunk_scratch(&m, T);
@@ -433,12 +490,22 @@ int el_chunk_ids(el_pool *pool, const el_layer *layers, int n_layers, const el_m
         n_blocks <= 0)
         return EL_EINVAL;
     if (logits && out_rows != 1) return EL_EINVAL;
-    if (kv_type != EL_F32 && kv_type != EL_F16) return EL_EUNSUPPORTED;
-    /* x is written before the step checks the rest: it must not lie in the K/V arena, whose
-     * live rows a refused call leaves untouched */
+    if (kv_type != EL_F32 && kv_type != EL_F16 && kv_type != EL_KV_I8) return EL_EUNSUPPORTED;
+    if (kv_type == EL_KV_I8 && !el_kv_i8_ok(k_pool, v_pool)) return EL_EINVAL;
+    /* x is written before the step checks the rest: it must not lie in the K/V arena (or an
+     * int8 arena's scales), whose live rows a refused call leaves untouched */
     const size_t xb = (size_t)T * dims->d * sizeof(float);
-    const size_t arena = (size_t)n_blocks * n_layers * block_tokens * dims->KVH * dims->hd * (kv_type == EL_F16 ? 2 : 4);
-    if (el_overlaps(x, xb, k_pool, arena) || el_overlaps(x, xb, v_pool, arena)) return EL_EINVAL;
+    const size_t rows = (size_t)n_blocks * n_layers * block_tokens * dims->KVH;
+    if (kv_type == EL_KV_I8) {
+        const el_kv_i8 *k8 = k_pool, *v8 = v_pool;
+        const size_t qb = rows * dims->hd, sb = rows * sizeof(float);
+        if (el_overlaps(x, xb, k8->q, qb) || el_overlaps(x, xb, v8->q, qb) || el_overlaps(x, xb, k8->scale, sb) ||
+            el_overlaps(x, xb, v8->scale, sb))
+            return EL_EINVAL;
+    } else {
+        const size_t arena = rows * dims->hd * (kv_type == EL_F16 ? 2 : 4);
+        if (el_overlaps(x, xb, k_pool, arena) || el_overlaps(x, xb, v_pool, arena)) return EL_EINVAL;
+    }
     if ((rc = el_embed_rows(emb, ids, T, x)) != EL_OK) return rc;
     if (logits)
         return el_chunk_logits(pool, layers, n_layers, dims, x, T, pos, cos, sin, k_pool, v_pool, kv_type,

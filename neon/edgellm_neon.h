@@ -34,6 +34,16 @@ enum { EL_OK = 0, EL_EINVAL = -1, EL_ENOMEM = -2, EL_EUNSUPPORTED = -3 };
  * Q8_0: fp16 d + 32 int8 (w = d * q); 34 bytes.
  * F32 / F16: plain rows. */
 enum { EL_F32 = 0, EL_F16 = 1, EL_Q4_0 = 2, EL_Q4_1 = 3, EL_Q8_0 = 8 };
+/* KV storage type of an int8 pool (a kv_type, never a weight type): k and v then each point to
+ * an el_kv_i8, the arena and its per (token, kv head) scales. An element is q * scale. */
+enum { EL_KV_I8 = 16 };
+typedef struct {
+    void *q;        /* int8 (n_blocks, n_layers, block_tokens, KVH, hd) */
+    float *scale;   /* (n_blocks, n_layers, block_tokens, KVH): scale = max |x| / 127 of the row */
+} el_kv_i8;
+/* rows (token, kv head) rows of hd values -> int8 q (rows, hd) and scale (rows,): each row as the
+ * fused step stores it into an EL_KV_I8 pool (kv/pool.py quantize_int8, bit for bit). */
+EL_API int el_kv_quantize_i8(const float *x, int8_t *q, float *scale, int rows, int hd);
 
 /* ---- build and features ------------------------------------------------------------------ */
 enum { EL_FEAT_NEON = 1, EL_FEAT_DOTPROD = 2, EL_FEAT_FP16 = 4, EL_FEAT_SIMDE = 8 };
@@ -99,7 +109,8 @@ EL_API int el_add(const float *a, const float *b, float *y, size_t n);
  * out (T, H * hd). Scale 1/sqrt(hd).
  *
  * el_attention_pool reads K/V straight from the KV pool's arena:
- *   k, v: (n_blocks, n_layers, block_tokens, KVH, hd), kv_type EL_F32 or EL_F16,
+ *   k, v: (n_blocks, n_layers, block_tokens, KVH, hd), kv_type EL_F32 or EL_F16, or for EL_KV_I8
+ *   each an el_kv_i8 (int8 arena + scales),
  *   position p of the sequence is block block_table[p / block_tokens], row p % block_tokens.
  * el_attention_dense reads gathered fp32 k, v of shape (KVH, n, hd), n = start + T. */
 EL_API int el_attention_pool(el_pool *pool, const float *q, float *out, int T, int H, int KVH, int hd, int start,
@@ -148,7 +159,8 @@ EL_API size_t el_decode_scratch(const el_model_dims *dims);
  * token's embedding in, the last layer's output out), updated in place. cos_row, sin_row
  * (rope_dim/2,): the RoPE row of position pos. k_pool, v_pool: the pool arena
  * (n_blocks, n_layers, block_tokens, KVH, hd) of kv_type EL_F32 or EL_F16 (fp16 stored rounded
- * to nearest even); position p lives in block block_table[p / block_tokens] (block_table holds
+ * to nearest even), or EL_KV_I8 with k_pool and v_pool each an el_kv_i8 (each (token, kv head)
+ * row quantized as the pool's Python writer does, bit for bit); position p lives in block block_table[p / block_tokens] (block_table holds
  * n_table entries, pos / block_tokens < n_table), row p % block_tokens. Writes this token's K
  * (rotated) and V into every layer, then attends over positions 0..pos. scratch: at least
  * el_decode_scratch(dims) bytes, any alignment, not overlapping x. Every argument, every block id

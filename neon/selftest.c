@@ -37,9 +37,12 @@
  *   8 attn_pool  T H KVH hd start kv_type block_tokens n_layers layer n_blocks; -;
  *                q f32 (T*H*hd), k raw, v raw (n_blocks*n_layers*block_tokens*KVH*hd elements of
  *                kv_type), block_table raw (int32 x n_table, n_table*block_tokens >= start+T,
- *                entries in 0..n_blocks-1), expected f32 (T*H*hd)
+ *                entries in 0..n_blocks-1), expected f32 (T*H*hd); kv_type EL_KV_I8 (16): k, v
+ *                int8 raw, then k_scale, v_scale f32 (their element count / hd) before expected
  *   9 embed      wtype T row_len n_rows; -; table raw (n_rows * row_bytes(wtype, row_len)),
  *                ids raw (int32 x T, in 0..n_rows-1), expected f32 (T*row_len)
+ *  10 kv_quant   rows hd; -; x f32 (rows*hd), expected f32 (rows*hd + rows): the int8 values as
+ *                floats, then the rows' scales (el_kv_quantize_i8)
  * Besides the file's cases, a few built-in checks run: the pool's thread count, el_parallel_for
  * running each task once, and bad arguments answered with a negative code (never an abort).
  */
@@ -57,7 +60,8 @@
 #error "the cases file is little-endian; this reader assumes a little-endian host"
 #endif
 
-enum { OP_MATMUL = 1, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED };
+enum { OP_MATMUL = 1, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED,
+       OP_KV_QUANT };
 enum { KIND_F32 = 1, KIND_RAW = 2 };
 enum { MAX_NAME = 127, MAX_INT = 64, MAX_FLOAT = 16, MAX_ARR = 64, MAX_CASES = 100000 };
 #define MAX_FILE_BYTES ((uint64_t)1 << 30)
@@ -294,7 +298,8 @@ static void validate(const case_t *k) {
     case OP_ATTN_DENSE:
     case OP_ATTN_POOL: {
         int pool = k->op == OP_ATTN_POOL;
-        need_counts(pool ? 10 : 5, 0, pool ? 5 : 4);
+        int i8 = pool && k->n_int == 10 && k->ints[5] == EL_KV_I8;   /* + the two scale arrays */
+        need_counts(pool ? 10 : 5, 0, pool ? (i8 ? 7 : 5) : 4);
         if (k->n_int != (pool ? 10u : 5u)) BAD("case %s: %u ints", k->name, k->n_int);
         int64_t T = dim(0, "T", 1), H = dim(1, "H", 1), KVH = dim(2, "KVH", 1), hd = dim(3, "hd", 1);
         int64_t start = dim(4, "start", 0), n = start + T;
@@ -306,14 +311,19 @@ static void validate(const case_t *k) {
             need_array(2, KIND_F32, prod(prod(KVH, n), hd), "v");
         } else {
             int kv_type = k->ints[5];
-            if (kv_type != EL_F32 && kv_type != EL_F16)
-                BAD("case %s: kv_type %d is not F32 (0) or F16 (1)", k->name, kv_type);
+            if (kv_type != EL_F32 && kv_type != EL_F16 && kv_type != EL_KV_I8)
+                BAD("case %s: kv_type %d is not F32 (0), F16 (1) or KV_I8 (16)", k->name, kv_type);
             int64_t bt = dim(6, "block_tokens", 1), layers = dim(7, "n_layers", 1), layer = dim(8, "layer", 0);
             int64_t blocks = dim(9, "n_blocks", 1);
             if (layer >= layers) BAD("case %s: layer %lld of %lld", k->name, (long long)layer, (long long)layers);
             int64_t elems = prod(prod(prod(blocks, layers), prod(bt, KVH)), hd);
-            need_array(1, KIND_RAW, prod(elems, kv_type == EL_F32 ? 4 : 2), "k");
-            need_array(2, KIND_RAW, prod(elems, kv_type == EL_F32 ? 4 : 2), "v");
+            const int esz = kv_type == EL_F32 ? 4 : kv_type == EL_F16 ? 2 : 1;
+            need_array(1, KIND_RAW, prod(elems, esz), "k");
+            need_array(2, KIND_RAW, prod(elems, esz), "v");
+            if (i8) {
+                need_array(4, KIND_F32, elems / hd, "k_scale");
+                need_array(5, KIND_F32, elems / hd, "v_scale");
+            }
             const array_t *tbl = &k->arr[3];
             if (tbl->kind != KIND_RAW || tbl->count % 4 || (int64_t)(tbl->count / 4) * bt < n)
                 BAD("case %s: block_table must be raw int32 covering %lld positions", k->name, (long long)n);
@@ -324,6 +334,13 @@ static void validate(const case_t *k) {
                         (long long)blocks - 1);
         }
         need_array((int)k->n_arr - 1, KIND_F32, qn, "expected");
+        break;
+    }
+    case OP_KV_QUANT: {
+        need_counts(2, 0, 2);
+        int64_t rows = dim(0, "rows", 1), hd = dim(1, "hd", 1);
+        need_array(0, KIND_F32, prod(rows, hd), "x");
+        need_array(1, KIND_F32, prod(rows, hd) + rows, "expected");
         break;
     }
     default:
@@ -433,10 +450,28 @@ static void run_case(const case_t *k, const char *path) {
     case OP_ATTN_DENSE:
         rc = el_attention_dense(g_pool, a[0].data, y, p[0], p[1], p[2], p[3], p[4], a[1].data, a[2].data);
         break;
-    case OP_ATTN_POOL:
-        rc = el_attention_pool(g_pool, a[0].data, y, p[0], p[1], p[2], p[3], p[4], a[1].data, a[2].data, p[5],
-                               a[3].data, p[6], p[7], p[8]);
+    case OP_ATTN_POOL: {
+        const el_kv_i8 kd = {a[1].data, p[5] == EL_KV_I8 ? a[4].data : NULL},
+                       vd = {a[2].data, p[5] == EL_KV_I8 ? a[5].data : NULL};
+        const int i8 = p[5] == EL_KV_I8;
+        rc = el_attention_pool(g_pool, a[0].data, y, p[0], p[1], p[2], p[3], p[4], i8 ? (const void *)&kd : a[1].data,
+                               i8 ? (const void *)&vd : a[2].data, p[5], a[3].data, p[6], p[7], p[8]);
         break;
+    }
+    case OP_KV_QUANT: {
+        const int64_t n = (int64_t)p[0] * p[1];
+        int8_t *q = xalloc((uint64_t)n + 4 * GUARD);
+        float *sc = out_alloc(p[0]);
+        memset(q + n, 0xA5, 4 * GUARD);
+        rc = el_kv_quantize_i8(a[0].data, q, sc, p[0], p[1]);
+        for (int64_t i = 0; i < n; i++) y[i] = (float)q[i];
+        for (int64_t r = 0; r < p[0]; r++) y[n + r] = sc[r];
+        for (int i = 0; i < 4 * GUARD; i++) if ((uint8_t)q[n + i] != 0xA5) guard = 0;
+        if (!guard_ok(sc, p[0])) guard = 0;
+        free(q);
+        free(sc);
+        break;
+    }
     case OP_EMBED: {
         const el_embedding emb = {.wtype = p[0], .row_len = p[2], .n_rows = p[3], .table = a[0].data};
         rc = el_embed_rows(&emb, a[1].data, p[1], y);

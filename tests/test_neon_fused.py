@@ -94,13 +94,15 @@ def fused_token(step: DecodeStep, w, runner, seq, token: int) -> np.ndarray:
     return neon.lm_head(neon.rmsnorm(x, w.output_norm, step.cfg.norm_eps), w.lm_head)[0]
 
 
-def kv_rows(seq) -> tuple[np.ndarray, np.ndarray]:
-    """The raw bytes of every committed K and V row: (positions, layers, bytes)."""
+def kv_rows(seq) -> tuple[np.ndarray, ...]:
+    """The raw bytes of every committed K and V row: (positions, layers, bytes); an int8 pool's
+    K and V scales of those rows too."""
     pool, n = seq.pool, seq.n_tokens
     p = np.arange(n)
     blk = np.asarray(seq.block_table)[p // pool.block_tokens]
-    return tuple(a[blk, :, p % pool.block_tokens].reshape(n, pool.n_layers, -1).view(np.uint8)
-                 for a in (pool.k, pool.v))
+    arrays = (pool.k, pool.v) + ((pool.k_scale, pool.v_scale) if pool.k_scale is not None else ())
+    return tuple(np.ascontiguousarray(a[blk, :, p % pool.block_tokens]).reshape(n, pool.n_layers, -1).view(np.uint8)
+                 for a in arrays)
 
 
 class per_op:
@@ -138,21 +140,19 @@ def compare(model, precision: str, prompt: int, decode: int, seed: int = 0) -> f
         got = fused_token(step, w, r, seqs[1], int(t))
         worst = max(worst, nmse(got, ref))
     assert worst <= BOUND
-    ka, va = kv_rows(seqs[0])
-    kb, vb = kv_rows(seqs[1])
-    np.testing.assert_array_equal(kb, ka)
-    np.testing.assert_array_equal(vb, va)
+    for a, b in zip(kv_rows(seqs[0]), kv_rows(seqs[1]), strict=True):
+        np.testing.assert_array_equal(b, a)
     return worst
 
 
-@pytest.mark.parametrize("precision", ["f16", "f32"])
+@pytest.mark.parametrize("precision", ["f16", "f32", "int8"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fused_step_equals_per_op_path(name, precision, tmp_path_factory):
     worst = compare(engine(name, tmp_path_factory), precision, prompt=20, decode=40)
     print(f"\n[{name} kv {precision}] worst logits NMSE fused vs per-op: {worst:.3g}")
 
 
-@pytest.mark.parametrize("precision", ["f16", "f32"])
+@pytest.mark.parametrize("precision", ["f16", "f32", "int8"])
 @pytest.mark.parametrize("name", ["llama-Q4_1", "qwen2-Q4_1", "llama-F32"])
 def test_fused_prefill_chunks_equal_per_op_path(name, precision, tmp_path_factory):
     """Prefill through el_chunk_step in four calls (7 tokens; 64 after them; 30 in chunks of 8,
@@ -220,21 +220,23 @@ def test_chunk_buffers_grow_to_the_largest_chunk_and_hand_back_the_old_ones(tmp_
     assert step._chunk_scratch.nbytes == step._lib.el_chunk_scratch(step._dims_p, 40)
 
 
-def test_fused_step_long_context(tmp_path_factory):
+@pytest.mark.parametrize("precision", ["f16", "int8"])
+def test_fused_step_long_context(precision, tmp_path_factory):
     """Past 512 keys with 2 threads the attention kernel also splits the keys of each head and
     merges partial softmax states: the fused step takes the same branch."""
-    worst = compare(engine("llama-Q4_1", tmp_path_factory), "f16", prompt=530, decode=6)
-    print(f"\n[llama-Q4_1 kv f16, 530+ keys] worst logits NMSE: {worst:.3g}")
+    worst = compare(engine("llama-Q4_1", tmp_path_factory), precision, prompt=530, decode=6)
+    print(f"\n[llama-Q4_1 kv {precision}, 530+ keys] worst logits NMSE: {worst:.3g}")
 
 
-def test_fused_step_generic_twins(tmp_path_factory):
+@pytest.mark.parametrize("precision", ["f16", "int8"])
+def test_fused_step_generic_twins(precision, tmp_path_factory):
     lib = neon._lib()
     lib.el_use_generic(1)
     try:
-        worst = compare(engine("qwen2-Q4_0", tmp_path_factory), "f16", prompt=20, decode=12, seed=1)
+        worst = compare(engine("qwen2-Q4_0", tmp_path_factory), precision, prompt=20, decode=12, seed=1)
     finally:
         lib.el_use_generic(0)
-    print(f"\n[qwen2-Q4_0 generic twins] worst logits NMSE: {worst:.3g}")
+    print(f"\n[qwen2-Q4_0 kv {precision} generic twins] worst logits NMSE: {worst:.3g}")
 
 
 # ---- the fp16 rounding of the K/V store --------------------------------------------------------
@@ -395,8 +397,10 @@ def test_python_side_refuses_what_it_cannot_run(rig, tmp_path_factory):
     cfg = step.cfg
     x = np.ones((1, cfg.d_model), np.float32)
     c, s = np.ones(cfg.rope_dim // 2, np.float32), np.zeros(cfg.rope_dim // 2, np.float32)
-    with pytest.raises(DecodeStepError, match="int8"):
-        step.run(x, 0, c, s, KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "int8"), [0])
+    i8 = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "int8")
+    i8.k_scale = i8.k_scale.astype(np.float64)                # scales the library cannot read
+    with pytest.raises(DecodeStepError, match="scales must be C-contiguous float32"):
+        step.run(x, 0, c, s, i8, [0])
     with pytest.raises(DecodeStepError, match="does not match the model"):
         step.run(x, 0, c, s, KVPool(cfg.n_layers + 1, cfg.n_kv_heads, cfg.head_dim, 4, BT, "f16"), [0])
     with pytest.raises(DecodeStepError, match="block table of 5 entries"):
@@ -606,6 +610,43 @@ def test_step_from_ids_refuses_bad_ids_and_writes_nothing(tmp_path_factory):
     assert np.array_equal(seq.pool.v.view(np.uint16), v1.view(np.uint16))
     assert (logits == 7.0).all() and np.array_equal(seq.pool.k.view(np.uint16), k1.view(np.uint16))
     assert call() == 0 and np.isfinite(logits).all()
+
+
+def test_int8_pool_descriptors_are_checked_and_nothing_is_written(tmp_path_factory):
+    """kv_type EL_KV_I8: K and V each name an el_kv_i8. One with a NULL arena or scales, or an x
+    inside an arena's scales, is refused (EL_EINVAL) with the arena, the scales and the logits
+    untouched; the valid call then stores the chunk's rows."""
+    eng, w = engine("llama-Q4_1", tmp_path_factory)
+    r, cfg = eng.runner, eng.config
+    step = DecodeStep.build(w, cfg)
+    seq = KVPool(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4, BT, "int8").new_sequence()
+    seq.reserve(3)
+    pool, lib, ids = seq.pool, neon._lib(), np.array([1, 2, 3], np.int32)
+    step.run_ids(ids, 0, r.cos, r.sin, pool, seq.block_table, logits=False)    # binds, sizes buffers
+    pool.k[...] = 5
+    pool.k_scale[...] = 0.5
+    before = [a.copy() for a in (pool.k, pool.v, pool.k_scale, pool.v_scale)]
+    logits = np.full(step._n_vocab, 7.0, np.float32)
+
+    def call(k=step._k_p, v=step._v_p, x=step._chunk_ptrs[0]):
+        return lib.el_chunk_ids(None, step._layers_p, cfg.n_layers, step._dims_p, step._emb_p, ids.ctypes.data,
+                                x, 3, 0, r.cos.ctypes.data, r.sin.ctypes.data, k, v, neon_lib.EL_KV_I8,
+                                step._tbl_p, 1, step._bt, step._nb, step._chunk_scratch_p,
+                                step._chunk_scratch.nbytes, 1, step._onorm.ctypes.data, step._head_p,
+                                step._n_vocab, 1, logits.ctypes.data)
+    bad = [neon_lib.ElKvI8(None, pool.k_scale.ctypes.data), neon_lib.ElKvI8(pool.k.ctypes.data, None)]
+    for d in bad:
+        assert call(k=ctypes.addressof(d)) == EINVAL
+        assert call(v=ctypes.addressof(d)) == EINVAL
+    assert call(x=pool.k_scale.ctypes.data + 8) == EINVAL
+    assert call(x=pool.v_scale.ctypes.data) == EINVAL
+    assert call(x=pool.v.ctypes.data + 16) == EINVAL
+    assert (logits == 7.0).all()
+    for a, b in zip((pool.k, pool.v, pool.k_scale, pool.v_scale), before):
+        assert np.array_equal(a, b)
+    assert call() == 0 and np.isfinite(logits).all()
+    blk = seq.block_table[0]
+    assert (pool.k_scale[blk, :, :3] != 0.5).all() and (pool.k_scale[blk, :, 3:] == 0.5).all()
 
 
 def test_engine_runs_the_tail_in_the_step_when_the_plan_puts_it_there(tmp_path_factory, monkeypatch):

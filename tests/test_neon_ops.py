@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from edgellm.backends import neon_lib, reference
-from edgellm.backends.neon_lib import EL_F16, EL_F32, fptr
+from edgellm.backends.neon_lib import EL_F16, EL_F32, EL_KV_I8, fptr
+from edgellm.kv.pool import quantize_int8
 
 ROOT = Path(__file__).resolve().parent.parent
 NEON = ROOT / "neon"
@@ -314,6 +315,114 @@ def test_attention_f16_pool_equals_f32(el, pool2, T, H, KVH, hd, start, block_to
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+def _i8_arena(rng, n, n_layers, block_tokens, KVH, hd):
+    """An int8 pool arena as kv/pool.py writes it (quantize_int8 of random rows, every row of every
+    block, so garbage rows carry scales too), its two el_kv_i8 descriptors and the dequantized
+    fp32 arenas (q * scale, as the pool's reader computes them)."""
+    k, v, table = _pool_arena(rng, n, n_layers, block_tokens, KVH, hd, np.float32)
+    k[table[:1]] *= 50.0                  # a block of large keys: scales differ by rows and blocks
+    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    desc = (neon_lib.ElKvI8(kq.ctypes.data, ks.ctypes.data), neon_lib.ElKvI8(vq.ctypes.data, vs.ctypes.data))
+    deq = [f32(qa.astype(np.float32) * sa[..., None]) for qa, sa in ((kq, ks), (vq, vs))]
+    return (kq, ks, vq, vs), desc, deq, table
+
+
+@pytest.mark.parametrize("T,H,KVH,hd,start,block_tokens", POOL_ATTN_CASES)
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_attention_i8_pool(el, pool2, T, H, KVH, hd, start, block_tokens, use_pool):
+    """An int8 pool (EL_KV_I8): against the reference on the dequantized keys and values within
+    ATTN_BOUND, and, for chunks (T > 1: both take the tile path, which dequantizes each chunk into
+    the buffers the f32 path reads), bit for bit equal to the f32 pool holding those values."""
+    rng = np.random.default_rng(T * 5 + H + start + hd)
+    n, n_layers, layer = start + T, 3, 2
+    arrays, desc, (kf, vf), table = _i8_arena(rng, n, n_layers, block_tokens, KVH, hd)
+    q = f32(rng.standard_normal((T, H, hd)) * 2)
+    tp = table.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+    outs = []
+    for kp, vp, kv_type in ((ctypes.addressof(desc[0]), ctypes.addressof(desc[1]), EL_KV_I8),
+                            (kf.ctypes.data, vf.ctypes.data, EL_F32)):
+        out = np.full((T, H * hd), np.nan, np.float32)
+        rc = el.el_attention_pool(_pool(pool2, use_pool), fptr(q), fptr(out), T, H, KVH, hd, start, kp, vp, kv_type,
+                                  tp, block_tokens, n_layers, layer)
+        assert rc == 0
+        outs.append(out)
+    ref = reference.attention(q, _gather(kf, table, layer, n), _gather(vf, table, layer, n), start)
+    err = nmse(outs[0], ref)
+    assert err <= ATTN_BOUND, err
+    if T > 1:
+        np.testing.assert_array_equal(outs[0], outs[1])
+
+
+def test_attention_i8_pool_generic_twin(el):
+    """The generic twin reads the int8 arena element by element (q * scale)."""
+    rng = np.random.default_rng(11)
+    T, H, KVH, hd, start, bt = 3, 6, 2, 36, 40, 16
+    n, n_layers, layer = start + T, 2, 1
+    arrays, desc, (kf, vf), table = _i8_arena(rng, n, n_layers, bt, KVH, hd)
+    q = f32(rng.standard_normal((T, H, hd)))
+    out = np.full((T, H * hd), np.nan, np.float32)
+    el.el_use_generic(1)
+    try:
+        rc = el.el_attention_pool(None, fptr(q), fptr(out), T, H, KVH, hd, start, ctypes.addressof(desc[0]),
+                                  ctypes.addressof(desc[1]), EL_KV_I8, table.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                  bt, n_layers, layer)
+    finally:
+        el.el_use_generic(0)
+    assert rc == 0
+    err = nmse(out, reference.attention(q, _gather(kf, table, layer, n), _gather(vf, table, layer, n), start))
+    assert err <= ATTN_BOUND, err
+
+
+def _i8_cases(hd: int) -> np.ndarray:
+    """Rows for the int8 K/V quantizer: random at several magnitudes, rounding ties (k + 0.5 times
+    the scale, both signs), a row that reaches +-127 exactly, zeros, a subnormal maximum, a tiny
+    scale next to a huge value, NaN and inf."""
+    rng = np.random.default_rng(hd)
+    x = (rng.standard_normal((300, hd)) * rng.choice([1e-30, 1e-3, 1.0, 1e3, 1e30], (300, 1))).astype(np.float32)
+    x[0] = 0.0
+    x[1] = (np.arange(hd) % 127 + 0.5) * 3.0 * np.where(np.arange(hd) % 2, 1, -1)
+    x[1, 0] = 127 * 3.0                   # scale 3.0 exactly: every other value a tie
+    x[2] = 1e-40
+    x[3] = -1e-40
+    x[3, -1] = 3e-39
+    x[4, 0], x[5, -1], x[6, 0] = np.nan, np.inf, -np.inf
+    x[7, :] = 1e-38
+    x[7, 0] = 1e38
+    return x
+
+
+@pytest.mark.parametrize("generic", [0, 1], ids=["native", "generic"])
+@pytest.mark.parametrize("hd", [64, 7, 13, 128])
+def test_kv_quantize_i8_equals_the_pool_writer(el, generic, hd):
+    """el_kv_quantize_i8 (what the fused step stores into an int8 pool) against kv/pool.py's
+    quantize_int8, bit for bit: scales, and every int8 value, special rows included."""
+    x = _i8_cases(hd)
+    q = np.full(x.shape, 99, np.int8)
+    s = np.full(x.shape[0], 99.0, np.float32)
+    el.el_use_generic(generic)
+    try:
+        assert el.el_kv_quantize_i8(x.ctypes.data, q.ctypes.data, s.ctypes.data, x.shape[0], hd) == 0
+    finally:
+        el.el_use_generic(0)
+    with np.errstate(all="ignore"):
+        rq, rs = quantize_int8(x)
+    np.testing.assert_array_equal(s.view(np.uint32), rs.view(np.uint32))
+    bad = np.flatnonzero((q != rq).any(axis=1))
+    assert bad.size == 0, [(int(r), x[r][:4], q[r][:4], rq[r][:4]) for r in bad[:3]]
+
+
+def test_kv_quantize_i8_bad_args(el):
+    x = f32(np.ones((2, 8)))
+    q = np.zeros((2, 8), np.int8)
+    s = np.zeros(2, np.float32)
+    assert el.el_kv_quantize_i8(fptr(x), q.ctypes.data, s.ctypes.data, 2, 0) < 0
+    assert el.el_kv_quantize_i8(fptr(x), q.ctypes.data, s.ctypes.data, -1, 8) < 0
+    assert el.el_kv_quantize_i8(None, q.ctypes.data, s.ctypes.data, 2, 8) < 0
+    assert el.el_kv_quantize_i8(fptr(x), q.ctypes.data, None, 2, 8) < 0
+    assert el.el_kv_quantize_i8(None, None, None, 0, 8) == 0
+    assert not q.any() and not s.any()
+
+
 def test_attention_bad_args(el):
     T, H, KVH, hd, start = 2, 4, 2, 8, 3
     n = start + T
@@ -335,6 +444,11 @@ def test_attention_bad_args(el):
                                     kv_type, table_p, block_tokens, n_layers, layer)
 
     assert pool_call(kv_type=2) < 0            # Q4_0 K/V: not a pool storage type
+    empty = neon_lib.ElKvI8(None, None)
+    half = neon_lib.ElKvI8(k.ctypes.data, None)   # an int8 arena without its scales
+    for kd, vd in ((empty, empty), (half, half), (neon_lib.ElKvI8(k.ctypes.data, k.ctypes.data), half)):
+        assert el.el_attention_pool(None, fptr(q), fptr(out), T, H, KVH, hd, start, ctypes.addressof(kd),
+                                    ctypes.addressof(vd), EL_KV_I8, tp, 4, 2, 1) < 0
     assert pool_call(kv_type=-1) < 0
     assert pool_call(table_p=None) < 0
     assert pool_call(block_tokens=0) < 0

@@ -234,14 +234,14 @@ def test_rebuild_replaces_a_bundle_and_refuses_other_folders(tmp_path):
 
 def test_cases_cover_every_op_and_are_deterministic(cases):
     ops = {c.op for c in cases}
-    assert ops == set(range(1, 10))
+    assert ops == set(range(1, 11))
     names = [c.name for c in cases]
     assert len(set(names)) == len(names) and all(re.fullmatch(r"[!-~]{1,127}", n) for n in names)
     wtypes = {c.ints[0] for c in cases if c.op == sc.OP_MATMUL}
     assert wtypes == {sc.EL_F32, sc.EL_F16, sc.EL_Q4_0, sc.EL_Q4_1, sc.EL_Q8_0}
     assert sc.encode_cases(sc.make_cases()) == sc.encode_cases(cases)
     pool = [c for c in cases if c.op == sc.OP_ATTN_POOL]
-    assert {c.ints[5] for c in pool} == {sc.EL_F16, sc.EL_F32}
+    assert {c.ints[5] for c in pool} == {sc.EL_F16, sc.EL_F32, sc.EL_KV_I8}
     assert any(c.ints[1] == 9 and c.ints[2] == 3 and c.ints[0] == 1 and c.ints[4] > 0 for c in pool)
     assert {c.ints[0] for c in cases if c.op == sc.OP_EMBED} == wtypes
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -243,13 +244,14 @@ def test_layers_asking_different_precisions(tmp_path):
     assert neon_ms(all8) < neon_ms(pre) < neon_ms(none)
 
 
-def test_int8_kv_rules_out_the_fused_decode_step_and_says_so(tiny):
-    """neon's fused decode step reads f16/f32 pools: the fast preset's int8 KV makes decode run op
-    by op (measured 39 vs 88 tok/s here), and the plan predicts it and says why."""
+def test_int8_kv_keeps_the_fused_decode_step(tiny):
+    """neon's fused step reads int8 pools too (the fast preset's KV): decode stays fused. A unit
+    whose fused step cannot read the cache's element size runs op by op, and the plan says why."""
     fast = _disp("rk3588", tiny, "fast")
     fast.kv_bytes = 1.0
     p = fast.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
+    assert any("fused decode step" in x.reason for x in p.decode.placements) and not p.warnings
+    fast.units = tuple(replace(u, fused_kv_bytes=frozenset({2.0, 4.0})) for u in fast.units)
+    p = fast.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
     assert all("fused decode step" not in x.reason for x in p.decode.placements)
-    assert any("fused layer step reads an f16 or f32 KV cache only" in w for w in p.warnings)
-    bal = _disp("rk3588", tiny, "balanced").plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
-    assert any("fused decode step" in x.reason for x in bal.decode.placements) and not bal.warnings
+    assert any("fused layer step cannot read a 1-byte KV cache" in w for w in p.warnings)

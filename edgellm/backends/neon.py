@@ -353,7 +353,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     return out
 
 
-_KV_TYPES = {np.dtype(np.float32): neon_lib.EL_F32, np.dtype(np.float16): neon_lib.EL_F16}
+KV_TYPES = {np.dtype(np.float32): neon_lib.EL_F32, np.dtype(np.float16): neon_lib.EL_F16,
+            np.dtype(np.int8): neon_lib.EL_KV_I8}   # KV pool arena dtype -> kv_type
 
 
 def fused_decode(weights: PreparedWeights, cfg: ModelConfig):
@@ -365,8 +366,23 @@ def fused_decode(weights: PreparedWeights, cfg: ModelConfig):
 
 
 def can_read_pool(pool) -> bool:
-    """attention_pool reads f32 and f16 arenas (int8 KV goes through the gathered path)."""
-    return pool.k.dtype in _KV_TYPES
+    """attention_pool (and the fused step) read f32, f16 and int8 arenas in place."""
+    return pool.k.dtype in KV_TYPES
+
+
+def kv_arena_args(pool) -> tuple:
+    """(k, v, keep) as the library's kv pointers take them: the arenas' addresses for f32 and
+    f16 pools; for int8, the addresses of two el_kv_i8 (arena + scales) that `keep` holds alive.
+    The scales must be C-contiguous f32 (n_blocks, n_layers, block_tokens, kv_heads)."""
+    if pool.k.dtype != np.int8:
+        return pool.k.ctypes.data, pool.v.ctypes.data, None
+    for a in (pool.k_scale, pool.v_scale):
+        if a is None or a.dtype != np.float32 or a.shape != pool.k.shape[:-1] or not a.flags.c_contiguous:
+            raise ValueError(f"int8 KV pool scales must be C-contiguous float32 {pool.k.shape[:-1]}, got "
+                             f"{None if a is None else (a.dtype, a.shape)}")
+    keep = (neon_lib.ElKvI8(pool.k.ctypes.data, pool.k_scale.ctypes.data),
+            neon_lib.ElKvI8(pool.v.ctypes.data, pool.v_scale.ctypes.data))
+    return ctypes.addressof(keep[0]), ctypes.addressof(keep[1]), keep
 
 
 def attention_pool(q: np.ndarray, pool, table: np.ndarray, layer: int, start: int) -> np.ndarray:
@@ -375,8 +391,9 @@ def attention_pool(q: np.ndarray, pool, table: np.ndarray, layer: int, start: in
     q = _f32(q)
     T, H, hd = q.shape
     out = np.empty((T, H * hd), dtype=np.float32)
+    k_arg, v_arg, keep = kv_arena_args(pool)
     rc = _lib().el_attention_pool(_pool(), fptr(q), fptr(out), T, H, pool.n_kv_heads, hd, start,
-                                  pool.k.ctypes.data, pool.v.ctypes.data, _KV_TYPES[pool.k.dtype],
+                                  k_arg, v_arg, KV_TYPES[pool.k.dtype],
                                   table.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pool.block_tokens,
                                   pool.k.shape[1], layer)
     _check(rc, "attention_pool")

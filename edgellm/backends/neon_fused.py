@@ -36,7 +36,7 @@ from . import neon
 from .neon import PreparedWeights, QMatrix
 
 _ERRORS = {-1: "EL_EINVAL (an argument is out of range)", -2: "EL_ENOMEM", -3: "EL_EUNSUPPORTED"}
-_KV_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}   # EL_F32, EL_F16
+_KV_TYPES = neon.KV_TYPES   # pool arena dtype -> the library's kv_type
 
 
 class DecodeStepError(RuntimeError):
@@ -133,15 +133,19 @@ class DecodeStep:
         """Reads a KV pool's arena addresses once (the arrays of a KVPool never move)."""
         c = self.cfg
         if pool.k.dtype not in _KV_TYPES:
-            raise DecodeStepError(f"the fused decode step reads f32 or f16 KV pools, not {pool.k.dtype} "
-                                  f"(int8 pools take the per-op path)")
+            raise DecodeStepError(f"the fused decode step reads f32, f16 or int8 KV pools, not {pool.k.dtype}")
         want = (pool.n_blocks, c.n_layers, pool.block_tokens, c.n_kv_heads, c.head_dim)
         for a in (pool.k, pool.v):
             if a.shape != want or a.dtype != pool.k.dtype or not a.flags.c_contiguous:
                 raise DecodeStepError(f"KV arena {a.dtype} {a.shape} does not match the model: expected a "
                                       f"C-contiguous {pool.k.dtype} (n_blocks, n_layers, block_tokens, "
                                       f"kv_heads, head_dim) = {want}")
-        self._k_p, self._v_p = pool.k.ctypes.data, pool.v.ctypes.data
+        # int8: the library takes an el_kv_i8 (arena, scales) for each of K and V
+        try:
+            self._kv_desc = neon.kv_arena_args(pool)
+        except ValueError as e:
+            raise DecodeStepError(str(e)) from None
+        self._k_p, self._v_p = self._kv_desc[0], self._kv_desc[1]
         self._kv_type, self._bt, self._nb = _KV_TYPES[pool.k.dtype], pool.block_tokens, pool.n_blocks
         if self._tbl.size < pool.n_blocks:
             self._tbl = np.empty(pool.n_blocks, np.int32)

@@ -14,6 +14,12 @@ from ctypes import POINTER, c_float, c_int, c_size_t, c_uint, c_void_p
 from pathlib import Path
 
 EL_F32, EL_F16, EL_Q4_0, EL_Q4_1, EL_Q8_0 = 0, 1, 2, 3, 8
+EL_KV_I8 = 16   # an int8 KV pool (kv_type only): k and v each point to an el_kv_i8
+
+
+class ElKvI8(ctypes.Structure):
+    """el_kv_i8 of neon/edgellm_neon.h: an int8 pool's arena (K or V) and its scales."""
+    _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
 FEAT_NEON, FEAT_DOTPROD, FEAT_FP16, FEAT_SIMDE = 1, 2, 4, 8
 _HWCAP_ASIMDHP, _HWCAP_ASIMDDP = 1 << 10, 1 << 20     # arch/arm64/include/uapi/asm/hwcap.h
 _AT_HWCAP = 16
@@ -63,6 +69,7 @@ _SIGNATURES = {
                                 c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int, c_void_p, c_size_t,
                                 c_void_p, c_void_p, c_int, c_int, c_void_p]),
     "el_f32_to_f16": (c_int, [c_void_p, c_void_p, c_size_t]),
+    "el_kv_quantize_i8": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_int]),
     # the tokenizer's BPE merges (neon/bpe.c, edgellm/model/bpe_native.py)
     "el_bpe_create": (c_void_p, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, _c_int_p, _c_int_p]),
     "el_bpe_destroy": (None, [c_void_p]),
