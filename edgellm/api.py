@@ -260,7 +260,7 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None,
     c, kv = model.config, kv or KVConfig()
     if kv.kind == "ring":
         kv_bytes = RingKV.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, kv.window,
-                                     2 if kv.precision == "f16" else 4)
+                                     2 if kv.precision == "f16" else 4, kv.sinks)
     else:
         kv_bytes = KVPool.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, math.ceil(n_ctx / kv.block_tokens),
                                      kv.block_tokens, kv.precision)

@@ -37,7 +37,9 @@ class ModelRunner:
     """Weights, RoPE tables and the layer loop. KV state lives in per-sequence objects (a block
     pool sequence, a ring buffer) with one interface: n_tokens, reserve(n), write(layer, start,
     k, v), read(layer, n), commit(n, ids), truncate(n), can_truncate(n), max_chunk (None: no
-    limit) and rotate_on_read."""
+    limit), pool and block_table (the arena attention reads in place) and slides: a ring's
+    chunk is stored at cache positions chunk_start(T).. but rotated by its sequence positions
+    rope_start(T).., and its sinks' keys are rotated on by sink_shift before attention."""
 
     def __init__(self, model: ModelFile, max_positions: int, prefill_chunk: int = 512, progress=None,
                  placement: dict[str, dict[str, str]] | None = None, compute=None, short_max: int = 0):
@@ -90,7 +92,7 @@ class ModelRunner:
         # ... and whose embedding lookup it put there: the step starts from the token ids, in the
         # same call (DecodeStep.run_ids)
         self._fused_lead = {ph for ph in self._fused_phases if self.placement[ph]["embedding"] == self._fused_unit}
-        rope_freqs = reference.prepare_rope_freqs(model)
+        rope_freqs = self._rope_freqs = reference.prepare_rope_freqs(model)
         self.cos, self.sin = reference.rope_tables(cfg, max_positions, rope_freqs)  # (positions, rope_dim/2)
         # K/V read buffers reused by every layer and step: (KVH, positions, hd) each. Fresh arrays
         # of this size per read would be returned to the OS and faulted in again each time.
@@ -165,12 +167,43 @@ class ModelRunner:
             raise ConfigError(f"token id {t} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         if cancel is not None and cancel.cancelled:
             raise Cancelled("cancelled between prefill chunks")
-        pos = seq.n_tokens
+        n = seq.n_tokens
         seq.reserve(1)
-        out = self._fused.run_ids((t,), pos, self.cos, self.sin, seq.pool, seq.block_table,
+        if seq.slides:
+            out = self._fused_step(seq, ids, "decode", logits=True)
+            seq.commit(n + 1, (t,))
+            return out
+        out = self._fused.run_ids((t,), n, self.cos, self.sin, seq.pool, seq.block_table,
                                   f32act=self._head_f32act("decode"))
-        seq.commit(pos + 1, (t,))
+        seq.commit(n + 1, (t,))
         return out
+
+    def _rope_src(self, seq, T: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """(cos, sin, row): RoPE tables whose rows row..row+T-1 rotate the reserved chunk. A pool
+        chunk's positions are its cache positions, in the tables; a ring's are its sequence
+        positions, computed when they run past the tables (the chat goes on, the tables do not)."""
+        if not seq.slides:
+            return self.cos, self.sin, seq.n_tokens
+        p = seq.rope_start(T)
+        if p + T <= len(self.cos):
+            return self.cos, self.sin, p
+        cos, sin = reference.rope_rows(self.cfg, np.arange(p, p + T), self._rope_freqs)
+        return cos, sin, 0
+
+    def _shift_sinks(self, seq) -> None:
+        """A ring's sinks sit sink_shift positions closer to its window than in the sequence:
+        rotate their exact keys on by that much (once per shift; kv/ring.py's docstring)."""
+        shift = seq.sink_shift
+        if seq.sinks_at == shift:
+            return
+        k = seq.sink_keys()                                                    # (sinks, L, KVH, hd)
+        if len(k) and shift:
+            cfg = self.cfg
+            cos, sin = reference.rope_rows(cfg, np.full(1, shift), self._rope_freqs)
+            rows = k.reshape(-1, cfg.n_kv_heads, cfg.head_dim)
+            k = reference.rope(rows, np.broadcast_to(cos, (len(rows), cos.shape[1])),
+                               np.broadcast_to(sin, (len(rows), sin.shape[1])), cfg.rope_style).reshape(k.shape)
+        seq.set_sink_keys(k, shift)
 
     def _layers(self, seq, ids: np.ndarray, cancel: CancelToken | None, phase: str = "prefill",
                 out_rows: int | None = None) -> np.ndarray:
@@ -183,10 +216,13 @@ class ModelRunner:
         T = len(ids)
         out_rows = T if out_rows is None else out_rows
         P = self._ops[phase]
-        start = seq.chunk_start(T) if seq.rotate_on_read else seq.n_tokens
+        start = seq.chunk_start(T) if seq.slides else seq.n_tokens            # cache position
         n = start + T                                                         # keys visible to the chunk
         kw = self._precision_kwargs(phase, n)                                 # op -> per-layer kwargs
-        cos, sin = self.cos[start:n], self.sin[start:n]
+        if seq.slides:
+            self._shift_sinks(seq)
+        ctab, stab, row = self._rope_src(seq, T)
+        cos, sin = ctab[row:row + T], stab[row:row + T]
         be, w = P["embedding"]
         x = be.embedding(w.embedding, ids)                                   # (T, d)
         q_end, k_end = cfg.q_dim, cfg.q_dim + cfg.kv_dim
@@ -196,7 +232,7 @@ class ModelRunner:
         # in one call: the intermediate never comes back to the host
         ffn_fused = mgu is mswi is mdown and hasattr(mgu, "ffn")
         # a unit that reads the KV pool's blocks itself skips the gather into fp32 buffers
-        from_pool = (not seq.rotate_on_read and hasattr(matt, "attention_pool") and matt.can_read_pool(seq.pool))
+        from_pool = hasattr(matt, "attention_pool") and matt.can_read_pool(seq.pool)
         table = np.asarray(seq.block_table, dtype=np.int32) if from_pool else None
         for li in range(cfg.n_layers):
             if cancel is not None and cancel.cancelled:
@@ -207,12 +243,7 @@ class ModelRunner:
             q = mrope.rope(qkv[:, :q_end].reshape(T, cfg.n_heads, cfg.head_dim), cos, sin, cfg.rope_style)
             k = qkv[:, q_end:k_end].reshape(T, cfg.n_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].reshape(T, cfg.n_kv_heads, cfg.head_dim)
-            if seq.rotate_on_read:
-                seq.write(li, start, k, v)
-                kc, vc = seq.read(li, n)                                      # (KVH, n, hd), unrotated
-                kc = mrope.rope(kc.transpose(1, 0, 2), self.cos[:n], self.sin[:n], cfg.rope_style).transpose(1, 0, 2)
-            else:
-                seq.write(li, start, mrope.rope(k, cos, sin, cfg.rope_style), v)
+            seq.write(li, start, mrope.rope(k, cos, sin, cfg.rope_style), v)
             qs = start                                                        # the first query row's position
             if li == cfg.n_layers - 1 and out_rows < T:                       # only these rows go on
                 if out_rows == 0:
@@ -221,8 +252,7 @@ class ModelRunner:
             if from_pool:
                 att = matt.attention_pool(q, seq.pool, table, li, qs)         # (rows, q_dim)
             else:
-                if not seq.rotate_on_read:
-                    kc, vc = seq.read(li, n, out=self._kv_bufs)               # (KVH, n, hd) views
+                kc, vc = seq.read(li, n, out=self._kv_bufs)                   # (KVH, n, hd) views
                 att = matt.attention(q, kc, vc, qs)                           # (rows, q_dim)
             x = madd1.add(x, mo.matmul(att, wo.layers[li].wo, **kw["attn_out"][li]))
             h = norm2.rmsnorm(x, wn2.layers[li].ffn_norm, cfg.norm_eps)
@@ -235,7 +265,7 @@ class ModelRunner:
         return x
 
     def _fusable(self, seq) -> bool:
-        return not seq.rotate_on_read and self._fused_mod.can_read_pool(seq.pool)
+        return self._fused_mod.can_read_pool(seq.pool)
 
     def _fused_step(self, seq, ids: np.ndarray, phase: str, logits: bool = False,
                     out_rows: int | None = None) -> np.ndarray:
@@ -243,20 +273,24 @@ class ModelRunner:
         reserved by the caller). Cancellation is checked between chunks, not inside one. logits:
         the model's tail (output norm, head) in the same call, returning the (vocab,) logits of
         the chunk's last position, the head computing in the precision the plan asks of it."""
-        pos, T = seq.n_tokens, len(ids)
+        T = len(ids)
+        pos = seq.chunk_start(T) if seq.slides else seq.n_tokens              # cache position
+        if seq.slides:
+            self._shift_sinks(seq)
+        ctab, stab, row = self._rope_src(seq, T)
         if phase in self._fused_lead:
-            return self._fused.run_ids(ids, pos, self.cos, self.sin, seq.pool, seq.block_table, logits=logits,
-                                       f32act=self._head_f32act(phase), out_rows=out_rows)
+            return self._fused.run_ids(ids, pos, ctab, stab, seq.pool, seq.block_table, logits=logits,
+                                       f32act=self._head_f32act(phase), out_rows=out_rows, rope_pos=row)
+        cos, sin = ctab[row:row + T], stab[row:row + T]
         be, w = self._ops[phase]["embedding"]
         # a chunk's embeddings go straight into the step's input buffer: no (T, d) copy beside it
         x = be.embedding(w.embedding, ids, out=self._fused.chunk_input(T) if T > 1 else None)   # (T, d)
         if logits:
-            return self._fused.run_logits(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
-                                          seq.block_table, f32act=self._head_f32act(phase))
+            return self._fused.run_logits(x, pos, cos, sin, seq.pool, seq.block_table,
+                                          f32act=self._head_f32act(phase))
         if T == 1:
-            return self._fused.run(x, pos, self.cos[pos], self.sin[pos], seq.pool, seq.block_table).copy()
-        return self._fused.run_chunk(x, pos, self.cos[pos:pos + T], self.sin[pos:pos + T], seq.pool,
-                                     seq.block_table, out_rows=out_rows)
+            return self._fused.run(x, pos, cos[0], sin[0], seq.pool, seq.block_table).copy()
+        return self._fused.run_chunk(x, pos, cos, sin, seq.pool, seq.block_table, out_rows=out_rows)
 
     def _head_f32act(self, phase: str) -> bool:
         """Whether the fused step's head keeps its input row in fp32 (the plan's ask for lm_head)."""

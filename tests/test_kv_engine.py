@@ -151,6 +151,47 @@ def test_ring_below_window_equals_pool(tiny_path):
     assert ring.generate(p, max_tokens=20, **GREEDY) == pool.generate(p, max_tokens=20, **GREEDY)
 
 
+def test_ring_past_its_window_fused_equals_per_op(tiny_path):
+    """Past the window, with sinks rotated on: the fused native step (one call a chunk, RoPE rows
+    of sequence positions past the engine's tables) gives the per-op path's logits, chunk by
+    chunk and token by token, and both store the same keys."""
+    import numpy as np
+
+    e = load(tiny_path, kv="ring", kv_precision="f32", window=48, sinks=4, prefill_chunk=8)
+    r = e.runner
+    assert {"prefill", "decode"} <= r._fused_phases and len(r.cos) == 48
+    ids = np.random.default_rng(4).integers(3, e.config.vocab_size, 130)
+    rings, outs = [e.kv.new_sequence() for _ in range(2)], [[], []]
+    for i, ring in enumerate(rings):
+        saved = r._fused_phases
+        r._fused_phases = saved if i == 0 else set()
+        try:
+            for lo, hi in ((0, 40), (40, 70), (70, 110)):
+                outs[i].append(r.forward(ring, ids[lo:hi], chunk=8))
+            outs[i] += [r.forward(ring, [t]) for t in ids[110:]]
+        finally:
+            r._fused_phases = saved
+    assert rings[0].total_tokens == 130 and rings[0].n_tokens == 48 and rings[0].sink_shift == 130 - 48
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4 * float(np.abs(b).max()))
+    np.testing.assert_allclose(rings[0].k, rings[1].k, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(rings[0].v, rings[1].v)
+    # the sinks (slots 0..3) hold the first 4 tokens' keys as a block pool stores them (rotated
+    # at positions 0..3), rotated on by the 130 - 48 tokens evicted: attention sees them at cache
+    # positions 0..3 while the window's tokens sit at 4..47
+    from edgellm.backends import reference
+
+    pool = load(tiny_path, kv_precision="f32")
+    seq, _ = pool._open_sequence([])
+    pool.runner.forward(seq, ids[:4], logits=False)
+    cfg, tbl = e.config, seq.block_table
+    pk = np.stack([seq.pool.k[tbl[p // seq.pool.block_tokens], :, p % seq.pool.block_tokens] for p in range(4)])
+    rows = pk.reshape(-1, cfg.n_kv_heads, cfg.head_dim)
+    cos, sin = reference.rope_rows(cfg, np.full(len(rows), 130 - 48))
+    want = reference.rope(rows, cos, sin, cfg.rope_style).reshape(pk.shape)
+    np.testing.assert_allclose(rings[0].k[:4], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kw", [dict(kv="disk"), dict(kv_precision="int4"), dict(kv="ring", kv_precision="int8"),
                                 dict(kv="ring", window=4, sinks=4)])
 def test_bad_kv_options(tiny_path, kw):
@@ -167,12 +208,14 @@ def test_ring_has_no_sessions_yet(tiny_path, tmp_path):
 
 @pytest.mark.parametrize("held", [20, 120])
 def test_cancelled_ring_prefill_leaves_a_usable_engine(tiny_path, held):
-    """Cancel in the third chunk of a forward, with the ring below and past its window."""
+    """Cancel before the third chunk of a forward, with the ring below and past its window (the
+    ring takes the fused step, which looks between chunks: the third look cancels)."""
     e = load(tiny_path, kv="ring", window=64, sinks=4, prefill_chunk=8)
     fresh = load(tiny_path, kv="ring", window=64, sinks=4, prefill_chunk=8)
+    assert "prefill" in e.runner._fused_phases
     first = text_of(e, held, seed=12)
     e.generate(first, max_tokens=1, **GREEDY)
-    e.generate(first + text_of(e, 24, seed=13), max_tokens=4, cancel=CancelAfter(8), **GREEDY)
+    e.generate(first + text_of(e, 24, seed=13), max_tokens=4, cancel=CancelAfter(2), **GREEDY)
     assert e.last_stats.stop_reason == "cancelled"
     p = text_of(e, 30, seed=14)
     assert e.generate(p, max_tokens=6, **GREEDY) == fresh.generate(p, max_tokens=6, **GREEDY)

@@ -61,7 +61,7 @@ def test_layout_and_nbytes(precision, itemsize):
     extra = 2 * 5 * 3 * 4 * 2 * 4 if precision == "int8" else 0
     assert pool.nbytes == 2 * 5 * 3 * 4 * 2 * 8 * itemsize + extra
     assert (pool.n_blocks, pool.block_tokens, pool.free_blocks) == (5, 4, 5)
-    assert pool.new_sequence().rotate_on_read is False
+    assert pool.new_sequence().slides is False
 
 
 @pytest.mark.parametrize("kwargs", [dict(n_blocks=0), dict(block_tokens=0), dict(head_dim=-1),

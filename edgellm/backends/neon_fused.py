@@ -211,13 +211,15 @@ class DecodeStep:
         return logits
 
     def run_ids(self, ids, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table,
-                logits: bool = True, f32act: bool = True, out_rows: int | None = None) -> np.ndarray:
+                logits: bool = True, f32act: bool = True, out_rows: int | None = None,
+                rope_pos: int | None = None) -> np.ndarray:
         """run_logits (logits=True) or run_chunk (logits=False, out_rows) of a step given as its
         token ids (T,): the rows of the embedding table are looked up inside the same native call
         (el_chunk_ids), bit-identical to reference.embedding's, so the results equal those of
         run_logits / run_chunk on the looked-up rows. cos, sin: the RoPE tables (positions,
-        rope_dim/2), of which rows pos..pos+T-1 are read in place. An id outside the table raises
-        DecodeStepError and writes nothing.
+        rope_dim/2), of which rows pos..pos+T-1 are read in place (rope_pos..rope_pos+T-1 when
+        given: a ring buffer stores a token at its cache position and rotates it by its position
+        in the sequence). An id outside the table raises DecodeStepError and writes nothing.
 
         A decode token's Python work here is kept to a few attribute reads: after the step has
         streamed ~100 MB of weights the interpreter runs cold, and checking two row slices'
@@ -241,7 +243,7 @@ class DecodeStep:
             if a.dtype != np.int32 and bool((a < -2 ** 31).any() or (a >= 2 ** 31).any()):
                 raise DecodeStepError(f"a token id of {a[:8].tolist()} does not fit int32")
             self._ids[:T] = a
-        cos_p, sin_p = self._rope_rows(cos, sin, pos, T)
+        cos_p, sin_p = self._rope_rows(cos, sin, pos if rope_pos is None else rope_pos, T)
         n = self._take(pool, table)
         self._fit_chunk(T)
         out = np.empty(self._n_vocab, np.float32) if logits else None

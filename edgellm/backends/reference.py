@@ -51,10 +51,17 @@ def matmul(x: np.ndarray, w: np.ndarray, b: np.ndarray | None = None) -> np.ndar
 
 def rope_tables(cfg: ModelConfig, n_ctx: int, freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin tables (n_ctx, rope_dim/2): angle(p, i) = p * theta^(-2i/rope_dim) [/ factor_i]."""
+    return rope_rows(cfg, np.arange(n_ctx), freq_factors)
+
+
+def rope_rows(cfg: ModelConfig, positions: np.ndarray, freq_factors: np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (len(positions), rope_dim/2) of any positions: the rows rope_tables would hold
+    for them, bit for bit (a ring buffer's positions run past any table)."""
     inv = cfg.rope_theta ** (-np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim)
     if freq_factors is not None:
         inv = inv / freq_factors.astype(np.float64)
-    ang = np.arange(n_ctx, dtype=np.float64)[:, None] * inv[None, :]
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 

@@ -11,8 +11,8 @@ Block b holds positions [i * block_tokens, (i + 1) * block_tokens) of every laye
 sequence whose block_table[i] == b. Blocks come first so that one block (all layers) is one
 contiguous slab: copy-on-write is a single memcpy, and a session file or a backend can move a
 block as a unit. Keys are stored already rotated by RoPE at their absolute position
-(`rotate_on_read = False`): a block's position in the sequence never changes in a pool (the
-ring buffer is the structure where it does).
+(`slides = False`): a block's position in the sequence never changes in a pool (the ring buffer
+is the structure where it does).
 
 Ownership. A block is in exactly one of three states:
   free        on the free list, refcount 0;
@@ -318,7 +318,7 @@ class KVPool:
 class PoolSequence:
     """One sequence's view of the pool: a block table and the token ids whose KV it holds."""
 
-    rotate_on_read = False  # keys are stored rotated at their absolute positions
+    slides = False  # keys are stored rotated at their absolute positions, which are their cache positions
 
     def __init__(self, pool: KVPool):
         self.pool = pool

@@ -7,14 +7,21 @@ Choices, and why:
   and a 1020-slot ring). nbytes is fixed at construction and never grows with the conversation.
 - The first `sinks` tokens ever appended stay forever (the attention-sink tokens that softmax
   dumps its mass on); after them, the oldest non-sink token is evicted when room is needed.
-- Keys are stored BEFORE RoPE and rotated when read, by their *cache position*: sinks take
-  positions 0..s-1, then the ring tokens s.. in age order, the newest last. A query is rotated by
-  its own cache position (`positions()` / `chunk_start(T)`). Every relative distance inside the
-  window then stays within what the model saw in training, however long the chat runs
-  (StreamingLLM's choice). Rotating keys once at write and re-rotating the whole ring on every
-  slide would cost the same O(window) per step but compound float error in the stored keys;
-  rotating a fresh copy of exact stored keys has no drift. `rotate_on_read = True` tells the
-  engine which of the two contracts a KV sequence follows.
+- Attention sees the tokens at their *cache positions* (StreamingLLM's choice): sinks at
+  0..s-1, then the ring tokens s.. in age order, the newest last, so every relative distance
+  inside the window stays within what the model saw in training, however long the chat runs.
+  RoPE scores depend only on the distance between a query and a key, and the ring tokens are
+  consecutive in the sequence, so between two ring tokens the cache distance IS the sequence
+  distance: keys are stored rotated once, at write, by their absolute sequence position
+  (`rope_start(T)`), and queries are rotated by theirs. Only the sinks sit closer to the window
+  than in the sequence, by `sink_shift` = the tokens evicted so far: before attention the caller
+  rotates the sinks' exact stored keys (`sink_keys()`, captured when they were written) on by
+  that many positions and puts them back (`set_sink_keys`). That is O(sinks) work per step,
+  where rotating every key at read was O(window) per layer, and nothing drifts: a sink is always
+  re-rotated from its exact copy, every other key is rotated once. (Rotating all keys at read
+  kept the ring off the fused native step, which reads keys rotated in place: ~5x slower decode.)
+  `slides = True` tells the engine to take storage positions from `chunk_start(T)` and RoPE
+  positions from `rope_start(T)` (equal in a block pool).
 - Eviction happens at `reserve`: a chunk of T tokens is attended after the T oldest ring tokens
   have made room, so the chunk's first query sees `window - T + 1` tokens when the ring is full
   (decode, T = 1, sees the full window; keep prefill chunks well below the window). Below the
@@ -31,9 +38,12 @@ Choices, and why:
   chunk: chunks committed earlier in the same forward stay, and total_tokens says how many of the
   sequence's tokens the ring has taken.
 
-Storage, per layer: (n_kv_heads, window, head_dim) for K and for V, float32 or float16. Slots
-0..s-1 hold the sinks; slots s..window-1 are a circular region whose oldest token sits at slot
-s + head. `RingIndex` is that slot bookkeeping alone (no arrays), so it can be tested on its own.
+Storage: (window, n_layers, n_kv_heads, head_dim) for K and for V, float32 or float16: the
+block pool's arena with blocks of one token, so `pool` (that view) and `block_table` (the slot of
+each cache position) let the pool's readers, the fused native step among them, read and write
+the ring in place. Slots 0..s-1 hold the sinks; slots s..window-1 are a circular region whose
+oldest token sits at slot s + head. `RingIndex` is that slot bookkeeping alone (no arrays), so it
+can be tested on its own.
 
 Counts: `n_tokens` = tokens held by committed chunks (<= window, unchanged by reserve, like a
 pool sequence); `total_tokens` = tokens ever committed (the sequence length). The per-sequence
@@ -41,6 +51,9 @@ protocol the engine drives, per chunk:
 
     seq.reserve(T)                     # evicts as needed; positions() = the chunk's cache positions
     start = seq.chunk_start(T)         # = held tokens after the reserve - T
+    p = seq.rope_start(T)              # the chunk's absolute positions p..p+T-1: rotate q and k by them
+    if seq.sinks_at != seq.sink_shift: # rotate the sinks on (see above)
+        seq.set_sink_keys(rope(seq.sink_keys(), position seq.sink_shift), seq.sink_shift)
     for layer: seq.write(layer, start, k, v); k_all, v_all = seq.read(layer, start + T)
     seq.commit(seq.n_tokens + T, ids)  # or, on cancel, seq.truncate(seq.n_tokens)
 """
@@ -189,15 +202,28 @@ class _Pending:
     count: int                     # tokens reserved
     before: RingState              # bookkeeping before the reserve
     evicted: list                  # [(offset, slot, length)] runs of the evicted tokens' slots
-    k_saved: np.ndarray | None     # (layers, KVH, evicted, hd) their K rows, storage dtype
-    v_saved: np.ndarray | None     # (layers, KVH, evicted, hd) their V rows
+    k_saved: np.ndarray | None     # (evicted, layers, KVH, hd) their K rows, storage dtype
+    v_saved: np.ndarray | None     # (evicted, layers, KVH, hd) their V rows
     ids_saved: np.ndarray | None   # (evicted,) their token ids
+
+
+class _PoolView:
+    """The ring's arrays as a block pool's arena with one-token blocks (what attention_pool and
+    the fused step read): k, v (window, layers, 1, KVH, hd)."""
+
+    block_tokens = 1
+    k_scale = v_scale = None
+
+    def __init__(self, ring: "RingKV"):
+        self.n_blocks, self.n_layers, self.n_kv_heads = ring.window, ring.n_layers, ring.n_kv_heads
+        shape = (ring.window, ring.n_layers, 1, ring.n_kv_heads, ring.head_dim)
+        self.k, self.v = ring.k.reshape(shape), ring.v.reshape(shape)
 
 
 class RingKV:
     """One sequence's ring-buffer KV cache (see the module docstring for the protocol)."""
 
-    rotate_on_read = True  # keys are stored unrotated; the caller rotates at cache positions 0..n-1
+    slides = True   # storage positions: chunk_start(T); RoPE positions: rope_start(T); sinks shift
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, window: int, sinks: int = 4,
                  precision: str = "f32"):
@@ -210,21 +236,27 @@ class RingKV:
         self.n_layers, self.n_kv_heads, self.head_dim = int(n_layers), int(n_kv_heads), int(head_dim)
         self.window, self.sinks, self.precision = self.index.window, self.index.sinks, precision
         dt = _DTYPES[precision]
-        shape = (self.n_layers, self.n_kv_heads, self.window, self.head_dim)
-        self.k = np.zeros(shape, dtype=dt)  # (layers, KVH, window, hd) unrotated keys, by slot
-        self.v = np.zeros(shape, dtype=dt)  # (layers, KVH, window, hd) values, by slot
+        shape = (self.window, self.n_layers, self.n_kv_heads, self.head_dim)
+        self.k = np.zeros(shape, dtype=dt)  # (window, layers, KVH, hd) keys (rotated at write), by slot
+        self.v = np.zeros(shape, dtype=dt)  # (window, layers, KVH, hd) values, by slot
         self.ids = np.full(self.window, -1, dtype=np.int64)  # (window,) token id by slot, -1 unknown
+        # the sinks' keys as written (rotated at their positions 0..s-1), and how far the copies
+        # in the arena have been rotated on since
+        self._sink_k = np.zeros((self.sinks, self.n_layers, self.n_kv_heads, self.head_dim), dtype=dt)
+        self.sinks_at = 0
         self._pending: _Pending | None = None
+        self.pool = _PoolView(self)
 
     @staticmethod
-    def nbytes_for(n_layers: int, n_kv_heads: int, head_dim: int, window: int, itemsize: int = 4) -> int:
-        return 2 * n_layers * n_kv_heads * window * head_dim * itemsize
+    def nbytes_for(n_layers: int, n_kv_heads: int, head_dim: int, window: int, itemsize: int = 4,
+                   sinks: int = 0) -> int:
+        return (2 * window + sinks) * n_layers * n_kv_heads * head_dim * itemsize
 
     @property
     def nbytes(self) -> int:
-        """K and V storage; fixed at construction. A pending chunk adds a transient copy of the
-        rows it evicted (<= chunk rows per layer) until commit or truncate."""
-        return self.k.nbytes + self.v.nbytes
+        """K and V storage and the sinks' key copy; fixed at construction. A pending chunk adds a
+        transient copy of the rows it evicted (<= chunk rows per layer) until commit or truncate."""
+        return self.k.nbytes + self.v.nbytes + self._sink_k.nbytes
 
     @property
     def max_chunk(self) -> int:
@@ -275,8 +307,8 @@ class RingKV:
         evicted = self.index.reserve(n_new)
         k_saved = v_saved = ids_saved = None
         if evicted:   # one or two slot runs; copies, since write will overwrite these slots
-            k_saved = np.concatenate([self.k[:, :, s : s + m] for _, s, m in evicted], axis=2)
-            v_saved = np.concatenate([self.v[:, :, s : s + m] for _, s, m in evicted], axis=2)
+            k_saved = np.concatenate([self.k[s : s + m] for _, s, m in evicted])
+            v_saved = np.concatenate([self.v[s : s + m] for _, s, m in evicted])
             ids_saved = np.concatenate([self.ids[s : s + m] for _, s, m in evicted])
         self._pending = _Pending(int(n_new), before, evicted, k_saved, v_saved, ids_saved)
 
@@ -288,14 +320,45 @@ class RingKV:
         return self.index.n_tokens - p.count
 
     def positions(self) -> range:
-        """Cache positions of the pending chunk: rotate its queries (and read keys 0..end-1) by these."""
+        """Cache positions of the pending chunk (storage positions: the chunk reads keys 0..end-1)."""
         p = self._need_pending("positions")
         end = self.index.n_tokens
         return range(end - p.count, end)
 
+    def rope_start(self, n_new: int | None = None) -> int:
+        """Absolute sequence position of the pending chunk's first token: rotate the chunk's
+        queries and keys by positions rope_start..rope_start+T-1."""
+        p = self._need_pending("rope_start")
+        if n_new is not None and n_new != p.count:
+            raise ConfigError(f"rope_start({n_new}) but the pending chunk holds {p.count} tokens")
+        return p.before.total
+
+    @property
+    def sink_shift(self) -> int:
+        """Positions the sinks' keys must be rotated on for attention now: the tokens evicted so
+        far (the held ring tokens sit that much closer to the sinks than in the sequence)."""
+        st = self.index.state
+        return st.total - st.n_sink - st.n_ring
+
+    def sink_keys(self) -> np.ndarray:
+        """(sinks held, layers, KVH, hd) float32: the sinks' keys as written (rotated at their
+        positions 0..s-1), the exact copy that set_sink_keys' rotations start from."""
+        return self._sink_k[: self.index.state.n_sink].astype(np.float32)
+
+    def set_sink_keys(self, k: np.ndarray, shift: int) -> None:
+        """Put the held sinks' keys rotated on by `shift` positions (k like sink_keys()) into the
+        arena; sinks_at records the shift. Committed rows other than the sinks are untouched."""
+        n = self.index.state.n_sink
+        if k.shape != (n, self.n_layers, self.n_kv_heads, self.head_dim):
+            raise ConfigError(f"set_sink_keys expects ({n}, {self.n_layers}, {self.n_kv_heads}, {self.head_dim}) "
+                              f"keys, found {tuple(k.shape)}")
+        self.k[:n] = k
+        self.sinks_at = int(shift)
+
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        """k, v (T, KVH, hd) float32, UNROTATED keys, for cache positions start..start+T-1, which
-        must lie inside the pending chunk (committed tokens are never overwritten)."""
+        """k, v (T, KVH, hd) float32, keys rotated at the tokens' absolute positions (rope_start),
+        for cache positions start..start+T-1, which must lie inside the pending chunk (committed
+        tokens are never overwritten)."""
         p = self._need_pending("write")
         self._check_layer(layer)
         want = (self.n_kv_heads, self.head_dim)
@@ -308,26 +371,31 @@ class RingKV:
         if t < 1 or start < lo or start + t > end:
             raise ConfigError(f"ring write of positions {start}..{start + t - 1} is outside the pending chunk "
                               f"{lo}..{end - 1}")
-        kt, vt = k.transpose(1, 0, 2), v.transpose(1, 0, 2)   # (KVH, T, hd)
         for off, s, m in self.index.runs(start, t):
-            self.k[layer, :, s : s + m] = kt[:, off : off + m]
-            self.v[layer, :, s : s + m] = vt[:, off : off + m]
+            self.k[s : s + m, layer] = k[off : off + m]
+            self.v[s : s + m, layer] = v[off : off + m]
 
-    def read(self, layer: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """(KVH, n, hd) float32 K (unrotated) and V of cache positions 0..n-1: sinks, then ring
-        tokens oldest to newest, a pending chunk last. A view while the ring has not wrapped (f32),
-        else a fresh copy; callers must not write into it."""
+    @property
+    def block_table(self) -> np.ndarray:
+        """(n,) int32 slot of each cache position 0..n-1, a pending chunk included: the block
+        table of `pool` (one-token blocks)."""
+        return self.index.slots(0, self.index.n_tokens).astype(np.int32)
+
+    def read(self, layer: int, n: int, out: tuple[np.ndarray, np.ndarray] | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """(KVH, n, hd) float32 K (as stored: rotated, the sinks as last set) and V of cache
+        positions 0..n-1: sinks, then ring tokens oldest to newest, a pending chunk last. Into
+        out's (KVH, >= n, hd) float32 buffers when given (views of them are returned), else new
+        arrays."""
         self._check_layer(layer)
         runs = self.index.runs(0, n)
-        if len(runs) <= 1:
-            s = runs[0][1] if runs else 0
-            k, v = self.k[layer, :, s : s + n], self.v[layer, :, s : s + n]
-        else:
-            k = np.concatenate([self.k[layer, :, s : s + m] for _, s, m in runs], axis=1)
-            v = np.concatenate([self.v[layer, :, s : s + m] for _, s, m in runs], axis=1)
-        if k.dtype != np.float32:
-            k, v = k.astype(np.float32), v.astype(np.float32)
-        return k, v
+        if out is None:
+            out = tuple(np.empty((self.n_kv_heads, n, self.head_dim), np.float32) for _ in range(2))
+        kb, vb = out[0][:, :n], out[1][:, :n]
+        for off, s, m in runs:
+            kb[:, off : off + m] = self.k[s : s + m, layer].transpose(1, 0, 2)
+            vb[:, off : off + m] = self.v[s : s + m, layer].transpose(1, 0, 2)
+        return kb, vb
 
     def commit(self, n_tokens: int, token_ids=()) -> None:
         """Make the pending chunk part of the sequence. n_tokens must be n_tokens + T (the count
@@ -343,6 +411,10 @@ class RingKV:
         end = self.index.n_tokens
         for off, s, m in self.index.runs(end - p.count, p.count):
             self.ids[s : s + m] = ids[off : off + m] if len(ids) else -1
+        # sinks written by this chunk (no token was evicted before them: their keys are exact)
+        first, last = end - p.count, min(end, self.index.state.n_sink)
+        if first < last:
+            self._sink_k[first:last] = self.k[first:last]
         self._pending = None
 
     def can_truncate(self, n_tokens: int) -> bool:
@@ -360,8 +432,8 @@ class RingKV:
         if p is not None:
             if p.k_saved is not None:
                 for off, s, m in p.evicted:
-                    self.k[:, :, s : s + m] = p.k_saved[:, :, off : off + m]
-                    self.v[:, :, s : s + m] = p.v_saved[:, :, off : off + m]
+                    self.k[s : s + m] = p.k_saved[off : off + m]
+                    self.v[s : s + m] = p.v_saved[off : off + m]
                     self.ids[s : s + m] = p.ids_saved[off : off + m]
             self.index.state = p.before
             self._pending = None
@@ -373,6 +445,7 @@ class RingKV:
         self._pending = None
         self.index.clear()
         self.ids[:] = -1
+        self.sinks_at = 0
 
     # ---- helpers ---------------------------------------------------------------------------
 

@@ -57,8 +57,6 @@ class PoolStore:
     in the prefix cache (evicted LRU when a new sequence needs room). The last finished sequence
     is kept whole, so the next turn of a conversation continues without recomputing anything."""
 
-    rotate_on_read = False
-
     def __init__(self, cfg: ModelConfig, kv: KVConfig, n_ctx: int, background_commit: bool = False):
         self.kv = kv
         self.capacity = n_ctx                      # tokens one sequence may hold
@@ -140,13 +138,12 @@ class RingStore:
     """One ring buffer holding the conversation: each turn appends only what the ring has not
     seen, so a chat runs on in constant memory. Prompts longer than the window slide through."""
 
-    rotate_on_read = True
     commit = None      # the ring's arrays are np.zeros, committed page by page as the ring fills
 
     def __init__(self, cfg: ModelConfig, kv: KVConfig):
         self.kv = kv
         self.capacity = sys.maxsize                # the ring never fills: it slides
-        self.max_positions = kv.window             # cache positions only
+        self.max_positions = kv.window             # RoPE rows tabled; later positions are computed
         self.ring = RingKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv.window, kv.sinks, kv.precision)
         self.history: list[int] = []               # every token id the ring has taken, in order
         self._cfg = cfg
