@@ -565,6 +565,7 @@ static void el_attn_merge(const el_attn_job *J) {
 #define EL_ATTN_DEC_HMAX 64      /* query heads the stack scratch holds */
 #define EL_ATTN_DEC_ACC 16384    /* floats of accumulator: H * hd */
 #define EL_ATTN_DEC_SPLIT_MIN 48 /* fewest keys worth a task of their own */
+#define EL_ATTN_DEC_I8ROW 512    /* KVH * hd of an int8 pool the decode path dequantizes per chunk */
 #define EL_AI inline __attribute__((always_inline))
 
 static EL_AI float32x4_t el_kv_ld4(const int F16, const char *p) {
@@ -783,9 +784,20 @@ static EL_AI void el_dec_chunk_pv(const int NR, const int F16, const el_attn_job
 
 /* Keys [j_lo, j_hi) for every query head: split `split` of the job. Its last chunk prefetches
  * the keys after it up to pf_hi (>= j_hi): the next split, when this thread takes it next. */
-static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_lo, int j_hi, int pf_hi, int split) {
+static EL_AI void el_attn_dec_range(const int F16, const int I8, const el_attn_job *J, int j_lo, int j_hi, int pf_hi,
+                                     int split) {
     const int hd = J->hd, H = J->H, G = J->G, esz = F16 ? 2 : 4;
     float acc[EL_ATTN_DEC_ACC];
+    /* int8 K/V (I8, with F16 = 0): each chunk's rows are dequantized here (q * scale, as the
+     * pool's reader does) and the fp32 blocks run on these buffers through `Jb`, a dense view */
+    float kq8[I8 ? EL_ATTN_DEC_CH * EL_ATTN_DEC_I8ROW : 1], vq8[I8 ? EL_ATTN_DEC_CH * EL_ATTN_DEC_I8ROW : 1];
+    size_t boff[I8 ? EL_ATTN_DEC_CH : 1];
+    el_attn_job Jb;
+    if (I8) {
+        Jb = *J;
+        Jb.kv = (el_kv_src){.k = kq8, .v = vq8, .row_stride = (size_t)J->KVH * hd, .head_stride = (size_t)hd};
+        for (int i = 0; i < EL_ATTN_DEC_CH; i++) boff[i] = (size_t)i * J->KVH * hd;
+    }
     float sc[EL_ATTN_DEC_HMAX][EL_ATTN_DEC_CH];
     float m[EL_ATTN_DEC_HMAX], l[EL_ATTN_DEC_HMAX], alpha[EL_ATTN_DEC_HMAX];
     size_t off[2][EL_ATTN_DEC_CH];
@@ -804,26 +816,47 @@ static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_l
      * loop's loads would miss 4 keys at a time: perf put most of this kernel's time on those
      * loads at 512+ keys. */
     {
-        const size_t row = (size_t)hd * esz;
+        const int pesz = I8 ? 1 : esz;   /* bytes of a stored element */
+        const size_t row = (size_t)hd * pesz;
         for (int i = 0; i < EL_MIN(EL_ATTN_DEC_CH, j_hi - j_lo); i++)
             for (int kh = 0; kh < J->KVH; kh++) {
-                const size_t o = (off[cur][i] + (size_t)kh * J->kv.head_stride) * esz;
+                const size_t o = (off[cur][i] + (size_t)kh * J->kv.head_stride) * pesz;
                 el_prefetch_span((const char *)J->kv.k + o, row);
                 el_prefetch_span((const char *)J->kv.v + o, row);
             }
     }
     for (int j0 = j_lo; j0 < j_hi; j0 += EL_ATTN_DEC_CH, cur ^= 1) {
         const int c = EL_MIN(EL_ATTN_DEC_CH, j_hi - j0);
-        const int c_next = EL_MAX(0, EL_MIN(EL_ATTN_DEC_CH, (j0 + c < j_hi ? j_hi : pf_hi) - j0 - c));
+        int c_next = EL_MAX(0, EL_MIN(EL_ATTN_DEC_CH, (j0 + c < j_hi ? j_hi : pf_hi) - j0 - c));
         const size_t *on = c_next > 0 ? off[cur ^ 1] : NULL;
         if (c_next > 0) el_row_offsets(&J->kv, j0 + c, c_next, off[cur ^ 1]);
+        const el_attn_job *Jc = J;
+        const size_t *oc = off[cur];
+        if (I8) {   /* this chunk into the buffers, the next one's int8 rows prefetched meanwhile */
+            const size_t row = (size_t)J->KVH * hd;
+            for (int i = 0; i < c; i++) {
+                if (i < c_next) {
+                    el_prefetch_span((const char *)J->kv.k + on[i], row);
+                    el_prefetch_span((const char *)J->kv.v + on[i], row);
+                }
+                for (int kh = 0; kh < J->KVH; kh++) {
+                    const size_t o = off[cur][i] + (size_t)kh * hd, si = o / (size_t)hd;
+                    el_dq_row(kq8 + i * row + (size_t)kh * hd, (const int8_t *)J->kv.k + o, J->kv.ks[si], hd);
+                    el_dq_row(vq8 + i * row + (size_t)kh * hd, (const int8_t *)J->kv.v + o, J->kv.vs[si], hd);
+                }
+            }
+            Jc = &Jb;
+            oc = boff;
+            on = NULL;
+            c_next = 0;
+        }
 
         /* scores, the next chunk's K prefetched with the first head block of each kv head */
         for (int kh = 0; kh < J->KVH; kh++)
             for (int g = 0; g < G;) {
                 const int nr = EL_MIN(4, G - g), h0 = kh * G + g;
                 const size_t *pn = g == 0 ? on : NULL;
-                EL_BY_ROWS(nr, el_dec_chunk_scores, F16, J, kh, h0, off[cur], c, pn, c_next, sc);
+                EL_BY_ROWS(nr, el_dec_chunk_scores, F16, Jc, kh, h0, oc, c, pn, c_next, sc);
                 g += nr;
             }
 
@@ -843,12 +876,12 @@ static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_l
 
         /* PV, the next chunk's V prefetched with the first head block of each kv head */
         for (int kh = 0; kh < J->KVH; kh++) {
-            const char *vb = (const char *)J->kv.v + (size_t)kh * J->kv.head_stride * esz;
-            for (int i = 0; i < c; i++) vr[i] = vb + off[cur][i] * esz;
+            const char *vb = (const char *)Jc->kv.v + (size_t)kh * Jc->kv.head_stride * esz;
+            for (int i = 0; i < c; i++) vr[i] = vb + oc[i] * esz;
             for (int i = 0; i < c_next; i++) pf[i] = vb + on[i] * esz;
             for (int g = 0; g < G;) {
                 const int nr = EL_MIN(4, G - g), h0 = kh * G + g, npf = g == 0 ? c_next : 0;
-                EL_BY_ROWS(nr, el_dec_chunk_pv, F16, J, h0, acc, alpha, vr, c, pf, npf, sc);
+                EL_BY_ROWS(nr, el_dec_chunk_pv, F16, Jc, h0, acc, alpha, vr, c, pf, npf, sc);
                 g += nr;
             }
         }
@@ -860,8 +893,9 @@ static EL_AI void el_attn_dec_range(const int F16, const el_attn_job *J, int j_l
 static void el_attn_dec_split(const el_attn_job *J, int split, int pf_next) {
     const int n = J->start + 1, j_lo = split * J->split_len, j_hi = EL_MIN(n, j_lo + J->split_len);
     const int pf_hi = pf_next ? EL_MIN(n, j_hi + EL_ATTN_DEC_CH) : j_hi;
-    if (J->kv.f16) el_attn_dec_range(1, J, j_lo, j_hi, pf_hi, split);
-    else el_attn_dec_range(0, J, j_lo, j_hi, pf_hi, split);
+    if (J->kv.i8) el_attn_dec_range(0, 1, J, j_lo, j_hi, pf_hi, split);
+    else if (J->kv.f16) el_attn_dec_range(1, 0, J, j_lo, j_hi, pf_hi, split);
+    else el_attn_dec_range(0, 0, J, j_lo, j_hi, pf_hi, split);
 }
 
 /* The splits as el_parallel_ranges items: a thread takes its own range's splits in key order,
@@ -876,9 +910,9 @@ static void el_attn_dec_item(void *ctx, int split, int flags) {
     el_attn_dec_split(ctx, split, (flags & EL_ITEM_MORE) != 0);
 }
 
-/* (int8 K/V take the tile path: its chunks are dequantized into fp32 buffers) */
+/* (int8 K/V wider than EL_ATTN_DEC_I8ROW a row take the tile path) */
 static int el_attn_dec_fits(const el_attn_job *J) {
-    return J->T == 1 && !J->kv.i8 && J->hd % 4 == 0 && J->H <= EL_ATTN_DEC_HMAX && (size_t)J->H * J->hd <= EL_ATTN_DEC_ACC;
+    return J->T == 1 && (!J->kv.i8 || J->KVH * J->hd <= EL_ATTN_DEC_I8ROW) && J->hd % 4 == 0 && J->H <= EL_ATTN_DEC_HMAX && (size_t)J->H * J->hd <= EL_ATTN_DEC_ACC;
 }
 
 /* Decode: tasks are key ranges over all heads, whole pool blocks each where possible */

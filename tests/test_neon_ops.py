@@ -331,8 +331,8 @@ def _i8_arena(rng, n, n_layers, block_tokens, KVH, hd):
 @pytest.mark.parametrize("use_pool", [False, True])
 def test_attention_i8_pool(el, pool2, T, H, KVH, hd, start, block_tokens, use_pool):
     """An int8 pool (EL_KV_I8): against the reference on the dequantized keys and values within
-    ATTN_BOUND, and, for chunks (T > 1: both take the tile path, which dequantizes each chunk into
-    the buffers the f32 path reads), bit for bit equal to the f32 pool holding those values."""
+    ATTN_BOUND, and bit for bit equal to the f32 pool holding those values: chunks (T > 1) and
+    decode tokens dequantize each chunk of keys into the buffers the f32 blocks read."""
     rng = np.random.default_rng(T * 5 + H + start + hd)
     n, n_layers, layer = start + T, 3, 2
     arrays, desc, (kf, vf), table = _i8_arena(rng, n, n_layers, block_tokens, KVH, hd)
@@ -349,8 +349,7 @@ def test_attention_i8_pool(el, pool2, T, H, KVH, hd, start, block_tokens, use_po
     ref = reference.attention(q, _gather(kf, table, layer, n), _gather(vf, table, layer, n), start)
     err = nmse(outs[0], ref)
     assert err <= ATTN_BOUND, err
-    if T > 1:
-        np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[1])
 
 
 def test_attention_i8_pool_generic_twin(el):
