@@ -147,7 +147,6 @@ static void el_row_offsets(const el_kv_src *s, int j0, int c, size_t *off) {
     }
 }
 
-/* Prefetches the rows at element offsets pf[i], i < npf, of one kv head */
 static inline size_t el_kv_esz(const el_kv_src *s) { return s->i8 ? 1 : s->f16 ? 2 : 4; }
 
 /* dst[i] = q[i] * scale: int8 K/V dequantized as the pool's reader does (one rounding each) */
@@ -167,6 +166,7 @@ static inline void el_dq_row(float *dst, const int8_t *q, float scale, int n) {
     for (; i < n; i++) dst[i] = (float)q[i] * scale;
 }
 
+/* Prefetches the rows at element offsets pf[i], i < npf, of one kv head */
 static void el_prefetch_rows(const el_kv_src *s, const void *base, const size_t *pf, int npf, int hd) {
     const size_t esz = el_kv_esz(s), row_bytes = (size_t)hd * esz;
     for (int i = 0; i < npf; i++) {
@@ -839,10 +839,11 @@ static EL_AI void el_attn_dec_range(const int F16, const int I8, const el_attn_j
                     el_prefetch_span((const char *)J->kv.k + on[i], row);
                     el_prefetch_span((const char *)J->kv.v + on[i], row);
                 }
+                const size_t s0 = off[cur][i] / (size_t)hd;   /* scale of (row, kv head 0) */
                 for (int kh = 0; kh < J->KVH; kh++) {
-                    const size_t o = off[cur][i] + (size_t)kh * hd, si = o / (size_t)hd;
-                    el_dq_row(kq8 + i * row + (size_t)kh * hd, (const int8_t *)J->kv.k + o, J->kv.ks[si], hd);
-                    el_dq_row(vq8 + i * row + (size_t)kh * hd, (const int8_t *)J->kv.v + o, J->kv.vs[si], hd);
+                    const size_t o = off[cur][i] + (size_t)kh * hd;
+                    el_dq_row(kq8 + i * row + (size_t)kh * hd, (const int8_t *)J->kv.k + o, J->kv.ks[s0 + kh], hd);
+                    el_dq_row(vq8 + i * row + (size_t)kh * hd, (const int8_t *)J->kv.v + o, J->kv.vs[s0 + kh], hd);
                 }
             }
             Jc = &Jb;
