@@ -259,8 +259,7 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None,
     None: everything on the fp32 reference unit) + the KV cache. The GGUF itself stays mapped."""
     c, kv = model.config, kv or KVConfig()
     if kv.kind == "ring":
-        kv_bytes = RingKV.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, kv.window,
-                                     2 if kv.precision == "f16" else 4, kv.sinks)
+        kv_bytes = RingKV.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, kv.window, kv.bytes_per_elem, kv.sinks)
     else:
         kv_bytes = KVPool.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, math.ceil(n_ctx / kv.block_tokens),
                                      kv.block_tokens, kv.precision)
@@ -292,7 +291,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     prefill_chunk: tokens per prefill step; None lets the roofline model choose.
     kv: "pool" (block pool of n_ctx tokens with a prefix cache) or "ring" (a sliding window of
     `window` tokens keeping the first `sinks`, for chats of any length in constant memory).
-    kv_precision: "f16", "f32", or "int8" (pool only); None: the precision plan's kv_cache, else f16.
+    kv_precision: "f16", "f32", or "int8"; None: the precision plan's kv_cache, else f16.
     precision: a precision plan: a preset name ("quality", "balanced", "fast"), a plan YAML path or
     a PrecisionPlan (edgellm/precision_presets/README.md). Its weight formats are applied once, into
     a requantized copy of the model cached under $EDGELLM_HOME/cache/precision/models; each op
@@ -317,10 +316,6 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     pplan = load_plan(precision) if precision is not None else None
     if kv_precision is None:
         kv_precision = pplan.kv_precision if pplan is not None else "f16"
-        if kv == "ring" and kv_precision == "int8":
-            kv_precision = "f16"
-            plan_notes.append(f"precision plan {pplan.name!r} asks an int8 KV cache, which needs kv=pool: "
-                              "the ring buffer keeps f16")
     elif pplan is not None and kv_precision != pplan.kv_precision:
         plan_notes.append(f"kv_precision={kv_precision} replaces the precision plan's {pplan.kv_precision}")
     kv_cfg = KVConfig(kind=kv, precision=kv_precision, window=window, sinks=sinks)

@@ -141,7 +141,7 @@ def run(
                                           "it matches the model, and save it back afterwards"),
     kv: str = typer.Option("pool", "--kv", help=KV_HELP),
     kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8 "
-                                               "(pool); default: the precision plan's, else f16"),
+                                               "(pool or ring); default: the precision plan's, else f16"),
     window: int = typer.Option(1024, help="--kv ring: window in tokens, sinks included"),
     sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),

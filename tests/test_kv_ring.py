@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from edgellm.backends import reference
 from edgellm.errors import ConfigError
-from edgellm.kv.pool import KVPool
+from edgellm.kv.pool import KVPool, quantize_int8
 from edgellm.kv.ring import RingIndex, RingKV
 from edgellm.model.config import ModelConfig
 
@@ -37,7 +37,9 @@ def _tables():
     k = (np.arange(MAX_ID, dtype=np.float64)[None, None, :, None] * (L * KVH * HD)
          + np.arange(L * KVH * HD, dtype=np.float64).reshape(L, KVH, 1, HD))
     kv = np.concatenate([k, -k - 0.5], axis=1).astype(np.float32)
-    return {"f32": kv, "f16": kv.astype(np.float16).astype(np.float32)}
+    q, scale = quantize_int8(kv)                               # per (layer, head, token) row, as written
+    return {"f32": kv, "f16": kv.astype(np.float16).astype(np.float32),
+            "int8": q.astype(np.float32) * scale[..., None]}
 
 
 TABLES = _tables()
@@ -180,9 +182,9 @@ def run_ops(ring: RingKV, ops: list[tuple]) -> None:
 @given(st.binary(min_size=2 + 4 * 3, max_size=2 + 4 * 12))
 def test_random_operation_sequences_match_list_model(raw):
     """One draw per sequence (cheap enough for 10,000): byte 0 picks sinks 0..4 and ring capacity
-    1..12, byte 1 the precision (f16 one time in three); the rest are 3..12 operations."""
-    sinks, cap, f16 = raw[0] % 5, 1 + (raw[0] // 5) % 12, raw[1] % 3 == 2
-    ring = RingKV(L, KVH, HD, sinks + cap, sinks=sinks, precision="f16" if f16 else "f32")
+    1..12, byte 1 the precision (f32, f16 or int8); the rest are 3..12 operations."""
+    sinks, cap = raw[0] % 5, 1 + (raw[0] // 5) % 12
+    ring = RingKV(L, KVH, HD, sinks + cap, sinks=sinks, precision=("f32", "f16", "int8")[raw[1] % 3])
     ops = decode_ops(raw[2:], cap)
     try:
         run_ops(ring, ops)
@@ -240,7 +242,7 @@ def test_ring_index_slots_against_list_model(sinks, cap, raw):
     (dict(window=8, sinks=-1), "sinks must be >= 0"),
     (dict(window=8.0, sinks=2), "window must be an int"),
     (dict(window=8, sinks=True), "sinks must be an int"),
-    (dict(window=8, sinks=2, precision="int8"), "precision"),
+    (dict(window=8, sinks=2, precision="int4"), "precision"),
 ])
 def test_bad_window_sinks_precision_raise_config_error(kwargs, needle):
     with pytest.raises(ConfigError, match=needle):
@@ -383,7 +385,7 @@ def _ring_step(ring: RingKV, q, k, v, ids, cfg: ModelConfig):
 
 
 @pytest.mark.parametrize("style", ["norm", "neox"])
-@pytest.mark.parametrize("precision, tol", [("f32", 1e-5), ("f16", 2e-3)])
+@pytest.mark.parametrize("precision, tol", [("f32", 1e-5), ("f16", 2e-3), ("int8", 3e-2)])
 def test_attention_below_the_window_equals_the_pool_path(style, precision, tol):
     """Shorter than the window nothing slides: rotating keys at read (positions 0..n-1) must give
     the attention of keys rotated once at write into the block pool, chunk by chunk."""

@@ -38,7 +38,8 @@ Choices, and why:
   chunk: chunks committed earlier in the same forward stay, and total_tokens says how many of the
   sequence's tokens the ring has taken.
 
-Storage: (window, n_layers, n_kv_heads, head_dim) for K and for V, float32 or float16: the
+Storage: (window, n_layers, n_kv_heads, head_dim) for K and for V, float32, float16 or int8 (with
+a float32 scale per (slot, layer, head) row, quantized as the block pool does): the
 block pool's arena with blocks of one token, so `pool` (that view) and `block_table` (the slot of
 each cache position) let the pool's readers, the fused native step among them, read and write
 the ring in place. Slots 0..s-1 hold the sinks; slots s..window-1 are a circular region whose
@@ -64,8 +65,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
+from .pool import quantize_int8
 
-_DTYPES = {"f32": np.float32, "f16": np.float16}
+_DTYPES = {"f32": np.float32, "f16": np.float16, "int8": np.int8}
 
 
 @dataclass(frozen=True)
@@ -202,8 +204,7 @@ class _Pending:
     count: int                     # tokens reserved
     before: RingState              # bookkeeping before the reserve
     evicted: list                  # [(offset, slot, length)] runs of the evicted tokens' slots
-    k_saved: np.ndarray | None     # (evicted, layers, KVH, hd) their K rows, storage dtype
-    v_saved: np.ndarray | None     # (evicted, layers, KVH, hd) their V rows
+    saved: tuple | None            # their rows of each stored array (K, V; int8: + scales)
     ids_saved: np.ndarray | None   # (evicted,) their token ids
 
 
@@ -212,12 +213,14 @@ class _PoolView:
     the fused step read): k, v (window, layers, 1, KVH, hd)."""
 
     block_tokens = 1
-    k_scale = v_scale = None
 
     def __init__(self, ring: "RingKV"):
         self.n_blocks, self.n_layers, self.n_kv_heads = ring.window, ring.n_layers, ring.n_kv_heads
         shape = (ring.window, ring.n_layers, 1, ring.n_kv_heads, ring.head_dim)
         self.k, self.v = ring.k.reshape(shape), ring.v.reshape(shape)
+        self.k_scale = self.v_scale = None
+        if ring.k_scale is not None:   # int8: (window, layers, 1, KVH) per-row scales
+            self.k_scale, self.v_scale = ring.k_scale.reshape(shape[:-1]), ring.v_scale.reshape(shape[:-1])
 
 
 class RingKV:
@@ -239,10 +242,15 @@ class RingKV:
         shape = (self.window, self.n_layers, self.n_kv_heads, self.head_dim)
         self.k = np.zeros(shape, dtype=dt)  # (window, layers, KVH, hd) keys (rotated at write), by slot
         self.v = np.zeros(shape, dtype=dt)  # (window, layers, KVH, hd) values, by slot
+        # int8: each (slot, layer, head) row is q * scale, quantized as the block pool does
+        self.k_scale = np.zeros(shape[:-1], np.float32) if precision == "int8" else None
+        self.v_scale = np.zeros(shape[:-1], np.float32) if precision == "int8" else None
+        self._arrays = (self.k, self.v) + ((self.k_scale, self.v_scale) if precision == "int8" else ())
         self.ids = np.full(self.window, -1, dtype=np.int64)  # (window,) token id by slot, -1 unknown
         # the sinks' keys as written (rotated at their positions 0..s-1), and how far the copies
         # in the arena have been rotated on since
-        self._sink_k = np.zeros((self.sinks, self.n_layers, self.n_kv_heads, self.head_dim), dtype=dt)
+        self._sink_k = np.zeros((self.sinks, self.n_layers, self.n_kv_heads, self.head_dim),
+                                dtype=np.float32 if precision == "int8" else dt)
         self.sinks_at = 0
         self._pending: _Pending | None = None
         self.pool = _PoolView(self)
@@ -250,13 +258,17 @@ class RingKV:
     @staticmethod
     def nbytes_for(n_layers: int, n_kv_heads: int, head_dim: int, window: int, itemsize: int = 4,
                    sinks: int = 0) -> int:
-        return (2 * window + sinks) * n_layers * n_kv_heads * head_dim * itemsize
+        """itemsize 1: int8, with a float32 scale per row and the sinks' keys kept in float32."""
+        rows = n_layers * n_kv_heads
+        if itemsize == 1:
+            return 2 * window * rows * (head_dim + 4) + sinks * rows * head_dim * 4
+        return (2 * window + sinks) * rows * head_dim * itemsize
 
     @property
     def nbytes(self) -> int:
         """K and V storage and the sinks' key copy; fixed at construction. A pending chunk adds a
         transient copy of the rows it evicted (<= chunk rows per layer) until commit or truncate."""
-        return self.k.nbytes + self.v.nbytes + self._sink_k.nbytes
+        return sum(a.nbytes for a in self._arrays) + self._sink_k.nbytes
 
     @property
     def max_chunk(self) -> int:
@@ -305,12 +317,11 @@ class RingKV:
                               f"commit or truncate it first")
         before = self.index.state
         evicted = self.index.reserve(n_new)
-        k_saved = v_saved = ids_saved = None
+        saved = ids_saved = None
         if evicted:   # one or two slot runs; copies, since write will overwrite these slots
-            k_saved = np.concatenate([self.k[s : s + m] for _, s, m in evicted])
-            v_saved = np.concatenate([self.v[s : s + m] for _, s, m in evicted])
+            saved = tuple(np.concatenate([a[s : s + m] for _, s, m in evicted]) for a in self._arrays)
             ids_saved = np.concatenate([self.ids[s : s + m] for _, s, m in evicted])
-        self._pending = _Pending(int(n_new), before, evicted, k_saved, v_saved, ids_saved)
+        self._pending = _Pending(int(n_new), before, evicted, saved, ids_saved)
 
     def chunk_start(self, n_new: int | None = None) -> int:
         """Cache position of the pending chunk's first token: held tokens after reserve - T."""
@@ -342,7 +353,8 @@ class RingKV:
 
     def sink_keys(self) -> np.ndarray:
         """(sinks held, layers, KVH, hd) float32: the sinks' keys as written (rotated at their
-        positions 0..s-1), the exact copy that set_sink_keys' rotations start from."""
+        positions 0..s-1; int8: dequantized), the exact copy that set_sink_keys' rotations start
+        from."""
         return self._sink_k[: self.index.state.n_sink].astype(np.float32)
 
     def set_sink_keys(self, k: np.ndarray, shift: int) -> None:
@@ -352,7 +364,10 @@ class RingKV:
         if k.shape != (n, self.n_layers, self.n_kv_heads, self.head_dim):
             raise ConfigError(f"set_sink_keys expects ({n}, {self.n_layers}, {self.n_kv_heads}, {self.head_dim}) "
                               f"keys, found {tuple(k.shape)}")
-        self.k[:n] = k
+        if self.k_scale is not None:
+            self.k[:n], self.k_scale[:n] = quantize_int8(np.asarray(k, np.float32))
+        else:
+            self.k[:n] = k
         self.sinks_at = int(shift)
 
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
@@ -371,9 +386,14 @@ class RingKV:
         if t < 1 or start < lo or start + t > end:
             raise ConfigError(f"ring write of positions {start}..{start + t - 1} is outside the pending chunk "
                               f"{lo}..{end - 1}")
+        if self.k_scale is not None:
+            (k, ks), (v, vs) = quantize_int8(np.asarray(k, np.float32)), quantize_int8(np.asarray(v, np.float32))
         for off, s, m in self.index.runs(start, t):
             self.k[s : s + m, layer] = k[off : off + m]
             self.v[s : s + m, layer] = v[off : off + m]
+            if self.k_scale is not None:
+                self.k_scale[s : s + m, layer] = ks[off : off + m]
+                self.v_scale[s : s + m, layer] = vs[off : off + m]
 
     @property
     def block_table(self) -> np.ndarray:
@@ -393,9 +413,16 @@ class RingKV:
             out = tuple(np.empty((self.n_kv_heads, n, self.head_dim), np.float32) for _ in range(2))
         kb, vb = out[0][:, :n], out[1][:, :n]
         for off, s, m in runs:
-            kb[:, off : off + m] = self.k[s : s + m, layer].transpose(1, 0, 2)
-            vb[:, off : off + m] = self.v[s : s + m, layer].transpose(1, 0, 2)
+            kb[:, off : off + m] = self._rows(self.k, self.k_scale, s, m, layer).transpose(1, 0, 2)
+            vb[:, off : off + m] = self._rows(self.v, self.v_scale, s, m, layer).transpose(1, 0, 2)
         return kb, vb
+
+    @staticmethod
+    def _rows(a: np.ndarray, scale: np.ndarray | None, s: int, m: int, layer: int) -> np.ndarray:
+        """(m, KVH, hd) float32 rows of slots s..s+m-1 (int8: q * scale, as the pool reads them)."""
+        if scale is None:
+            return a[s : s + m, layer]
+        return a[s : s + m, layer].astype(np.float32) * scale[s : s + m, layer, :, None]
 
     def commit(self, n_tokens: int, token_ids=()) -> None:
         """Make the pending chunk part of the sequence. n_tokens must be n_tokens + T (the count
@@ -414,7 +441,8 @@ class RingKV:
         # sinks written by this chunk (no token was evicted before them: their keys are exact)
         first, last = end - p.count, min(end, self.index.state.n_sink)
         if first < last:
-            self._sink_k[first:last] = self.k[first:last]
+            self._sink_k[first:last] = (self.k[first:last] if self.k_scale is None else
+                                        self.k[first:last].astype(np.float32) * self.k_scale[first:last, :, :, None])
         self._pending = None
 
     def can_truncate(self, n_tokens: int) -> bool:
@@ -430,10 +458,10 @@ class RingKV:
             raise ConfigError(self._committed_index()._truncate_refusal(n_tokens))
         p = self._pending
         if p is not None:
-            if p.k_saved is not None:
+            if p.saved is not None:
                 for off, s, m in p.evicted:
-                    self.k[s : s + m] = p.k_saved[off : off + m]
-                    self.v[s : s + m] = p.v_saved[off : off + m]
+                    for a, saved in zip(self._arrays, p.saved):
+                        a[s : s + m] = saved[off : off + m]
                     self.ids[s : s + m] = p.ids_saved[off : off + m]
             self.index.state = p.before
             self._pending = None

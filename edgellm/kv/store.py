@@ -18,7 +18,7 @@ from .ring import RingKV
 @dataclass(frozen=True)
 class KVConfig:
     kind: str = "pool"          # "pool": block pool + prefix cache; "ring": sliding window + sinks
-    precision: str = "f16"      # pool: f32 | f16 | int8; ring: f32 | f16
+    precision: str = "f16"      # f32 | f16 | int8 (pool and ring)
     block_tokens: int = 16      # pool: tokens per block (prefix reuse is per whole block)
     window: int = 1024          # ring: capacity in tokens, sinks included
     sinks: int = 4              # ring: first tokens kept forever (attention sinks)
@@ -26,7 +26,7 @@ class KVConfig:
     def __post_init__(self):
         if self.kind not in ("pool", "ring"):
             raise ConfigError(f"kv must be 'pool' or 'ring', got {self.kind!r}")
-        allowed = tuple(PRECISIONS) if self.kind == "pool" else ("f32", "f16")
+        allowed = tuple(PRECISIONS)
         if self.precision not in allowed:
             raise ConfigError(f"kv_precision for kv={self.kind!r} must be one of {', '.join(allowed)}, "
                               f"got {self.precision!r}")
