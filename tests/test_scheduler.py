@@ -36,6 +36,41 @@ def test_outputs_equal_direct_generation(engine):
     assert all(r.stats.stop_reason == "max_tokens" and r.stats.ttft_ms > 0 for r in reqs)
 
 
+def test_ring_store_gives_a_second_open_request_its_own_ring(tmp_path_factory):
+    """A ring engine has one conversation ring: a request opened while another holds it gets a
+    ring of its own (it used to free the held ring and share it: both requests then read each
+    other's K/V), which close frees; the conversation's ring then continues as before."""
+    from edgellm.kv.store import KVConfig, RingStore
+
+    tm = write_tiny_model(tmp_path_factory.mktemp("ring_store") / "tiny.gguf", tensor_type=QT.F32, seed=6,
+                          context_length=1024)
+    store = RingStore(edgellm.load(tm.path, n_ctx=256, threads=1).config, KVConfig(kind="ring", window=32, sinks=4))
+    a, n = store.open([1, 2, 3])
+    assert a is store.ring and n == 0
+    a.reserve(3)
+    a.commit(3, [1, 2, 3])
+    b, m = store.open([1, 2, 3, 4])
+    assert b is not a and m == 0 and a.n_tokens == 3          # the held ring is untouched
+    store.close(b, keep=True, token_ids=[1, 2, 3, 4])
+    assert a.n_tokens == 3
+    store.close(a, keep=True, token_ids=[1, 2, 3])
+    c, k = store.open([1, 2, 3, 9])
+    assert c is store.ring and k == 3                         # the conversation continues
+
+
+def test_ring_engine_serves_interleaved_requests_like_direct_calls(real_model_path):
+    """The real model (a tiny random one answers alike whatever its context): each interleaved
+    request's output equals a direct generation. The prompts stay inside the window, where the
+    chunking (the scheduler's 16, a direct call's own) changes nothing."""
+    ring = dict(kv="ring", window=128, sinks=4, threads=1)
+    e = edgellm.load(real_model_path, **ring)
+    prompts = ["Tell me a long story about a lighthouse. " * 8, "Say hi.", "Name a color."]
+    want = [e.generate(p, **GREEDY) for p in prompts]
+    with Scheduler(e, chunk=16) as s:
+        got = [r.result(timeout=120) for r in [s.submit(p, **GREEDY) for p in prompts]]
+    assert got == want
+
+
 @pytest.mark.parametrize("policy", ["interleave", "fifo"])
 def test_short_request_overtakes_long_prefill_only_when_interleaving(engine, policy):
     text = long_prompt(engine, 900)

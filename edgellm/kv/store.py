@@ -146,6 +146,7 @@ class RingStore:
         self.max_positions = kv.window             # RoPE rows tabled; later positions are computed
         self.ring = RingKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv.window, kv.sinks, kv.precision)
         self.history: list[int] = []               # every token id the ring has taken, in order
+        self.ring_open = False                     # a request holds self.ring (opened, not closed)
         self._cfg = cfg
 
     @property
@@ -157,6 +158,13 @@ class RingStore:
                       self.kv.sinks, self.kv.precision)
 
     def open(self, ids: list[int]):
+        """(sequence, positions of ids it already holds): the conversation's ring, continued when
+        ids extend its history; while another request holds it (the scheduler interleaves
+        requests), a ring of its own, which close() frees (freeing the held one would corrupt
+        the other request's cache)."""
+        if self.ring_open:
+            return self.new_sequence(), 0
+        self.ring_open = True
         n = len(self.history)
         if 0 < n < len(ids) and self.history == list(ids[:n]):
             return self.ring, n
@@ -170,6 +178,7 @@ class RingStore:
         if seq is not self.ring:
             seq.free()
             return
+        self.ring_open = False
         self.history = [int(t) for t in token_ids[: seq.total_tokens]] if keep else []
         if not keep:
             seq.free()
