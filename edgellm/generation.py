@@ -75,6 +75,9 @@ class Generation:
         self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
         self.last_tok: int | None = None
         self.t_first: float | None = None
+        self._t_step: float | None = None      # when the last decode step began (greedy runs' length)
+        self._run_len = 1
+        self._stop_ids = () if cfg.ignore_eos else tuple(sorted(engine.tokenizer.eot_ids))
         self.done = False
         guard = getattr(engine, "quality_guard", None)
         self.guard = GuardState(guard, engine.runner) if guard is not None else None
@@ -98,6 +101,15 @@ class Generation:
                     return None
                 self.stats.prefill_ms = (time.perf_counter() - self.t_tok) * 1e3
             else:
+                k = self._greedy_run()
+                if k:
+                    n0 = self.seq.n_tokens
+                    try:
+                        ids, logits = runner.decode_greedy(self.seq, self.last_tok, k, self._stop_ids)
+                    except ContextFull:
+                        ids = []          # no room for k positions: token by token
+                    if ids:
+                        return self._emit_run(ids, n0)
                 logits = runner.forward(self.seq, [self.last_tok])
         except Cancelled:
             return self._finish("cancelled")
@@ -110,6 +122,50 @@ class Generation:
             self._finish("error")
             raise
         return self._emit(logits)
+
+    # A greedy decode (argmax, no penalty, no quality guard) runs several tokens in one native
+    # call when the runner can (DecodeStep.run_greedy): ~100 us of Python per token stay out of
+    # the loop. A run is as long as this many seconds of tokens, so text still streams in small
+    # steps and cancellation still answers within them.
+    GREEDY_RUN_S = 0.012
+    GREEDY_RUN_MAX = 8
+
+    def _greedy_run(self) -> int:
+        """Tokens the next step may produce in one native call (0: token by token)."""
+        sc, st = self.sampler.config, self.stats
+        if (not sc.greedy or (sc.repeat_penalty != 1.0 and sc.repeat_last_n != 0) or self.guard is not None
+                or not self.engine.runner.can_decode_greedy(self.seq)):
+            return 0
+        now = time.perf_counter()
+        last, self._t_step = self._t_step, now
+        if last is None:
+            return 0                       # the first decode token times a step
+        k = min(self.GREEDY_RUN_MAX, max(1, int(self.GREEDY_RUN_S / max(now - last, 1e-6) * self._run_len)),
+                self.cfg.max_tokens - st.generated_tokens, self.engine.n_ctx - self.seq.n_tokens)
+        self._run_len = k
+        return k if k > 1 else 0
+
+    def _emit_run(self, ids: list[int], n0: int) -> str:
+        """The tokens of a greedy run, each as _emit would take it. Where one ends generation
+        before the run's end (a stop string, cancellation), the K/V of the tokens fed after it
+        are dropped, so the sequence holds what a token-by-token run would."""
+        st, text = self.stats, ""
+        for i, tok in enumerate(ids):
+            if tok in self.engine.tokenizer.eot_ids and not self.cfg.ignore_eos:
+                return text + self._finish("eos")          # a stop id ends the native run there
+            self.history.append(tok)
+            st.generated_tokens += 1
+            hit, piece = self.stopper.feed(self.decoder.push(tok))
+            text += piece
+            reason = "stop" if hit else ("max_tokens" if st.generated_tokens >= self.cfg.max_tokens else
+                                         "cancelled" if self.cancel.cancelled else
+                                         "context_full" if n0 + i + 1 >= self.engine.n_ctx else None)
+            if reason is not None:
+                if self.seq.n_tokens > n0 + i + 1 and self.seq.can_truncate(n0 + i + 1):
+                    self.seq.truncate(n0 + i + 1)
+                return text + self._finish(reason)
+        self.last_tok = ids[-1]
+        return text
 
     def _emit(self, logits: np.ndarray) -> str:
         st = self.stats

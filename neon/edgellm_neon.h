@@ -216,6 +216,15 @@ EL_API int el_embed_rows(const el_embedding *emb, const int32_t *ids, int T, flo
  * K/V and logits: a decode token's lookup costs no call of its own. Same arguments and codes as
  * those two; the ids are checked first (a bad one writes nothing); a step that refuses its
  * other arguments leaves the embeddings in x and the pool untouched. */
+/* Up to n_max greedy decode tokens in one call (el_chunk_ids of one token, then the first
+ * maximum of its logits, fed to the next step): returns how many it produced into out_ids, after
+ * n_max, a stop id, or before logits with a NaN; cos, sin: rows of positions pos..pos+n_max-1. */
+EL_API int el_decode_greedy(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
+                            const el_embedding *emb, int32_t first_id, float *x, int pos, int n_max,
+                            const float *cos, const float *sin, void *k_pool, void *v_pool, int kv_type,
+                            const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
+                            size_t scratch_bytes, const float *out_norm, const el_matrix *head, int n_vocab,
+                            int f32act, float *logits, const int32_t *stop_ids, int n_stop, int32_t *out_ids);
 EL_API int el_chunk_ids(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
                         const el_embedding *emb, const int32_t *ids, float *x, int T, int pos, const float *cos,
                         const float *sin, void *k_pool, void *v_pool, int kv_type, const int32_t *block_table,

@@ -105,9 +105,12 @@ def test_priority_orders_prefill(engine):
 
 
 def test_cancel_and_errors_stay_per_request(engine):
+    # the prompts are built first, so that the cancel follows the victim's submission at once:
+    # tokenizing 1100 tokens in between let the victim finish first now and then
+    victim_prompt, too_long_prompt = long_prompt(engine, 400), long_prompt(engine, 1100)
     with Scheduler(engine, chunk=8) as s:
-        victim = s.submit(long_prompt(engine, 400), temperature=0, max_tokens=50, ignore_eos=True)
-        too_long = s.submit(long_prompt(engine, 1100), **GREEDY)
+        victim = s.submit(victim_prompt, temperature=0, max_tokens=500, ignore_eos=True)
+        too_long = s.submit(too_long_prompt, **GREEDY)
         ok = s.submit("fine", **GREEDY)
         victim.cancel()
         assert victim.result(timeout=30) == "" or victim.stats.stop_reason == "cancelled"

@@ -68,6 +68,10 @@ _SIGNATURES = {
     "el_chunk_logits": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p,
                                 c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int, c_void_p, c_size_t,
                                 c_void_p, c_void_p, c_int, c_int, c_void_p]),
+    "el_decode_greedy": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int,
+                                 c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int,
+                                 c_void_p, c_size_t, c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int,
+                                 c_void_p]),
     "el_f32_to_f16": (c_int, [c_void_p, c_void_p, c_size_t]),
     "el_kv_quantize_i8": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_int]),
     # the tokenizer's BPE merges (neon/bpe.c, edgellm/model/bpe_native.py)
