@@ -8,10 +8,10 @@ from gguf import GGMLQuantizationType as QT
 
 import edgellm
 from edgellm.backends import neon
-from edgellm.engine import CancelToken
 from edgellm.errors import ConfigError
 from edgellm.generation import Generation
 from edgellm.kv.pool import KVPool
+from tests.cancel_after import CancelAfter
 from tests.synthetic import write_tiny_model
 
 EINVAL = -1
@@ -163,24 +163,11 @@ def test_generation_with_runs_equals_token_by_token(real, kw, monkeypatch):
 
 def test_runs_answer_cancellation_within_the_run(real, monkeypatch):
     """A cancel seen inside a run ends generation at that token, as token by token."""
-    class After(CancelToken):
-        def __init__(self, k):
-            super().__init__()
-            self.k = k
-
-        @property
-        def cancelled(self):
-            self.k -= 1
-            return self.k < 0
-
-        def reset(self):
-            pass
-
     monkeypatch.setattr(Generation, "GREEDY_RUN_S", 10.0)
     out = []
     for max_run in (8, 1):
         monkeypatch.setattr(Generation, "GREEDY_RUN_MAX", max_run)
         real.clear_cache()
-        out.append((real.generate("one two three", temperature=0, ignore_eos=True, max_tokens=30, cancel=After(9)),
+        out.append((real.generate("one two three", temperature=0, ignore_eos=True, max_tokens=30, cancel=CancelAfter(9)),
                     real.last_stats.stop_reason, real.last_stats.generated_tokens))
     assert out[0] == out[1] and out[0][1] == "cancelled"

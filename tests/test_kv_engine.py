@@ -7,8 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import edgellm
-from edgellm.engine import CancelToken
 from edgellm.errors import ConfigError, ContextFull
+from tests.cancel_after import CancelAfter
 from tests.synthetic import write_tiny_model
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -60,22 +60,6 @@ def test_pool_full_is_context_full_and_engine_recovers(tiny_path):
         e.generate(text_of(e, 80), max_tokens=2, **GREEDY)
     out = e.generate(text_of(e, 20), max_tokens=60, **GREEDY)
     assert e.last_stats.stop_reason == "context_full" and out
-
-
-class CancelAfter(CancelToken):
-    """Cancels at the k-th time the engine looks (between layers, between chunks)."""
-
-    def __init__(self, k):
-        super().__init__()
-        self.k = k
-
-    @property
-    def cancelled(self):
-        self.k -= 1
-        return self.k < 0
-
-    def reset(self):
-        pass
 
 
 def test_cancel_at_100_points_leaves_engine_equal_to_fresh(tiny_path):
