@@ -231,8 +231,8 @@ class ModelRunner:
     def _layers(self, seq, ids: np.ndarray, cancel: CancelToken | None, phase: str = "prefill",
                 out_rows: int | None = None) -> np.ndarray:
         """One chunk through every layer -> the last layer's output of the chunk's last out_rows
-        rows (default all), (out_rows, d). The chunk's positions are seq.n_tokens.. (absolute for
-        a pool; cache positions for a ring, whose keys are stored unrotated and rotated here).
+        rows (default all), (out_rows, d). The chunk is stored at cache positions (a pool's are its
+        sequence positions; a ring's start at chunk_start) and rotated by its sequence positions.
         The last layer stores every row's K/V, then runs its attention output and FFN on the
         returned rows only, as the fused step does (el_chunk_step_out)."""
         cfg = self.cfg
