@@ -146,25 +146,17 @@ class Generation:
         return k if k > 1 else 0
 
     def _emit_run(self, ids: list[int], n0: int) -> str:
-        """The tokens of a greedy run, each as _emit would take it. Where one ends generation
-        before the run's end (a stop string, cancellation), the K/V of the tokens fed after it
-        are dropped, so the sequence holds what a token-by-token run would."""
-        st, text = self.stats, ""
+        """The tokens of a greedy run, each taken as _emit takes a sampled one. Where one ends
+        generation before the run's end (a stop string, cancellation), the K/V of the tokens fed
+        after it are dropped, so the sequence holds what a token-by-token run would."""
+        text = ""
         for i, tok in enumerate(ids):
-            if tok in self.engine.tokenizer.eot_ids and not self.cfg.ignore_eos:
-                return text + self._finish("eos")          # a stop id ends the native run there
-            self.history.append(tok)
-            st.generated_tokens += 1
-            hit, piece = self.stopper.feed(self.decoder.push(tok))
+            piece, reason = self._take(tok, n0 + i + 1)
             text += piece
-            reason = "stop" if hit else ("max_tokens" if st.generated_tokens >= self.cfg.max_tokens else
-                                         "cancelled" if self.cancel.cancelled else
-                                         "context_full" if n0 + i + 1 >= self.engine.n_ctx else None)
             if reason is not None:
                 if self.seq.n_tokens > n0 + i + 1 and self.seq.can_truncate(n0 + i + 1):
                     self.seq.truncate(n0 + i + 1)
                 return text + self._finish(reason)
-        self.last_tok = ids[-1]
         return text
 
     def _emit(self, logits: np.ndarray) -> str:
@@ -175,20 +167,27 @@ class Generation:
         if self.t_first is None:
             self.t_first = time.perf_counter()
             st.ttft_ms = (self.t_first - self.t0) * 1e3
+        text, reason = self._take(tok, self.seq.n_tokens)
+        return text + self._finish(reason) if reason is not None else text
+
+    def _take(self, tok: int, held: int) -> tuple[str, str | None]:
+        """A produced token: its text, and the reason generation ends with it (None: it goes
+        on, fed next). held: the positions the sequence holds at this token."""
+        st = self.stats
         if tok in self.engine.tokenizer.eot_ids and not self.cfg.ignore_eos:
-            return self._finish("eos")
+            return "", "eos"
         self.history.append(tok)
         st.generated_tokens += 1
         hit, text = self.stopper.feed(self.decoder.push(tok))
         if hit:
-            return text + self._finish("stop")
+            return text, "stop"
         for ended, reason in ((st.generated_tokens >= self.cfg.max_tokens, "max_tokens"),
                               (self.cancel.cancelled, "cancelled"),
-                              (self.seq.n_tokens >= self.engine.n_ctx, "context_full")):
+                              (held >= self.engine.n_ctx, "context_full")):
             if ended:
-                return text + self._finish(reason)
+                return text, reason
         self.last_tok = tok
-        return text
+        return text, None
 
     def _finish(self, reason: str) -> str:
         st = self.stats

@@ -36,7 +36,6 @@ from . import neon
 from .neon import PreparedWeights, QMatrix
 
 _ERRORS = {-1: "EL_EINVAL (an argument is out of range)", -2: "EL_ENOMEM", -3: "EL_EUNSUPPORTED"}
-_KV_TYPES = neon.KV_TYPES   # pool arena dtype -> the library's kv_type
 
 
 class DecodeStepError(RuntimeError):
@@ -132,7 +131,7 @@ class DecodeStep:
     def _bind(self, pool) -> None:
         """Reads a KV pool's arena addresses once (the arrays of a KVPool never move)."""
         c = self.cfg
-        if pool.k.dtype not in _KV_TYPES:
+        if pool.k.dtype not in neon.KV_TYPES:
             raise DecodeStepError(f"the fused decode step reads f32, f16 or int8 KV pools, not {pool.k.dtype}")
         want = (pool.n_blocks, c.n_layers, pool.block_tokens, c.n_kv_heads, c.head_dim)
         for a in (pool.k, pool.v):
@@ -146,7 +145,7 @@ class DecodeStep:
         except ValueError as e:
             raise DecodeStepError(str(e)) from None
         self._k_p, self._v_p = self._kv_desc[0], self._kv_desc[1]
-        self._kv_type, self._bt, self._nb = _KV_TYPES[pool.k.dtype], pool.block_tokens, pool.n_blocks
+        self._kv_type, self._bt, self._nb = neon.KV_TYPES[pool.k.dtype], pool.block_tokens, pool.n_blocks
         if self._tbl.size < pool.n_blocks:
             self._tbl = np.empty(pool.n_blocks, np.int32)
             self._tbl_p = self._tbl.ctypes.data

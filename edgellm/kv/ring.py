@@ -413,16 +413,16 @@ class RingKV:
             out = tuple(np.empty((self.n_kv_heads, n, self.head_dim), np.float32) for _ in range(2))
         kb, vb = out[0][:, :n], out[1][:, :n]
         for off, s, m in runs:
-            kb[:, off : off + m] = self._rows(self.k, self.k_scale, s, m, layer).transpose(1, 0, 2)
-            vb[:, off : off + m] = self._rows(self.v, self.v_scale, s, m, layer).transpose(1, 0, 2)
+            kb[:, off : off + m] = self._values(self.k, self.k_scale, np.s_[s : s + m, layer]).transpose(1, 0, 2)
+            vb[:, off : off + m] = self._values(self.v, self.v_scale, np.s_[s : s + m, layer]).transpose(1, 0, 2)
         return kb, vb
 
     @staticmethod
-    def _rows(a: np.ndarray, scale: np.ndarray | None, s: int, m: int, layer: int) -> np.ndarray:
-        """(m, KVH, hd) float32 rows of slots s..s+m-1 (int8: q * scale, as the pool reads them)."""
+    def _values(a: np.ndarray, scale: np.ndarray | None, where) -> np.ndarray:
+        """The stored rows a[where] as values (int8: q * scale, as the pool reads them)."""
         if scale is None:
-            return a[s : s + m, layer]
-        return a[s : s + m, layer].astype(np.float32) * scale[s : s + m, layer, :, None]
+            return a[where]
+        return a[where].astype(np.float32) * scale[where][..., None]
 
     def commit(self, n_tokens: int, token_ids=()) -> None:
         """Make the pending chunk part of the sequence. n_tokens must be n_tokens + T (the count
@@ -441,8 +441,7 @@ class RingKV:
         # sinks written by this chunk (no token was evicted before them: their keys are exact)
         first, last = end - p.count, min(end, self.index.state.n_sink)
         if first < last:
-            self._sink_k[first:last] = (self.k[first:last] if self.k_scale is None else
-                                        self.k[first:last].astype(np.float32) * self.k_scale[first:last, :, :, None])
+            self._sink_k[first:last] = self._values(self.k, self.k_scale, np.s_[first:last])
         self._pending = None
 
     def can_truncate(self, n_tokens: int) -> bool:
