@@ -178,25 +178,26 @@ class ModelRunner:
         seq.commit(n + 1, (t,))
         return out
 
-    def can_decode_greedy(self, seq) -> bool:
-        """Whether decode_greedy can run on `seq`: the decode step is one fused call from the
-        token id to the logits (and the sequence a block pool's)."""
+    def can_decode_run(self, seq) -> bool:
+        """Whether decode_run can run on `seq`: the decode step is one fused call from the token
+        id to the logits (and the sequence a block pool's)."""
         return ("decode" in self._fused_phases and "decode" in self._fused_lead and "decode" in self._fused_tail
                 and self.decode_override is None and not seq.slides and self._fusable(seq))
 
-    def decode_greedy(self, seq, tok: int, n_max: int, stop_ids=()) -> tuple[list[int], np.ndarray]:
-        """Feeds `tok`, then its greedy successors, up to n_max decode steps in one native call
-        (no Python between the tokens): returns the tokens produced (each the argmax of the
-        logits after the one before; it stops after one of stop_ids) and the last step's logits.
-        The sequence commits the tokens fed: tok and every produced token but the last, which,
-        as forward's caller does with a sampled token, the next call feeds. Nothing is committed
-        when nothing was produced (the first logits held a NaN: forward then reports it)."""
+    def decode_run(self, seq, tok: int, n_max: int, stop_ids=(), sample=None) -> tuple[list[int], np.ndarray]:
+        """Feeds `tok`, then the tokens picked after it, up to n_max decode steps in one native
+        call (no Python between the tokens): returns the tokens produced (each the argmax of the
+        logits after the one before, or with sample = (chain, uniforms) the chain's draw; it
+        stops after one of stop_ids) and the last step's logits. The sequence commits the tokens
+        fed: tok and every produced token but the last, which, as forward's caller does with a
+        sampled token, the next call feeds. Nothing is committed when nothing was produced (the
+        first logits could not be picked from: forward then reports them)."""
         if not 0 <= tok < self.cfg.vocab_size:
             raise ConfigError(f"token id {tok} is outside the vocabulary (0..{self.cfg.vocab_size - 1})")
         n0 = seq.n_tokens
         seq.reserve(n_max)
-        ids, logits = self._fused.run_greedy(tok, n0, self.cos, self.sin, seq.pool, seq.block_table, n_max, stop_ids,
-                                             f32act=self._head_f32act("decode"))
+        ids, logits = self._fused.run_tokens(tok, n0, self.cos, self.sin, seq.pool, seq.block_table, n_max, stop_ids,
+                                             f32act=self._head_f32act("decode"), sample=sample)
         fed = [tok] + ids[:-1] if ids else []
         seq.commit(n0 + len(fed), fed)
         return ids, logits

@@ -67,6 +67,7 @@ class Generation:
                               f"(raise n_ctx / --ctx)")
         self.chunk = chunk or engine.runner.prefill_chunk
         self.sampler = Sampler(cfg.sampling())
+        self._chain = self.sampler.native_for(engine.config.vocab_size)   # a sampled run's draws
         self.stopper = StopChecker(cfg.stop)
         self.decoder = engine.tokenizer.decoder()
         self.history = list(ids)
@@ -75,7 +76,7 @@ class Generation:
         self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
         self.last_tok: int | None = None
         self.t_first: float | None = None
-        self._t_step: float | None = None      # when the last decode step began (greedy runs' length)
+        self._t_step: float | None = None      # when the last decode step began (decode runs' length)
         self._run_len = 1
         self._stop_ids = () if cfg.ignore_eos else tuple(sorted(engine.tokenizer.eot_ids))
         self.done = False
@@ -101,13 +102,17 @@ class Generation:
                     return None
                 self.stats.prefill_ms = (time.perf_counter() - self.t_tok) * 1e3
             else:
-                k = self._greedy_run()
+                k = self._run_length()
                 if k:
                     n0 = self.seq.n_tokens
+                    chain = None if self.sampler.config.greedy else self._chain
+                    u = self.sampler.uniforms(k) if chain is not None else []
                     try:
-                        ids, logits = runner.decode_greedy(self.seq, self.last_tok, k, self._stop_ids)
+                        ids, logits = runner.decode_run(self.seq, self.last_tok, k, self._stop_ids,
+                                                        sample=(chain, u) if chain is not None else None)
                     except ContextFull:
                         ids = []          # no room for k positions: token by token
+                    self.sampler.unuse(u[len(ids):])    # a draw each produced token
                     if ids:
                         return self._emit_run(ids, n0)
                 logits = runner.forward(self.seq, [self.last_tok])
@@ -123,30 +128,33 @@ class Generation:
             raise
         return self._emit(logits)
 
-    # A greedy decode (argmax, no penalty, no quality guard) runs several tokens in one native
-    # call when the runner can (DecodeStep.run_greedy): ~100 us of Python per token stay out of
-    # the loop. A run is as long as this many seconds of tokens, so text still streams in small
-    # steps and cancellation still answers within them.
-    GREEDY_RUN_S = 0.012
-    GREEDY_RUN_MAX = 8
+    # Decode runs several tokens in one native call when the runner can (DecodeStep.run_tokens):
+    # ~100 us of Python per token stay out of the loop, and a sampled token's draw (~0.2 ms in
+    # numpy) runs in C. That takes a pick C can make: greedy (argmax), or the sampler's native
+    # chain (top-k set), without a repetition penalty or the quality guard. A run is as long as
+    # this many seconds of tokens, so text still streams in small steps and cancellation still
+    # answers within them. A sampled run draws with the sampler's own uniforms and gives back
+    # those it did not use, so a seed gives the same tokens however the runs fall.
+    RUN_S = 0.012
+    RUN_MAX = 8
 
-    def _greedy_run(self) -> int:
+    def _run_length(self) -> int:
         """Tokens the next step may produce in one native call (0: token by token)."""
         sc, st = self.sampler.config, self.stats
-        if (not sc.greedy or (sc.repeat_penalty != 1.0 and sc.repeat_last_n != 0) or self.guard is not None
-                or not self.engine.runner.can_decode_greedy(self.seq)):
+        if (not (sc.greedy or self._chain is not None) or (sc.repeat_penalty != 1.0 and sc.repeat_last_n != 0)
+                or self.guard is not None or not self.engine.runner.can_decode_run(self.seq)):
             return 0
         now = time.perf_counter()
         last, self._t_step = self._t_step, now
         if last is None:
             return 0                       # the first decode token times a step
-        k = min(self.GREEDY_RUN_MAX, max(1, int(self.GREEDY_RUN_S / max(now - last, 1e-6) * self._run_len)),
+        k = min(self.RUN_MAX, max(1, int(self.RUN_S / max(now - last, 1e-6) * self._run_len)),
                 self.cfg.max_tokens - st.generated_tokens, self.engine.n_ctx - self.seq.n_tokens)
         self._run_len = k
         return k if k > 1 else 0
 
     def _emit_run(self, ids: list[int], n0: int) -> str:
-        """The tokens of a greedy run, each taken as _emit takes a sampled one. Where one ends
+        """The tokens of a decode run, each taken as _emit takes a sampled one. Where one ends
         generation before the run's end (a stop string, cancellation), the K/V of the tokens fed
         after it are dropped, so the sequence holds what a token-by-token run would."""
         text = ""

@@ -7,9 +7,17 @@ The chain and its definitions follow llama.cpp's default sampler chain (common/s
 so top-p and min-p see probabilities at temperature 1 (renormalised over what top-k kept), and
 temperature only reshapes the surviving set. Temperature 0 is greedy: argmax after the penalty.
 
-Cost matters: this runs once per generated token on a ~49k vocabulary. The full vocabulary is
-never sorted when top-k is set (argpartition, then a sort of k values), and top-p without top-k
-grows a partial sort until the nucleus is covered instead of sorting everything.
+Cost matters: this runs once per generated token on a ~49k vocabulary. Where the NEON library
+loads and top-k is set (the default), a draw runs in C (neon/sample.c), also inside native
+decode runs; the numpy chain below is its twin and the path otherwise. Both fix every
+order that decides which token a uniform picks: candidates rank by (logit descending, id
+ascending), so ties at the top-k or top-p boundary keep the lower ids, and the draw walks the
+final candidates in id order. They can differ only where exp rounds an ulp apart, which moves a
+pick only when the uniform falls within ~1e-7 of a boundary.
+
+In numpy the full vocabulary is never sorted when top-k is set (a partition, then a sort of k
+values), and top-p without top-k grows a partial sort until the nucleus is covered instead of
+sorting everything.
 """
 from __future__ import annotations
 
@@ -93,6 +101,10 @@ class Sampler:
         self.config.validate()
         self._seed = self.config.seed
         self._rng_now: random.Random | None = None
+        self._pending: list[float] = []   # uniforms a native run drew but did not use, next last
+        # the C chain (neon/sample.c) when the library loads and top-k is set (without it every
+        # logit is weighed: numpy's vectorized exp is faster); None: greedy, or numpy's chain
+        self.native = None if self.config.greedy or self.config.top_k == 0 else _native_chain(self.config)
 
     @property
     def _rng(self) -> random.Random:
@@ -108,6 +120,25 @@ class Sampler:
         """Restart the random stream (from `seed`, else from the config's seed)."""
         self._seed = self.config.seed if seed is None else seed
         self._rng_now = None
+        self._pending.clear()
+
+    def native_for(self, n_vocab: int):
+        """The native chain when it draws from n_vocab logits (top-k below the vocabulary), else
+        None: a native decode run can draw with it."""
+        return self.native if self.native is not None and self.config.top_k < n_vocab else None
+
+    def uniforms(self, n: int) -> list[float]:
+        """The stream's next n uniforms, one per draw: a native decode run draws with them."""
+        out = [self._pending.pop() for _ in range(min(n, len(self._pending)))]
+        return out + [self._rng.random() for _ in range(n - len(out))]
+
+    def unuse(self, us: Sequence[float]) -> None:
+        """Give back the last uniforms `uniforms` returned that no draw used: the next draws take
+        them, so a seeded stream produces the same tokens however its draws were grouped."""
+        self._pending.extend(reversed(us))
+
+    def _uniform(self) -> float:
+        return self._pending.pop() if self._pending else self._rng.random()
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Pick the next token id. logits: (vocab,) float; history: previous token ids."""
@@ -153,69 +184,86 @@ class Sampler:
         return y
 
     def _draw(self, x: np.ndarray) -> int:
-        cfg = self.config
-        n = x.size
         m = x.max()  # also the NaN check: max propagates NaN
         if not math.isfinite(m):
             raise _nonfinite(x)
-        idx: np.ndarray | None = None  # candidate ids; None = the whole vocab in id order
-        v = x  # candidate logits, aligned with idx
-        if 0 < cfg.top_k < n:
-            idx = _top_k(x, cfg.top_k)
-            v = x[idx]
-        if cfg.top_p < 1.0:
-            sel = _nucleus(v, m, cfg.top_p)
-            idx = sel if idx is None else idx[sel]
-            v = v[sel]
-        if cfg.min_p > 0.0:
-            # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p); the max always survives
-            keep = v >= m + math.log(cfg.min_p)
-            if not keep.all():
-                sel = np.flatnonzero(keep)
-                idx = sel if idx is None else idx[sel]
-                v = v[sel]
-        # temperature last; exp(0) = 1 at the max, so the weights never all underflow
-        j = _pick(np.exp((v - m) * (1.0 / cfg.temperature)), self._rng.random())
-        return int(idx[j]) if idx is not None else j
+        if x.dtype == np.float32 and self.native_for(x.size) is not None:
+            return self.native.draw(x, self._uniform())
+        return draw_numpy(self.config, x, m, self._uniform())
 
 
-def _top_k(x: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the k largest values of x, unordered (ties broken arbitrarily), 0 < k < x.size.
+def _native_chain(cfg: SamplingConfig):
+    from .sampling_native import native_chain
+    return native_chain(cfg)
 
-    argpartition over the whole vocab is the cost here, so it is first narrowed: the k-th
+
+def draw_numpy(cfg: SamplingConfig, x: np.ndarray, m, u: float) -> int:
+    """The chain in numpy: the id drawn with the uniform u from logits x whose maximum m is
+    finite. el_sample's twin (see the module docstring for the orders both fix)."""
+    n = x.size
+    idx: np.ndarray | None = None  # candidate ids, best first; None = the whole vocab in id order
+    if 0 < cfg.top_k < n:
+        idx = _ranked(x, cfg.top_k)
+    if cfg.top_p < 1.0:
+        idx = _nucleus(x, m, cfg.top_p) if idx is None else idx[:_nucleus_cut(x[idx], m, cfg.top_p)]
+    if cfg.min_p > 0.0:
+        # p_i >= min_p * p_max  <=>  logit_i >= max_logit + log(min_p), in float32 (m is); the
+        # max always survives
+        thr = m + math.log(cfg.min_p)
+        idx = np.flatnonzero(x >= thr) if idx is None else idx[x[idx] >= thr]
+    if idx is not None:
+        idx = np.sort(idx)
+    v = x if idx is None else x[idx]
+    # temperature last; exp(0) = 1 at the max, so the weights never all underflow
+    j = _pick(np.exp((v - m) * (1.0 / cfg.temperature)), u)
+    return int(idx[j]) if idx is not None else j
+
+
+def _ranked(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k largest values of x, best first by (value descending, id ascending), 0 < k.
+
+    A partition over the whole vocab is the cost here, so it is first narrowed: the k-th
     largest value t of a strided sample has at least k values of x at or above it, hence every
     top-k value of x is >= t, and the mask x >= t is a superset of the answer (about k * stride
     ids on smooth logits; never wrong on any input, only slower on heavily tied ones).
     """
     n = x.size
-    stride = min(16, n // (4 * k))
-    if stride >= 2:
-        sample = x[::stride]
-        t = np.partition(sample, sample.size - k)[sample.size - k]
-        cand = np.flatnonzero(x >= t)
+    if k >= n:
+        cand = np.arange(n)
+    else:
+        stride = min(16, n // (4 * k))
+        cand = np.arange(n)
+        if stride >= 2:
+            sample = x[::stride]
+            cand = np.flatnonzero(x >= np.partition(sample, sample.size - k)[sample.size - k])
         if cand.size > k:
-            cand = cand[np.argpartition(x[cand], cand.size - k)[cand.size - k:]]
-        return cand
-    return np.argpartition(x, n - k)[n - k:]
+            v = x[cand]
+            t = np.partition(v, v.size - k)[v.size - k]       # the k-th largest value
+            above = cand[v > t]
+            cand = np.concatenate([above, cand[v == t][: k - above.size]])   # ties: lowest ids
+    return cand[np.lexsort((cand, -x[cand]))]
 
 
-def _nucleus(v: np.ndarray, m: float, p: float) -> np.ndarray:
-    """Positions in v of llama.cpp's top-p set, most likely first.
-
-    Keeps tokens in descending probability up to and including the first one at which the
-    cumulative probability reaches p. Sorts only a growing top slice, not the whole vector.
-    """
+def _nucleus_cut(v: np.ndarray, m, p: float) -> int:
+    """How many of the ranked candidates v (best first) llama.cpp's top-p keeps: up to and
+    including the first at which the cumulative probability (renormalised over v) reaches p."""
     e = np.exp(v - m)
-    target = p * float(e.sum(dtype=np.float64))
-    n = v.size
+    c = np.cumsum(e.astype(np.float64))
+    return min(int(np.searchsorted(c, p * float(e.sum(dtype=np.float64)), side="left")) + 1, v.size)
+
+
+def _nucleus(x: np.ndarray, m, p: float) -> np.ndarray:
+    """Ids of llama.cpp's top-p set over the whole vocabulary, best first. Ranks only a growing
+    top slice, not the whole vector."""
+    target = p * float(np.exp(x - m).sum(dtype=np.float64))
+    n = x.size
     kk = min(n, 64)
     while True:
-        part = _top_k(e, kk) if kk < n else np.arange(n)
-        order = part[np.argsort(-e[part], kind="stable")]
-        c = np.cumsum(e[order].astype(np.float64))
-        if c[-1] >= target or kk >= n:
-            cut = min(int(np.searchsorted(c, target, side="left")) + 1, kk)
-            return order[:cut]
+        r = _ranked(x, kk)
+        c = np.cumsum(np.exp(x[r] - m).astype(np.float64))
+        cut = int(np.searchsorted(c, target, side="left")) + 1
+        if cut <= kk or kk >= n:
+            return r[:min(cut, kk)]
         kk = min(n, kk * 8)
 
 

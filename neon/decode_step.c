@@ -515,22 +515,46 @@ int el_chunk_ids(el_pool *pool, const el_layer *layers, int n_layers, const el_m
                              n_table, block_tokens, n_blocks, scratch, scratch_bytes, out_rows);
 }
 
-/* Greedy decode tokens in one call: each step is el_chunk_ids of one token (the previous step's
- * argmax, first_id for the first), then the argmax of its logits (the first maximum, as numpy's).
- * Stops after n_max tokens, after producing one of stop_ids, or before producing from logits
- * holding a NaN (numpy's argmax would pick the NaN: the caller's own step then reports it).
- * cos, sin: the RoPE rows of positions pos..pos+n_max-1; the table must cover them. Returns the
- * count produced into out_ids (the logits buffer holds the last step's), or a negative code when
- * the first step was refused (a later refusal ends the run: its count is returned). */
-int el_decode_greedy(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
+/* The first maximum of logits (numpy's argmax), or -1 when they hold a NaN (numpy's argmax
+ * would pick the NaN: the caller's own step then reports it) */
+static int el_argmax_first(const float *logits, int n) {
+    int best = 0;
+    float bv = logits[0];
+    if (bv != bv) return -1;
+    for (int j = 1; j < n; j++) {
+        const float v = logits[j];
+        if (v != v) return -1;
+        if (v > bv) bv = v, best = j;
+    }
+    return best;
+}
+
+/* Decode tokens in one call: each step is el_chunk_ids of one token (the previous step's pick,
+ * first_id for the first), then the pick from its logits: the first maximum (sampling NULL), or
+ * el_sample's draw with u[i]. Stops after n_max tokens, after producing one of stop_ids, or
+ * before picking from logits it cannot pick from (a NaN; for a draw, any non-finite maximum):
+ * the caller's own step then reports them. cos, sin: the RoPE rows of positions
+ * pos..pos+n_max-1; the table must cover them. Returns the count produced into out_ids (the
+ * logits buffer holds the last step's), or a negative code when the first step was refused (a
+ * later refusal ends the run: its count is returned). */
+int el_decode_sample(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
                      const el_embedding *emb, int32_t first_id, float *x, int pos, int n_max, const float *cos,
                      const float *sin, void *k_pool, void *v_pool, int kv_type, const int32_t *block_table,
                      int n_table, int block_tokens, int n_blocks, void *scratch, size_t scratch_bytes,
                      const float *out_norm, const el_matrix *head, int n_vocab, int f32act, float *logits,
-                     const int32_t *stop_ids, int n_stop, int32_t *out_ids) {
+                     const int32_t *stop_ids, int n_stop, int32_t *out_ids, const el_sampling *sampling,
+                     const double *u, void *sample_scratch, size_t sample_scratch_bytes) {
     if (!dims || n_max <= 0 || !out_ids || !logits || !cos || !sin || n_vocab <= 0 || n_stop < 0 ||
         (n_stop > 0 && !stop_ids))
         return EL_EINVAL;
+    if (sampling) {
+        if (el_sampling_check(sampling) != EL_OK || !u || !sample_scratch ||
+            sample_scratch_bytes < el_sample_scratch(n_vocab))
+            return EL_EINVAL;
+        if (sampling->top_k <= 0 || sampling->top_k >= n_vocab) return EL_EUNSUPPORTED;   /* el_sample's */
+        for (int i = 0; i < n_max; i++)
+            if (!(u[i] >= 0.0 && u[i] < 1.0)) return EL_EINVAL;
+    }
     const int half = dims->rope_dim / 2;
     int32_t id = first_id;
     for (int i = 0; i < n_max; i++) {
@@ -539,18 +563,24 @@ int el_decode_greedy(el_pool *pool, const el_layer *layers, int n_layers, const 
                                     block_tokens, n_blocks, scratch, scratch_bytes, 1, out_norm, head, n_vocab,
                                     f32act, logits);
         if (rc != EL_OK) return i > 0 ? i : rc;
-        int best = 0;
-        float bv = logits[0];
-        int nan = bv != bv;
-        for (int j = 1; j < n_vocab && !nan; j++) {
-            const float v = logits[j];
-            nan = v != v;
-            if (v > bv) bv = v, best = j;
-        }
-        if (nan) return i;
+        const int best = sampling ? el_sample(logits, n_vocab, sampling, u[i], sample_scratch, sample_scratch_bytes)
+                                  : el_argmax_first(logits, n_vocab);
+        if (best < 0) return i;   /* checked up front: only logits it cannot pick from */
         out_ids[i] = id = best;
         for (int k = 0; k < n_stop; k++)
             if (stop_ids[k] == best) return i + 1;
     }
     return n_max;
 }
+
+int el_decode_greedy(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
+                     const el_embedding *emb, int32_t first_id, float *x, int pos, int n_max, const float *cos,
+                     const float *sin, void *k_pool, void *v_pool, int kv_type, const int32_t *block_table,
+                     int n_table, int block_tokens, int n_blocks, void *scratch, size_t scratch_bytes,
+                     const float *out_norm, const el_matrix *head, int n_vocab, int f32act, float *logits,
+                     const int32_t *stop_ids, int n_stop, int32_t *out_ids) {
+    return el_decode_sample(pool, layers, n_layers, dims, emb, first_id, x, pos, n_max, cos, sin, k_pool, v_pool,
+                         kv_type, block_table, n_table, block_tokens, n_blocks, scratch, scratch_bytes, out_norm,
+                         head, n_vocab, f32act, logits, stop_ids, n_stop, out_ids, NULL, NULL, NULL, 0);
+}
+

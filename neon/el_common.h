@@ -74,6 +74,8 @@ float el_exp_sub_sum_generic(float *x, int n, float m);
  * small, else split over the pool in tasks of a few thousand elements (elementwise.c) */
 typedef void (*el_rows_fn)(const void *args, int r0, int r1);
 void el_for_rows(el_pool *pool, el_rows_fn fn, const void *args, int rows, int cols);
+/* EL_OK when the chain's parameters are in range (sample.c) */
+int el_sampling_check(const el_sampling *s);
 
 /* Stores nr (1..4) lanes of each of nx accumulators into y rows, adding the bias. */
 static inline void el_store_tile(const float32x4_t *acc, int nx, int nr, float *y, size_t ldy, const float *bias) {

@@ -255,15 +255,17 @@ class DecodeStep:
         self._check(rc, "el_chunk_ids", f"{T} tokens at position {pos}", n)
         return out if logits else self._chunk_x[T - out_rows:T]
 
-    def run_greedy(self, first_id: int, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table, n_max: int,
-                   stop_ids=(), f32act: bool = True) -> tuple[list[int], np.ndarray]:
-        """Up to n_max greedy decode tokens in one native call (el_decode_greedy): token first_id
-        at position pos, then each step's argmax (numpy's: the first maximum) fed to the next.
-        Returns (the ids produced, the last step's logits): fewer than n_max after one of
-        stop_ids, or before logits holding a NaN (none when the first step's do). Positions
+    def run_tokens(self, first_id: int, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table, n_max: int,
+                   stop_ids=(), f32act: bool = True, sample=None) -> tuple[list[int], np.ndarray]:
+        """Up to n_max decode tokens in one native call: token first_id at position pos, then
+        each step's pick fed to the next. The pick is the argmax (numpy's: the first maximum;
+        el_decode_greedy), or with sample = (chain, u), a sampling_native.NativeChain and n_max
+        uniforms, step i's draw with u[i] (el_decode_sample). Returns (the ids produced, the last
+        step's logits): fewer than n_max after one of stop_ids, or before logits the pick cannot
+        use (a NaN; a draw: any non-finite maximum), none when the first step's are. Positions
         pos..pos+n_max-1 must be reserved; cos, sin: the RoPE tables, read in place."""
         if n_max < 1:
-            raise ValueError(f"run_greedy needs n_max >= 1, got {n_max}")
+            raise ValueError(f"run_tokens needs n_max >= 1, got {n_max}")
         v = int(first_id)
         if not -2 ** 31 <= v < 2 ** 31:
             raise DecodeStepError(f"token id {v} does not fit int32")
@@ -273,14 +275,24 @@ class DecodeStep:
         stop = np.asarray(stop_ids, np.int32)
         out_ids = np.empty(n_max, np.int32)
         logits = np.empty(self._n_vocab, np.float32)
-        rc = self._lib.el_decode_greedy(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._emb_p, v,
-                                        self._chunk_ptrs[0], pos, n_max, cos_p, sin_p, self._k_p, self._v_p,
-                                        self._kv_type, self._tbl_p, n, self._bt, self._nb, self._chunk_scratch_p,
-                                        self._chunk_scratch.nbytes, self._onorm.ctypes.data, self._head_p,
-                                        self._n_vocab, int(f32act), logits.ctypes.data,
-                                        stop.ctypes.data if stop.size else None, int(stop.size), out_ids.ctypes.data)
+        args = (neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._emb_p, v, self._chunk_ptrs[0], pos,
+                n_max, cos_p, sin_p, self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
+                self._chunk_scratch_p, self._chunk_scratch.nbytes, self._onorm.ctypes.data, self._head_p,
+                self._n_vocab, int(f32act), logits.ctypes.data, stop.ctypes.data if stop.size else None,
+                int(stop.size), out_ids.ctypes.data)
+        if sample is None:
+            fn = "el_decode_greedy"
+            rc = self._lib.el_decode_greedy(*args)
+        else:
+            chain, u = sample
+            u = np.ascontiguousarray(u, dtype=np.float64)
+            if u.shape != (n_max,):
+                raise ValueError(f"run_tokens needs {n_max} uniforms, got shape {u.shape}")
+            scratch = chain.scratch(self._n_vocab)
+            fn = "el_decode_sample"
+            rc = self._lib.el_decode_sample(*args, chain.params_p, u.ctypes.data, scratch.ctypes.data, scratch.nbytes)
         if rc < 0:
-            self._check(rc, "el_decode_greedy", f"{n_max} tokens from position {pos}", n)
+            self._check(rc, fn, f"{n_max} tokens from position {pos}", n)
         return out_ids[:rc].tolist(), logits
 
     def _rope_rows(self, cos: np.ndarray, sin: np.ndarray, pos: int, T: int) -> tuple[int, int]:

@@ -20,6 +20,15 @@ EL_KV_I8 = 16   # an int8 KV pool (kv_type only): k and v each point to an el_kv
 class ElKvI8(ctypes.Structure):
     """el_kv_i8 of neon/edgellm_neon.h: an int8 pool's arena (K or V) and its scales."""
     _fields_ = [("q", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+
+
+class ElSampling(ctypes.Structure):
+    """el_sampling of neon/edgellm_neon.h: a sampling chain's parameters (neon/sample.c)."""
+    _fields_ = [("top_k", c_int), ("top_p", ctypes.c_double), ("min_p", ctypes.c_double),
+                ("temperature", ctypes.c_double)]
+
+
+EL_ENONFINITE = -4   # el_sample: logits holding a NaN, or a maximum of +-inf
 FEAT_NEON, FEAT_DOTPROD, FEAT_FP16, FEAT_SIMDE = 1, 2, 4, 8
 _HWCAP_ASIMDHP, _HWCAP_ASIMDDP = 1 << 10, 1 << 20     # arch/arm64/include/uapi/asm/hwcap.h
 _AT_HWCAP = 16
@@ -72,6 +81,12 @@ _SIGNATURES = {
                                  c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int,
                                  c_void_p, c_size_t, c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int,
                                  c_void_p]),
+    "el_decode_sample": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int,
+                                 c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int,
+                                 c_void_p, c_size_t, c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int,
+                                 c_void_p, c_void_p, c_void_p, c_void_p, c_size_t]),
+    "el_sample_scratch": (c_size_t, [c_int]),
+    "el_sample": (c_int, [c_void_p, c_int, c_void_p, ctypes.c_double, c_void_p, c_size_t]),
     "el_f32_to_f16": (c_int, [c_void_p, c_void_p, c_size_t]),
     "el_kv_quantize_i8": (c_int, [c_void_p, c_void_p, c_void_p, c_int, c_int]),
     # the tokenizer's BPE merges (neon/bpe.c, edgellm/model/bpe_native.py)

@@ -1,0 +1,51 @@
+"""The sampler chain in C (neon/sample.c, el_sample): Sampler's draws where the NEON library
+loads and passes its self-check, and the chain a native decode run draws with
+(DecodeStep.run_tokens). sampling.draw_numpy is its twin and the path elsewhere."""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+
+from .errors import EdgeLLMError
+
+log = logging.getLogger("edgellm.sampling")
+
+
+class NativeChain:
+    """One sampling config's parameters as an el_sampling, and el_sample's scratch."""
+
+    def __init__(self, lib, cfg):
+        from .backends.neon_lib import ElSampling
+        self._lib = lib
+        self.params = ElSampling(cfg.top_k, cfg.top_p, cfg.min_p, cfg.temperature)
+        self.params_p = ctypes.addressof(self.params)
+        self._scratch = np.empty(0, np.uint8)
+
+    def scratch(self, n_vocab: int) -> np.ndarray:
+        """el_sample's scratch for n_vocab logits (kept: a draw per token must not allocate)."""
+        need = self._lib.el_sample_scratch(n_vocab)
+        if self._scratch.nbytes < need:
+            self._scratch = np.empty(need, np.uint8)
+        return self._scratch
+
+    def draw(self, x: np.ndarray, u: float) -> int:
+        """The id drawn from float32 logits x (finite maximum: Sampler checked) with uniform u."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        s = self.scratch(x.size)
+        rc = self._lib.el_sample(x.ctypes.data, x.size, self.params_p, u, s.ctypes.data, s.nbytes)
+        if rc < 0:
+            raise EdgeLLMError(f"sampler: el_sample refused {x.size} logits with u = {u!r} (code {rc})")
+        return rc
+
+
+def native_chain(cfg) -> NativeChain | None:
+    """A NativeChain for cfg, or None where the NEON library is unavailable (numpy draws then;
+    the reason is the neon unit's own, which `edgellm plan` and the dispatcher show)."""
+    from .backends import neon
+    ok, why = neon.available()
+    if not ok:
+        log.debug("sampler: numpy chain (the NEON library is unavailable: %s)", why)
+        return None
+    return NativeChain(neon._lib(), cfg)

@@ -1,0 +1,168 @@
+"""The sampler chain in C (neon/sample.c, el_sample) against its numpy twin (sampling.draw_numpy)
+and against the chain written from its definitions in float64; the uniform stream a native
+decode run draws from (Sampler.uniforms / unuse)."""
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from edgellm.backends import neon, neon_lib
+from edgellm.errors import EdgeLLMError
+from edgellm.sampling import Sampler, SamplingConfig, draw_numpy
+from edgellm.sampling_native import NativeChain
+
+EINVAL, EUNSUPPORTED, ENONFINITE = -1, -3, neon_lib.EL_ENONFINITE
+
+
+def _chain64(x: np.ndarray, cfg: SamplingConfig, u: float) -> tuple[int, float]:
+    """The chain from its definitions in float64: the id u picks, and how close (relative) a
+    top-p target, a min-p threshold or u came to a boundary where rounding could decide."""
+    x64 = x.astype(np.float64)
+    m = float(x64.max())
+    ids = np.lexsort((np.arange(x.size), -x64))          # (logit descending, id ascending)
+    if 0 < cfg.top_k < x.size:
+        ids = ids[: cfg.top_k]
+    margin = math.inf
+    if cfg.top_p < 1.0:
+        e = np.exp(x64[ids] - m)
+        c, target = np.cumsum(e), cfg.top_p * e.sum()
+        margin = min(margin, float(np.min(np.abs(c - target)) / e.sum()))
+        ids = ids[: min(int(np.searchsorted(c, target, side="left")) + 1, ids.size)]
+    if cfg.min_p > 0.0:
+        thr = m + math.log(cfg.min_p)
+        margin = min(margin, float(np.min(np.abs(x64[ids] - thr))))
+        ids = ids[x64[ids] >= thr]
+    ids = np.sort(ids)
+    w = np.exp((x64[ids] - m) / cfg.temperature)
+    c = np.cumsum(w)
+    r = u * c[-1]
+    margin = min(margin, float(np.min(np.abs(c - r)) / c[-1]))
+    return int(ids[min(int(np.searchsorted(c, r, side="right")), ids.size - 1)]), margin
+
+
+def _native(cfg: SamplingConfig) -> NativeChain:
+    ok, why = neon.available()
+    assert ok, f"the NEON library must load here: {why}"
+    return NativeChain(neon._lib(), cfg)
+
+
+def _el_sample(x: np.ndarray, params, u: float, scratch_bytes: int | None = None) -> int:
+    lib = neon._lib()
+    s = np.empty(lib.el_sample_scratch(max(x.size, 1)), np.uint8)
+    nb = s.nbytes if scratch_bytes is None else scratch_bytes
+    return lib.el_sample(x.ctypes.data, x.size, ctypes.addressof(params), u, s.ctypes.data, nb)
+
+
+@settings(max_examples=400, deadline=None)
+@given(seed=st.integers(0, 2**32), n=st.integers(2, 3000), ties=st.booleans(), top_k=st.integers(1, 120),
+       top_p=st.floats(0.05, 1.0), min_p=st.floats(0.0, 0.9), temperature=st.floats(0.05, 4.0),
+       u=st.floats(0.0, 1.0, exclude_max=True), neg_inf=st.integers(0, 3))
+def test_property_c_and_numpy_chains_pick_the_definitions_id(seed, n, ties, top_k, top_p, min_p, temperature, u,
+                                                             neg_inf):
+    """Both twins draw the id the float64 chain does, ties at the top-k and top-p boundaries
+    included (logits in steps of 1/4), wherever no rounding boundary lies within 1e-5 (the twins
+    round exp and sums in float32 / float64 as numpy does, the definition in float64)."""
+    rng = np.random.default_rng(seed)
+    x = (rng.integers(-40, 41, n) / 4.0 if ties else rng.standard_normal(n) * rng.uniform(0.5, 10)).astype(np.float32)
+    x[:neg_inf] = -np.inf
+    assume(np.isfinite(x.max()) and top_k < x.size)
+    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    want, margin = _chain64(x, cfg, u)
+    assume(margin > 1e-5)
+    assert _native(cfg).draw(x, u) == want
+    assert draw_numpy(cfg, x, x.max(), u) == want
+
+
+def test_ties_at_the_top_k_boundary_keep_the_lower_ids():
+    x = np.zeros(5000, np.float32)
+    x[4000] = 1.0                          # the best; then 4999 ties
+    cfg = SamplingConfig(temperature=100.0, top_k=4)
+    chain = _native(cfg)
+    us = np.linspace(0, 1, 200, endpoint=False)
+    assert {chain.draw(x, u) for u in us} == {4000, 0, 1, 2}
+    assert {draw_numpy(cfg, x, x.max(), u) for u in us} == {4000, 0, 1, 2}
+
+
+def test_the_c_chain_draws_its_distribution():
+    """Over uniforms spread evenly on [0, 1), each candidate is picked in proportion to its
+    weight: the draw walks the cumulative weights (id order)."""
+    x = np.full(1000, -20.0, np.float32)
+    x[[7, 300, 512, 999]] = np.log(np.array([0.1, 0.2, 0.3, 0.4], np.float32))
+    cfg = SamplingConfig(temperature=1.0, top_k=4)
+    chain = _native(cfg)
+    n = 10000
+    picks = np.array([chain.draw(x, (i + 0.5) / n) for i in range(n)])
+    for i, p in zip((7, 300, 512, 999), (0.1, 0.2, 0.3, 0.4)):
+        assert abs((picks == i).mean() - p) < 2e-3
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_logits_are_refused(bad):
+    cfg = SamplingConfig(temperature=0.8, top_k=40)
+    x = np.random.default_rng(0).standard_normal(500).astype(np.float32)
+    x[123] = bad
+    assert _el_sample(x, _native(cfg).params, 0.5) == ENONFINITE
+    x = np.full(500, -np.inf, np.float32)
+    assert _el_sample(x, _native(cfg).params, 0.5) == ENONFINITE
+    # the Sampler reports them with its typed error, as numpy's chain does
+    x[0] = bad
+    with pytest.raises(EdgeLLMError, match="expected finite values"):
+        Sampler(cfg).sample(x)
+
+
+def test_bad_arguments_are_refused():
+    x = np.random.default_rng(1).standard_normal(300).astype(np.float32)
+    E = neon_lib.ElSampling
+    ok = E(40, 0.95, 0.05, 0.8)
+    assert _el_sample(x, ok, 0.5) >= 0
+    for u in (-0.1, 1.0, float("nan")):
+        assert _el_sample(x, ok, u) == EINVAL, u
+    for params in (E(40, 0.95, 0.05, 0.0), E(40, 0.95, 0.05, float("inf")), E(40, 0.0, 0.05, 0.8),
+                   E(40, 1.5, 0.05, 0.8), E(40, 0.95, -0.1, 0.8), E(40, 0.95, 1.1, 0.8), E(-1, 0.95, 0.05, 0.8)):
+        assert _el_sample(x, params, 0.5) == EINVAL
+    assert _el_sample(x, ok, 0.5, scratch_bytes=8) == EINVAL
+    # no top-k (or one as wide as the vocabulary): numpy's chain, not this one
+    for k in (0, 300, 400):
+        assert _el_sample(x, E(k, 0.95, 0.05, 0.8), 0.5) == EUNSUPPORTED
+    lib = neon._lib()
+    assert lib.el_sample(None, 300, ctypes.addressof(ok), 0.5, None, 0) == EINVAL
+
+
+def test_sampler_draws_natively_only_with_top_k():
+    assert Sampler(SamplingConfig(temperature=0.8, top_k=40)).native is not None
+    assert Sampler(SamplingConfig(temperature=0.8, top_k=0)).native is None       # numpy: every logit weighed
+    assert Sampler(SamplingConfig(temperature=0.0, top_k=40)).native is None      # greedy: argmax
+    s = Sampler(SamplingConfig(temperature=0.8, top_k=40))
+    assert s.native_for(49152) is s.native and s.native_for(40) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 8)), min_size=1, max_size=12),
+       seed=st.integers(0, 2**32))
+def test_property_uniform_stream_ignores_how_draws_are_grouped(groups, seed):
+    """Runs take n uniforms and give back those no draw used: the uniforms the draws do use are
+    the seeded stream's, in order, whatever the grouping."""
+    plain = Sampler(SamplingConfig(temperature=0.8, top_k=40, seed=seed))
+    grouped = Sampler(SamplingConfig(temperature=0.8, top_k=40, seed=seed))
+    used = []
+    for n, k in groups:
+        us = grouped.uniforms(n)
+        k = min(k, n)
+        used += us[:k]
+        grouped.unuse(us[k:])
+    assert used == [plain._uniform() for _ in used]
+    assert grouped._uniform() == plain._uniform()
+
+
+def test_seeded_sampling_reproduces_through_the_native_chain():
+    x = (np.random.default_rng(3).standard_normal(49152) * 3).astype(np.float32)
+    cfg = SamplingConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=11)
+    a = [Sampler(cfg).sample(x) for _ in range(3)]
+    s, t = Sampler(cfg), Sampler(cfg)
+    assert [s.sample(x) for _ in range(50)] == [t.sample(x) for _ in range(50)]
+    assert len(set(a)) == 1
