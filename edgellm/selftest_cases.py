@@ -13,7 +13,7 @@ import numpy as np
 
 
 (OP_MATMUL, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED,
- OP_KV_QUANT) = range(1, 11)
+ OP_KV_QUANT, OP_SAMPLE) = range(1, 12)
 CASES_MAGIC, CASES_VERSION = b"ELSTCASE", 1
 KIND_F32, KIND_RAW = 1, 2
 BOUND_ELEMENTWISE = 1e-7     # NMSE bounds of DESIGN.md's correctness discipline
@@ -303,6 +303,47 @@ def _kv_quant_cases(rng: np.random.Generator) -> list[Case]:
     return cases
 
 
+def _sample_cases(rng: np.random.Generator) -> list[Case]:
+    """The sampler chain (el_sample): each u is the middle of one candidate's slice of the
+    cumulative weights, computed in float64 from the chain's definition, so any correct draw
+    picks that candidate whatever its exp rounds to; sampling.draw_numpy must agree. Ties at the
+    top-k boundary (keep the lower ids), -inf logits, a real-size vocabulary."""
+    from .sampling import SamplingConfig, draw_numpy
+
+    cases = []
+    # (n, logits, top_k, top_p, min_p, temperature): parameters exact in float32 (the file's)
+    for n, kind, k, top_p, min_p, temp in ((5000, "normal", 40, 0.9375, 0.0625, 0.75), (1000, "ties", 7, 1.0, 0.0, 1.5),
+                                           (49152, "normal", 40, 0.9375, 0.046875, 0.8125),
+                                           (33, "neg_inf", 32, 0.9375, 0.0, 2.0), (2, "normal", 1, 1.0, 0.0, 1.0)):
+        x = rng.integers(-8, 9, n) / 4.0 if kind == "ties" else rng.standard_normal(n) * 3.0
+        x = _f32(x)
+        if kind == "neg_inf":
+            x[::3] = -np.inf
+        x64, m = x.astype(np.float64), float(x.max())
+        ids = np.lexsort((np.arange(n), -x64))[:k]                  # (logit descending, id ascending)
+        if top_p < 1.0:
+            e = np.exp(x64[ids] - m)
+            c = np.cumsum(e) / e.sum()
+            assert np.min(np.abs(c - top_p)) > 1e-4, "top-p's cut too close to call"
+            ids = ids[: int(np.searchsorted(c, top_p, side="left")) + 1]
+        if min_p > 0.0:
+            thr = m + np.log(min_p)
+            assert np.min(np.abs(x64[ids] - thr)) > 1e-4, "min-p's threshold too close to call"
+            ids = ids[x64[ids] >= thr]
+        ids = np.sort(ids)
+        c = np.cumsum(np.exp((x64[ids] - m) / temp))
+        c /= c[-1]
+        lo = np.concatenate([[0.0], c[:-1]])
+        wide = (c - lo) > 1e-3                          # a float32 u lands well inside the slice
+        u = _f32((lo + c)[wide] / 2)
+        want = ids[wide]
+        cfg = SamplingConfig(temperature=temp, top_k=k, top_p=top_p, min_p=min_p)
+        assert [draw_numpy(cfg, x, x.max(), float(v)) for v in u] == want.tolist()
+        cases.append(Case(OP_SAMPLE, f"sample/{kind}_n{n}_k{k}", BOUND_EXACT, (n, k, u.size), (top_p, min_p, temp),
+                          (x, u, _f32(want))))
+    return cases
+
+
 def _embed_cases(rng: np.random.Generator) -> list[Case]:
     from . import quant
 
@@ -328,7 +369,7 @@ def make_cases(seed: int = 20240531) -> list[Case]:
     segments; shuffled KV blocks), with expected outputs from the numpy reference."""
     rng = np.random.default_rng(seed)
     return [*_matmul_cases(rng), *_elementwise_cases(rng), *_attention_cases(rng), *_embed_cases(rng),
-            *_kv_quant_cases(rng)]
+            *_kv_quant_cases(rng), *_sample_cases(rng)]
 
 
 def write_cases(path: str | os.PathLike, seed: int = 20240531) -> int:

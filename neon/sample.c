@@ -49,7 +49,7 @@ static void el_rank_top(const float *x, int n, int k, int32_t *ids) {
     for (int i = k / 2 - 1; i >= 0; i--) el_sift_down(x, ids, k, i);
     float thr = x[ids[0]];
     for (int i = k; i < n;) {
-        if (i % 16 == 0 && i + 16 <= n) {   /* a whole block: one vector compare rejects most */
+        if (!el_generic_flag && i % 16 == 0 && i + 16 <= n) {   /* a whole block: one vector compare rejects most */
             const float32x4_t t = vdupq_n_f32(thr);
             uint32x4_t gt = vcgtq_f32(vld1q_f32(x + i), t);
             for (int j = 4; j < 16; j += 4) gt = vorrq_u32(gt, vcgtq_f32(vld1q_f32(x + i + j), t));
@@ -77,7 +77,7 @@ static float el_max_nan(const float *x, int n, int *nan) {
     float32x4_t mx[4];
     uint32x4_t num = vdupq_n_u32(~0u);   /* lanes that saw no NaN: x == x */
     for (int j = 0; j < 4; j++) mx[j] = vdupq_n_f32(-INFINITY);
-    int i = 0;
+    int i = el_generic_flag ? n : 0;   /* the generic twin: the scalar tail takes every element */
     for (; i + 16 <= n; i += 16)
         for (int j = 0; j < 4; j++) {
             const float32x4_t v = vld1q_f32(x + i + 4 * j);
@@ -86,6 +86,7 @@ static float el_max_nan(const float *x, int n, int *nan) {
         }
     float m = vmaxvq_f32(vmaxq_f32(vmaxq_f32(mx[0], mx[1]), vmaxq_f32(mx[2], mx[3])));
     int bad = vminvq_u32(num) == 0;
+    if (el_generic_flag) i = 0, m = -INFINITY;
     for (; i < n; i++) {
         bad |= x[i] != x[i];
         m = x[i] > m ? x[i] : m;

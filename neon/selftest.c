@@ -43,6 +43,8 @@
  *                ids raw (int32 x T, in 0..n_rows-1), expected f32 (T*row_len)
  *  10 kv_quant   rows hd; -; x f32 (rows*hd), expected f32 (rows*hd + rows): the int8 values as
  *                floats, then the rows' scales (el_kv_quantize_i8)
+ *  11 sample     n top_k n_u; top_p min_p temperature; x f32 (n), u f32 (n_u), expected f32 (n_u):
+ *                the id el_sample draws with each u, as a float
  * Besides the file's cases, a few built-in checks run: the pool's thread count, el_parallel_for
  * running each task once, and bad arguments answered with a negative code (never an abort).
  */
@@ -61,7 +63,7 @@
 #endif
 
 enum { OP_MATMUL = 1, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED,
-       OP_KV_QUANT };
+       OP_KV_QUANT, OP_SAMPLE };
 enum { KIND_F32 = 1, KIND_RAW = 2 };
 enum { MAX_NAME = 127, MAX_INT = 64, MAX_FLOAT = 16, MAX_ARR = 64, MAX_CASES = 100000 };
 #define MAX_FILE_BYTES ((uint64_t)1 << 30)
@@ -343,6 +345,15 @@ static void validate(const case_t *k) {
         need_array(1, KIND_F32, prod(rows, hd) + rows, "expected");
         break;
     }
+    case OP_SAMPLE: {
+        need_counts(3, 3, 3);
+        int64_t n = dim(0, "n", 2), n_u = dim(2, "n_u", 1);
+        dim(1, "top_k", 1);
+        need_array(0, KIND_F32, n, "x");
+        need_array(1, KIND_F32, n_u, "u");
+        need_array(2, KIND_F32, n_u, "expected");
+        break;
+    }
     default:
         BAD("case %s: unknown op %u", k->name, k->op);
     }
@@ -470,6 +481,22 @@ static void run_case(const case_t *k, const char *path) {
         if (!guard_ok(sc, p[0])) guard = 0;
         free(q);
         free(sc);
+        break;
+    }
+    case OP_SAMPLE: {
+        const el_sampling s = {.top_k = p[1], .top_p = k->floats[0], .min_p = k->floats[1],
+                               .temperature = k->floats[2]};
+        const size_t ss = el_sample_scratch(p[0]);
+        uint8_t *scratch = xalloc(ss + 4 * GUARD);
+        memset(scratch + ss, 0xA5, 4 * GUARD);
+        const float *u = a[1].data;
+        for (int i = 0; i < p[2]; i++) {
+            const int id = el_sample(a[0].data, p[0], &s, (double)u[i], scratch, ss);
+            y[i] = (float)id;
+            if (id < 0) rc = id;
+        }
+        for (size_t i = ss; i < ss + 4 * GUARD; i++) if (scratch[i] != 0xA5) guard = 0;
+        free(scratch);
         break;
     }
     case OP_EMBED: {

@@ -166,3 +166,23 @@ def test_seeded_sampling_reproduces_through_the_native_chain():
     s, t = Sampler(cfg), Sampler(cfg)
     assert [s.sample(x) for _ in range(50)] == [t.sample(x) for _ in range(50)]
     assert len(set(a)) == 1
+
+
+def test_the_generic_twin_draws_the_same_ids():
+    """el_use_generic(1): the scalar maximum and top-k scan, the same picks."""
+    rng = np.random.default_rng(9)
+    cases = []
+    for i in range(60):
+        n = int(rng.integers(2, 6000))
+        x = (rng.integers(-20, 21, n) / 4.0 if i % 2 else rng.standard_normal(n) * 4).astype(np.float32)
+        cfg = SamplingConfig(temperature=float(rng.uniform(0.1, 3)), top_k=int(rng.integers(1, min(n, 90) + 1)) % n or 1,
+                             top_p=float(rng.uniform(0.3, 1.0)), min_p=float(rng.uniform(0, 0.3)))
+        cases.append((x, _native(cfg), rng.random(5)))
+    fast = [[chain.draw(x, u) for u in us] for x, chain, us in cases]
+    lib = neon._lib()
+    lib.el_use_generic(1)
+    try:
+        generic = [[chain.draw(x, u) for u in us] for x, chain, us in cases]
+    finally:
+        lib.el_use_generic(0)
+    assert generic == fast

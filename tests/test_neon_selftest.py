@@ -234,7 +234,7 @@ def test_rebuild_replaces_a_bundle_and_refuses_other_folders(tmp_path):
 
 def test_cases_cover_every_op_and_are_deterministic(cases):
     ops = {c.op for c in cases}
-    assert ops == set(range(1, 11))
+    assert ops == set(range(1, 12))
     names = [c.name for c in cases]
     assert len(set(names)) == len(names) and all(re.fullmatch(r"[!-~]{1,127}", n) for n in names)
     wtypes = {c.ints[0] for c in cases if c.op == sc.OP_MATMUL}
