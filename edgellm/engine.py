@@ -184,11 +184,12 @@ class ModelRunner:
         return ("decode" in self._fused_phases and "decode" in self._fused_lead and "decode" in self._fused_tail
                 and self.decode_override is None and not seq.slides and self._fusable(seq))
 
-    def decode_run(self, seq, tok: int, n_max: int, stop_ids=(), sample=None) -> tuple[list[int], np.ndarray]:
+    def decode_run(self, seq, tok: int, n_max: int, stop_ids=(), chain=None, uniforms=None,
+                   history=()) -> tuple[list[int], np.ndarray]:
         """Feeds `tok`, then the tokens picked after it, up to n_max decode steps in one native
         call (no Python between the tokens): returns the tokens produced (each the argmax of the
-        logits after the one before, or with sample = (chain, uniforms) the chain's draw; it
-        stops after one of stop_ids) and the last step's logits. The sequence commits the tokens
+        logits after the one before, or with a chain its pick: DecodeStep.run_tokens; it stops
+        after one of stop_ids) and the last step's logits. The sequence commits the tokens
         fed: tok and every produced token but the last, which, as forward's caller does with a
         sampled token, the next call feeds. Nothing is committed when nothing was produced (the
         first logits could not be picked from: forward then reports them)."""
@@ -197,7 +198,8 @@ class ModelRunner:
         n0 = seq.n_tokens
         seq.reserve(n_max)
         ids, logits = self._fused.run_tokens(tok, n0, self.cos, self.sin, seq.pool, seq.block_table, n_max, stop_ids,
-                                             f32act=self._head_f32act("decode"), sample=sample)
+                                             f32act=self._head_f32act("decode"), chain=chain, uniforms=uniforms,
+                                             history=history)
         fed = [tok] + ids[:-1] if ids else []
         seq.commit(n0 + len(fed), fed)
         return ids, logits

@@ -67,7 +67,8 @@ class Generation:
                               f"(raise n_ctx / --ctx)")
         self.chunk = chunk or engine.runner.prefill_chunk
         self.sampler = Sampler(cfg.sampling())
-        self._chain = self.sampler.native_for(engine.config.vocab_size)   # a sampled run's draws
+        # whether decode runs can pick as the sampler does, and the chain they pick with
+        self._runs, self._chain = self.sampler.run_chain(engine.config.vocab_size)
         self.stopper = StopChecker(cfg.stop)
         self.decoder = engine.tokenizer.decoder()
         self.history = list(ids)
@@ -105,14 +106,17 @@ class Generation:
                 k = self._run_length()
                 if k:
                     n0 = self.seq.n_tokens
-                    chain = None if self.sampler.config.greedy else self._chain
-                    u = self.sampler.uniforms(k) if chain is not None else []
+                    chain, sc = self._chain, self.sampler.config
+                    u = self.sampler.uniforms(k) if chain is not None and not chain.greedy else None
+                    # the tokens the penalty covers before this run's first pick
+                    hist = () if chain is None or sc.repeat_penalty == 1.0 or sc.repeat_last_n == 0 else \
+                        self.history[-sc.repeat_last_n:] if sc.repeat_last_n > 0 else self.history
                     try:
-                        ids, logits = runner.decode_run(self.seq, self.last_tok, k, self._stop_ids,
-                                                        sample=(chain, u) if chain is not None else None)
+                        ids, logits = runner.decode_run(self.seq, self.last_tok, k, self._stop_ids, chain=chain,
+                                                        uniforms=u, history=hist)
                     except ContextFull:
                         ids = []          # no room for k positions: token by token
-                    self.sampler.unuse(u[len(ids):])    # a draw each produced token
+                    self.sampler.unuse((u or [])[len(ids):])    # a draw each produced token
                     if ids:
                         return self._emit_run(ids, n0)
                 logits = runner.forward(self.seq, [self.last_tok])
@@ -130,19 +134,19 @@ class Generation:
 
     # Decode runs several tokens in one native call when the runner can (DecodeStep.run_tokens):
     # ~100 us of Python per token stay out of the loop, and a sampled token's draw (~0.2 ms in
-    # numpy) runs in C. That takes a pick C can make: greedy (argmax), or the sampler's native
-    # chain (top-k set), without a repetition penalty or the quality guard. A run is as long as
-    # this many seconds of tokens, so text still streams in small steps and cancellation still
-    # answers within them. A sampled run draws with the sampler's own uniforms and gives back
-    # those it did not use, so a seed gives the same tokens however the runs fall.
+    # numpy) runs in C. That takes a pick C makes as the sampler does (Sampler.run_chain): the
+    # argmax, or the native chain (greedy, or top-k set), repetition penalty included; not under
+    # the quality guard. A run is as long as this many seconds of tokens, so text still streams
+    # in small steps and cancellation still answers within them. A sampled run draws with the
+    # sampler's own uniforms and gives back those it did not use, so a seed gives the same
+    # tokens however the runs fall.
     RUN_S = 0.012
     RUN_MAX = 8
 
     def _run_length(self) -> int:
         """Tokens the next step may produce in one native call (0: token by token)."""
-        sc, st = self.sampler.config, self.stats
-        if (not (sc.greedy or self._chain is not None) or (sc.repeat_penalty != 1.0 and sc.repeat_last_n != 0)
-                or self.guard is not None or not self.engine.runner.can_decode_run(self.seq)):
+        st = self.stats
+        if not self._runs or self.guard is not None or not self.engine.runner.can_decode_run(self.seq):
             return 0
         now = time.perf_counter()
         last, self._t_step = self._t_step, now

@@ -127,6 +127,20 @@ class Sampler:
         None: a native decode run can draw with it."""
         return self.native if self.native is not None and self.config.top_k < n_vocab else None
 
+    def run_chain(self, n_vocab: int):
+        """(whether a native decode run picks as this sampler does, the chain it picks with):
+        None for greedy without a penalty (the bare argmax), a temperature-0 chain for greedy
+        with one, the native draw chain otherwise; (False, None) where the library is
+        unavailable or the chain has no top-k (numpy's draws, token by token)."""
+        cfg = self.config
+        if cfg.greedy:
+            if cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0:
+                return True, None
+            chain = _native_chain(cfg)
+            return chain is not None, chain
+        chain = self.native_for(n_vocab)
+        return chain is not None, chain
+
     def uniforms(self, n: int) -> list[float]:
         """The stream's next n uniforms, one per draw: a native decode run draws with them."""
         out = [self._pending.pop() for _ in range(min(n, len(self._pending)))]

@@ -14,18 +14,23 @@ log = logging.getLogger("edgellm.sampling")
 
 
 class NativeChain:
-    """One sampling config's parameters as an el_sampling, and el_sample's scratch."""
+    """One sampling config's parameters as an el_sampling, and the scratch of its draws. A
+    greedy config (temperature 0 or top-k 1) gets temperature 0: a decode run's argmax after
+    the repetition penalty."""
 
     def __init__(self, lib, cfg):
         from .backends.neon_lib import ElSampling
         self._lib = lib
-        self.params = ElSampling(cfg.top_k, cfg.top_p, cfg.min_p, cfg.temperature)
+        self.greedy = cfg.greedy
+        self.params = ElSampling(cfg.top_k, cfg.top_p, cfg.min_p, 0.0 if cfg.greedy else cfg.temperature,
+                                 cfg.repeat_penalty, cfg.repeat_last_n)
         self.params_p = ctypes.addressof(self.params)
         self._scratch = np.empty(0, np.uint8)
 
-    def scratch(self, n_vocab: int) -> np.ndarray:
-        """el_sample's scratch for n_vocab logits (kept: a draw per token must not allocate)."""
-        need = self._lib.el_sample_scratch(n_vocab)
+    def scratch(self, n_vocab: int, n_history: int = 0, n_max: int = 0) -> np.ndarray:
+        """Scratch for draws from n_vocab logits, and for a decode run's penalty over up to
+        n_history + n_max tokens (kept: a draw per token must not allocate)."""
+        need = self._lib.el_decode_sample_scratch(n_vocab, n_history, n_max)
         if self._scratch.nbytes < need:
             self._scratch = np.empty(need, np.uint8)
         return self._scratch

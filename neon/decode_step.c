@@ -529,32 +529,58 @@ static int el_argmax_first(const float *logits, int n) {
     return best;
 }
 
+size_t el_decode_sample_scratch(int n_vocab, int n_history, int n_max) {
+    if (n_vocab <= 0 || n_history < 0 || n_max < 0) return 0;
+    /* el_sample's, then the penalized logits' originals: one per token of the longest window */
+    return el_sample_scratch(n_vocab) + ((size_t)n_history + (size_t)n_max) * sizeof(float);
+}
+
+/* The repetition penalty's sequence: history, then the run's own tokens */
+static inline int32_t el_seq_tok(const int32_t *history, int n_history, const int32_t *out_ids, int j) {
+    return j < n_history ? history[j] : out_ids[j - n_history];
+}
+
 /* Decode tokens in one call: each step is el_chunk_ids of one token (the previous step's pick,
- * first_id for the first), then the pick from its logits: the first maximum (sampling NULL), or
- * el_sample's draw with u[i]. Stops after n_max tokens, after producing one of stop_ids, or
- * before picking from logits it cannot pick from (a NaN; for a draw, any non-finite maximum):
- * the caller's own step then reports them. cos, sin: the RoPE rows of positions
- * pos..pos+n_max-1; the table must cover them. Returns the count produced into out_ids (the
- * logits buffer holds the last step's), or a negative code when the first step was refused (a
- * later refusal ends the run: its count is returned). */
+ * first_id for the first), then the pick from its logits: the first maximum (sampling NULL, or
+ * temperature 0), or el_sample's draw with u[i], after the repetition penalty (llama.cpp's: a
+ * recent token's logit > 0 divided by it, <= 0 multiplied, each distinct token once; as
+ * sampling.py's Sampler, in float32). The penalty works on the logits in place and puts them
+ * back after the pick: each covered position saves its original first, so a token that appears
+ * twice is penalized once and restored to its original. Stops after n_max tokens, after
+ * producing one of stop_ids, or before picking from logits it cannot pick from (a NaN; for a
+ * draw, any non-finite maximum): the caller's own step then reports them. cos, sin: the RoPE
+ * rows of positions pos..pos+n_max-1; the table must cover them. Returns the count produced
+ * into out_ids (the logits buffer holds the last step's), or a negative code when the first
+ * step was refused (a later refusal ends the run: its count is returned). */
 int el_decode_sample(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
                      const el_embedding *emb, int32_t first_id, float *x, int pos, int n_max, const float *cos,
                      const float *sin, void *k_pool, void *v_pool, int kv_type, const int32_t *block_table,
                      int n_table, int block_tokens, int n_blocks, void *scratch, size_t scratch_bytes,
                      const float *out_norm, const el_matrix *head, int n_vocab, int f32act, float *logits,
                      const int32_t *stop_ids, int n_stop, int32_t *out_ids, const el_sampling *sampling,
-                     const double *u, void *sample_scratch, size_t sample_scratch_bytes) {
+                     const double *u, const int32_t *history, int n_history, void *sample_scratch,
+                     size_t sample_scratch_bytes) {
     if (!dims || n_max <= 0 || !out_ids || !logits || !cos || !sin || n_vocab <= 0 || n_stop < 0 ||
         (n_stop > 0 && !stop_ids))
         return EL_EINVAL;
-    if (sampling) {
-        if (el_sampling_check(sampling) != EL_OK || !u || !sample_scratch ||
-            sample_scratch_bytes < el_sample_scratch(n_vocab))
+    const el_sampling *s = sampling;
+    const int draw = s && s->temperature > 0.0;
+    const int pen = s && s->repeat_penalty != 1.0 && s->repeat_last_n != 0;
+    if (s) {
+        if (el_sampling_check(s) != EL_OK || n_history < 0 || (n_history > 0 && !history) || !sample_scratch ||
+            sample_scratch_bytes < el_decode_sample_scratch(n_vocab, n_history, n_max))
             return EL_EINVAL;
-        if (sampling->top_k <= 0 || sampling->top_k >= n_vocab) return EL_EUNSUPPORTED;   /* el_sample's */
-        for (int i = 0; i < n_max; i++)
-            if (!(u[i] >= 0.0 && u[i] < 1.0)) return EL_EINVAL;
+        for (int j = 0; j < n_history; j++)
+            if (history[j] < 0 || history[j] >= n_vocab) return EL_EINVAL;
+        if (draw) {
+            if (!u) return EL_EINVAL;
+            for (int i = 0; i < n_max; i++)
+                if (!(u[i] >= 0.0 && u[i] < 1.0)) return EL_EINVAL;
+            if (s->top_k <= 0 || s->top_k >= n_vocab) return EL_EUNSUPPORTED;   /* el_sample's */
+        }
     }
+    float *saved = s ? (float *)((char *)sample_scratch + el_sample_scratch(n_vocab)) : NULL;
+    const float pf = s ? (float)s->repeat_penalty : 1.0f;
     const int half = dims->rope_dim / 2;
     int32_t id = first_id;
     for (int i = 0; i < n_max; i++) {
@@ -563,8 +589,16 @@ int el_decode_sample(el_pool *pool, const el_layer *layers, int n_layers, const 
                                     block_tokens, n_blocks, scratch, scratch_bytes, 1, out_norm, head, n_vocab,
                                     f32act, logits);
         if (rc != EL_OK) return i > 0 ? i : rc;
-        const int best = sampling ? el_sample(logits, n_vocab, sampling, u[i], sample_scratch, sample_scratch_bytes)
-                                  : el_argmax_first(logits, n_vocab);
+        const int total = n_history + i, lo = pen && s->repeat_last_n > 0 ? EL_MAX(0, total - s->repeat_last_n) : 0;
+        const int hi = pen ? total : 0;
+        for (int j = lo; j < hi; j++) saved[j - lo] = logits[el_seq_tok(history, n_history, out_ids, j)];
+        for (int j = lo; j < hi; j++) {
+            const float v = saved[j - lo];
+            logits[el_seq_tok(history, n_history, out_ids, j)] = v <= 0.0f ? v * pf : v / pf;
+        }
+        const int best = draw ? el_sample(logits, n_vocab, s, u[i], sample_scratch, el_sample_scratch(n_vocab))
+                              : el_argmax_first(logits, n_vocab);
+        for (int j = lo; j < hi; j++) logits[el_seq_tok(history, n_history, out_ids, j)] = saved[j - lo];
         if (best < 0) return i;   /* checked up front: only logits it cannot pick from */
         out_ids[i] = id = best;
         for (int k = 0; k < n_stop; k++)
@@ -580,7 +614,7 @@ int el_decode_greedy(el_pool *pool, const el_layer *layers, int n_layers, const 
                      const float *out_norm, const el_matrix *head, int n_vocab, int f32act, float *logits,
                      const int32_t *stop_ids, int n_stop, int32_t *out_ids) {
     return el_decode_sample(pool, layers, n_layers, dims, emb, first_id, x, pos, n_max, cos, sin, k_pool, v_pool,
-                         kv_type, block_table, n_table, block_tokens, n_blocks, scratch, scratch_bytes, out_norm,
-                         head, n_vocab, f32act, logits, stop_ids, n_stop, out_ids, NULL, NULL, NULL, 0);
+                            kv_type, block_table, n_table, block_tokens, n_blocks, scratch, scratch_bytes, out_norm,
+                            head, n_vocab, f32act, logits, stop_ids, n_stop, out_ids, NULL, NULL, NULL, 0, NULL, 0);
 }
 

@@ -226,13 +226,16 @@ EL_API int el_decode_greedy(el_pool *pool, const el_layer *layers, int n_layers,
                             const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
                             size_t scratch_bytes, const float *out_norm, const el_matrix *head, int n_vocab,
                             int f32act, float *logits, const int32_t *stop_ids, int n_stop, int32_t *out_ids);
-/* A sampling chain (neon/sample.c): top-k -> top-p -> min-p -> temperature -> draw. */
+/* A sampling chain (neon/sample.c): repetition penalty -> top-k -> top-p -> min-p ->
+ * temperature -> draw (llama.cpp's order). */
 typedef struct {
     /* doubles, as the Python twin's parameters are: the same target sums and float32 constants */
-    int top_k;           /* keep the k highest logits; 0 = off */
-    double top_p;        /* nucleus mass in (0, 1]; 1 = off */
-    double min_p;        /* drop p < min_p * p_max, in [0, 1]; 0 = off */
-    double temperature;  /* > 0 (greedy decoding is el_decode_greedy's argmax) */
+    int top_k;              /* keep the k highest logits; 0 = off */
+    double top_p;           /* nucleus mass in (0, 1]; 1 = off */
+    double min_p;           /* drop p < min_p * p_max, in [0, 1]; 0 = off */
+    double temperature;     /* > 0; 0 = greedy: the first maximum (a decode run only) */
+    double repeat_penalty;  /* > 0; 1 = off. Only a decode run applies it (el_sample has no history) */
+    int repeat_last_n;      /* the recent tokens it covers; 0 = off, -1 = the whole history */
 } el_sampling;
 /* bytes of scratch el_sample needs for n_vocab logits */
 EL_API size_t el_sample_scratch(int n_vocab);
@@ -240,18 +243,23 @@ EL_API size_t el_sample_scratch(int n_vocab);
  * NaN or its maximum is +-inf, EL_EUNSUPPORTED without top-k (0 < top_k < n), EL_EINVAL for a
  * bad argument. */
 EL_API int el_sample(const float *x, int n, const el_sampling *s, double u, void *scratch, size_t scratch_bytes);
-/* el_decode_greedy with a draw instead of the argmax: step i draws with u[i] (n_max of them).
- * It stops before drawing from logits el_sample refuses as non-finite. sample_scratch: at least
- * el_sample_scratch(n_vocab) bytes. A bad chain or uniform (el_sample's checks) is refused up
- * front, a chain without top-k with EL_EUNSUPPORTED. sampling NULL: el_decode_greedy. */
+/* el_decode_greedy with the chain's pick instead of the bare argmax: step i draws with u[i]
+ * (n_max of them; unused with temperature 0, which picks the first maximum), after the
+ * repetition penalty over the last repeat_last_n tokens of history[0..n_history) followed by
+ * the tokens the run produced before it. It stops before picking from logits it cannot pick
+ * from (a NaN; a draw: any non-finite maximum). sample_scratch: at least
+ * el_decode_sample_scratch(n_vocab, n_history, n_max) bytes. A bad chain, uniform or history id
+ * is refused up front, a draw without top-k with EL_EUNSUPPORTED. sampling NULL:
+ * el_decode_greedy. The returned logits are the last step's as computed (no penalty). */
+EL_API size_t el_decode_sample_scratch(int n_vocab, int n_history, int n_max);
 EL_API int el_decode_sample(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
                             const el_embedding *emb, int32_t first_id, float *x, int pos, int n_max,
                             const float *cos, const float *sin, void *k_pool, void *v_pool, int kv_type,
                             const int32_t *block_table, int n_table, int block_tokens, int n_blocks, void *scratch,
                             size_t scratch_bytes, const float *out_norm, const el_matrix *head, int n_vocab,
                             int f32act, float *logits, const int32_t *stop_ids, int n_stop, int32_t *out_ids,
-                            const el_sampling *sampling, const double *u, void *sample_scratch,
-                            size_t sample_scratch_bytes);
+                            const el_sampling *sampling, const double *u, const int32_t *history, int n_history,
+                            void *sample_scratch, size_t sample_scratch_bytes);
 EL_API int el_chunk_ids(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
                         const el_embedding *emb, const int32_t *ids, float *x, int T, int pos, const float *cos,
                         const float *sin, void *k_pool, void *v_pool, int kv_type, const int32_t *block_table,

@@ -102,7 +102,8 @@ static int el_cmp_id(const void *a, const void *b) {
 
 int el_sampling_check(const el_sampling *s) {
     if (!s) return EL_EINVAL;
-    if (!(s->temperature > 0.0) || !isfinite(s->temperature) || s->top_k < 0) return EL_EINVAL;
+    if (!(s->temperature >= 0.0) || !isfinite(s->temperature) || s->top_k < 0) return EL_EINVAL;
+    if (!(s->repeat_penalty > 0.0) || !isfinite(s->repeat_penalty) || s->repeat_last_n < -1) return EL_EINVAL;
     if (!(s->top_p > 0.0 && s->top_p <= 1.0) || !(s->min_p >= 0.0 && s->min_p <= 1.0)) return EL_EINVAL;
     return EL_OK;
 }
@@ -122,7 +123,8 @@ static int el_nucleus_cut(const float *x, const int32_t *c, int nc, float m, dou
 }
 
 int el_sample(const float *x, int n, const el_sampling *s, double u, void *scratch, size_t scratch_bytes) {
-    if (!x || n <= 0 || el_sampling_check(s) != EL_OK || !(u >= 0.0 && u < 1.0)) return EL_EINVAL;
+    if (!x || n <= 0 || el_sampling_check(s) != EL_OK || !(s->temperature > 0.0) || !(u >= 0.0 && u < 1.0))
+        return EL_EINVAL;
     if (s->top_k <= 0 || s->top_k >= n) return EL_EUNSUPPORTED;   /* see the top of this file */
     if (!scratch || scratch_bytes < el_sample_scratch(n)) return EL_EINVAL;
     int nan;

@@ -485,7 +485,7 @@ static void run_case(const case_t *k, const char *path) {
     }
     case OP_SAMPLE: {
         const el_sampling s = {.top_k = p[1], .top_p = k->floats[0], .min_p = k->floats[1],
-                               .temperature = k->floats[2]};
+                               .temperature = k->floats[2], .repeat_penalty = 1.0, .repeat_last_n = 0};
         const size_t ss = el_sample_scratch(p[0]);
         uint8_t *scratch = xalloc(ss + 4 * GUARD);
         memset(scratch + ss, 0xA5, 4 * GUARD);

@@ -77,7 +77,7 @@ def test_a_sampled_run_equals_token_by_token_draws(tiny):
     tok = int(np.argmax(r.forward(a, prompt)))
     r.forward(b, prompt)
     u = np.random.default_rng(4).random(9)
-    ids, logits = r.decode_run(a, tok, 9, sample=(chain, u))
+    ids, logits = r.decode_run(a, tok, 9, chain=chain, uniforms=u)
     want, t = [], tok
     for i in range(9):
         lg = r.forward(b, [t])
@@ -93,19 +93,53 @@ def test_a_sampled_run_equals_token_by_token_draws(tiny):
                                           y[b.block_table[p // 16], :, p % 16].view(np.uint16))
 
 
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0, repeat_penalty=1.8, repeat_last_n=6),
+                                      dict(temperature=1.2, top_k=30, repeat_penalty=0.7, repeat_last_n=-1),
+                                      dict(temperature=0.9, top_k=25, top_p=0.9, repeat_penalty=2.5, repeat_last_n=3)])
+def test_a_run_with_a_repetition_penalty_picks_as_the_sampler(tiny, sampling):
+    """With a penalty the run picks what Sampler.sample picks token by token from the same
+    logits, history and uniforms (numpy's penalty, then the draw), its window sliding over the
+    run's own tokens; the logits it returns are the step's own, unpenalized."""
+    from edgellm.sampling import Sampler
+    r, cfg = tiny.runner, tiny.config
+    sc = SamplingConfig(seed=21, **sampling)
+    plain, native = Sampler(sc), Sampler(sc)
+    ok, chain = native.run_chain(cfg.vocab_size)
+    assert ok and chain is not None
+    prompt = list(np.random.default_rng(5).integers(3, 12, 14))     # few distinct ids: the penalty bites
+    a, b = _seq(tiny), _seq(tiny)
+    tok = int(np.argmax(r.forward(a, prompt)))
+    r.forward(b, prompt)
+    history = prompt + [tok]
+    n = 10
+    u = None if chain.greedy else native.uniforms(n)
+    window = history if sc.repeat_last_n < 0 else history[-sc.repeat_last_n:]
+    ids, logits = r.decode_run(a, tok, n, chain=chain, uniforms=u, history=window)
+    want, t = [], tok
+    for _ in range(n):
+        lg = r.forward(b, [t])
+        t = plain.sample(lg, history)
+        history.append(t)
+        want.append(t)
+    assert ids == want
+    np.testing.assert_array_equal(logits, lg)
+    free, _ = r.decode_run(_run_copy(tiny, prompt), tok, n)              # no penalty: another text
+    assert free != ids
+
+
 def test_a_sampled_run_refuses_bad_uniforms_and_chains(tiny):
     r, cfg = tiny.runner, tiny.config
     chain = NativeChain(neon._lib(), SamplingConfig(temperature=0.8, top_k=20))
     seq = _run_copy(tiny, [5, 6, 7])
     k0 = seq.pool.k.copy()
     with pytest.raises(ValueError, match="3 uniforms"):
-        r._fused.run_tokens(5, 3, r.cos, r.sin, seq.pool, seq.block_table, 3, sample=(chain, [0.5]))
+        r._fused.run_tokens(5, 3, r.cos, r.sin, seq.pool, seq.block_table, 3, chain=chain, uniforms=[0.5])
     for u in ([0.5, 1.0, 0.2], [0.5, -0.5, 0.2], [np.nan, 0.1, 0.2]):
         with pytest.raises(Exception, match="EL_EINVAL"):
-            r._fused.run_tokens(5, 3, r.cos, r.sin, seq.pool, seq.block_table, 3, sample=(chain, u))
+            r._fused.run_tokens(5, 3, r.cos, r.sin, seq.pool, seq.block_table, 3, chain=chain, uniforms=u)
     wide = NativeChain(neon._lib(), SamplingConfig(temperature=0.8, top_k=cfg.vocab_size))
     with pytest.raises(Exception, match="EL_EUNSUPPORTED"):
-        r._fused.run_tokens(5, 3, r.cos, r.sin, seq.pool, seq.block_table, 3, sample=(wide, [0.1, 0.2, 0.3]))
+        r._fused.run_tokens(5, 3, r.cos, r.sin, seq.pool, seq.block_table, 3, chain=wide, uniforms=[0.1, 0.2, 0.3])
     assert np.array_equal(seq.pool.k.view(np.uint16), k0.view(np.uint16))    # nothing written
 
 
@@ -174,8 +208,11 @@ def _mid_stop(eng, prompt, kw):
     raise AssertionError(f"no stop string found in {free!r}")
 
 
-# greedy, and the API's default chain (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8) seeded
-_PICKS = {"greedy": dict(temperature=0), "sampled": dict(temperature=0.8, seed=5)}
+# greedy, and the API's default chain (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8) seeded,
+# each also with a repetition penalty
+_PICKS = {"greedy": dict(temperature=0), "sampled": dict(temperature=0.8, seed=5),
+          "greedy_penalty": dict(temperature=0, repeat_penalty=1.3),
+          "sampled_penalty": dict(temperature=0.8, seed=5, repeat_penalty=1.3)}
 
 
 @pytest.mark.parametrize("pick", sorted(_PICKS))
@@ -206,9 +243,9 @@ def test_generation_with_runs_equals_token_by_token(real, kw, pick, monkeypatch)
     calls = []
     orig = type(tiny.runner).decode_run
     monkeypatch.setattr(type(tiny.runner), "decode_run",
-                        lambda self, *a, **k: calls.append((a[2], k.get("sample") is not None)) or orig(self, *a, **k))
+                        lambda self, *a, **k: calls.append((a[2], k.get("uniforms") is not None)) or orig(self, *a, **k))
     runs = run(8)
-    assert calls and all(sampled == (pick == "sampled") for _, sampled in calls)
+    assert calls and all(sampled == pick.startswith("sampled") for _, sampled in calls)
     assert runs == run(1)
     if "stop" in kw:
         assert runs[1] == "stop"

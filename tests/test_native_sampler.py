@@ -59,7 +59,7 @@ def _el_sample(x: np.ndarray, params, u: float, scratch_bytes: int | None = None
 
 
 @settings(max_examples=400, deadline=None)
-@given(seed=st.integers(0, 2**32), n=st.integers(2, 3000), ties=st.booleans(), top_k=st.integers(1, 120),
+@given(seed=st.integers(0, 2**32), n=st.integers(2, 3000), ties=st.booleans(), top_k=st.integers(2, 120),
        top_p=st.floats(0.05, 1.0), min_p=st.floats(0.0, 0.9), temperature=st.floats(0.05, 4.0),
        u=st.floats(0.0, 1.0, exclude_max=True), neg_inf=st.integers(0, 3))
 def test_property_c_and_numpy_chains_pick_the_definitions_id(seed, n, ties, top_k, top_p, min_p, temperature, u,
@@ -117,13 +117,17 @@ def test_non_finite_logits_are_refused(bad):
 
 def test_bad_arguments_are_refused():
     x = np.random.default_rng(1).standard_normal(300).astype(np.float32)
-    E = neon_lib.ElSampling
+    def E(k, p, mp, t, pen=1.0, last_n=64):
+        return neon_lib.ElSampling(k, p, mp, t, pen, last_n)
+
     ok = E(40, 0.95, 0.05, 0.8)
     assert _el_sample(x, ok, 0.5) >= 0
     for u in (-0.1, 1.0, float("nan")):
         assert _el_sample(x, ok, u) == EINVAL, u
     for params in (E(40, 0.95, 0.05, 0.0), E(40, 0.95, 0.05, float("inf")), E(40, 0.0, 0.05, 0.8),
-                   E(40, 1.5, 0.05, 0.8), E(40, 0.95, -0.1, 0.8), E(40, 0.95, 1.1, 0.8), E(-1, 0.95, 0.05, 0.8)):
+                   E(40, 1.5, 0.05, 0.8), E(40, 0.95, -0.1, 0.8), E(40, 0.95, 1.1, 0.8), E(-1, 0.95, 0.05, 0.8),
+                   E(40, 0.95, 0.05, 0.8, pen=0.0), E(40, 0.95, 0.05, 0.8, pen=float("nan")),
+                   E(40, 0.95, 0.05, 0.8, pen=float("inf")), E(40, 0.95, 0.05, 0.8, last_n=-2)):
         assert _el_sample(x, params, 0.5) == EINVAL
     assert _el_sample(x, ok, 0.5, scratch_bytes=8) == EINVAL
     # no top-k (or one as wide as the vocabulary): numpy's chain, not this one
@@ -173,9 +177,9 @@ def test_the_generic_twin_draws_the_same_ids():
     rng = np.random.default_rng(9)
     cases = []
     for i in range(60):
-        n = int(rng.integers(2, 6000))
+        n = int(rng.integers(3, 6000))
         x = (rng.integers(-20, 21, n) / 4.0 if i % 2 else rng.standard_normal(n) * 4).astype(np.float32)
-        cfg = SamplingConfig(temperature=float(rng.uniform(0.1, 3)), top_k=int(rng.integers(1, min(n, 90) + 1)) % n or 1,
+        cfg = SamplingConfig(temperature=float(rng.uniform(0.1, 3)), top_k=int(rng.integers(2, min(n - 1, 90) + 1)),
                              top_p=float(rng.uniform(0.3, 1.0)), min_p=float(rng.uniform(0, 0.3)))
         cases.append((x, _native(cfg), rng.random(5)))
     fast = [[chain.draw(x, u) for u in us] for x, chain, us in cases]

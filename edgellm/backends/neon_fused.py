@@ -256,14 +256,17 @@ class DecodeStep:
         return out if logits else self._chunk_x[T - out_rows:T]
 
     def run_tokens(self, first_id: int, pos: int, cos: np.ndarray, sin: np.ndarray, pool, table, n_max: int,
-                   stop_ids=(), f32act: bool = True, sample=None) -> tuple[list[int], np.ndarray]:
+                   stop_ids=(), f32act: bool = True, chain=None, uniforms=None,
+                   history=()) -> tuple[list[int], np.ndarray]:
         """Up to n_max decode tokens in one native call: token first_id at position pos, then
         each step's pick fed to the next. The pick is the argmax (numpy's: the first maximum;
-        el_decode_greedy), or with sample = (chain, u), a sampling_native.NativeChain and n_max
-        uniforms, step i's draw with u[i] (el_decode_sample). Returns (the ids produced, the last
-        step's logits): fewer than n_max after one of stop_ids, or before logits the pick cannot
-        use (a NaN; a draw: any non-finite maximum), none when the first step's are. Positions
-        pos..pos+n_max-1 must be reserved; cos, sin: the RoPE tables, read in place."""
+        el_decode_greedy), or with chain (a sampling_native.NativeChain) the chain's pick after
+        its repetition penalty over `history` (the tokens before first_id's step, as many as
+        the penalty covers) and the run's own tokens: a draw with uniforms[i] (n_max of them),
+        or a greedy chain's argmax (el_decode_sample). Returns (the ids produced, the last
+        step's logits as computed): fewer than n_max after one of stop_ids, or before logits the
+        pick cannot use (a NaN; a draw: any non-finite maximum), none when the first step's are.
+        Positions pos..pos+n_max-1 must be reserved; cos, sin: the RoPE tables, read in place."""
         if n_max < 1:
             raise ValueError(f"run_tokens needs n_max >= 1, got {n_max}")
         v = int(first_id)
@@ -280,17 +283,24 @@ class DecodeStep:
                 self._chunk_scratch_p, self._chunk_scratch.nbytes, self._onorm.ctypes.data, self._head_p,
                 self._n_vocab, int(f32act), logits.ctypes.data, stop.ctypes.data if stop.size else None,
                 int(stop.size), out_ids.ctypes.data)
-        if sample is None:
+        if chain is None:
             fn = "el_decode_greedy"
             rc = self._lib.el_decode_greedy(*args)
         else:
-            chain, u = sample
-            u = np.ascontiguousarray(u, dtype=np.float64)
-            if u.shape != (n_max,):
-                raise ValueError(f"run_tokens needs {n_max} uniforms, got shape {u.shape}")
-            scratch = chain.scratch(self._n_vocab)
+            u = None
+            if uniforms is not None:
+                u = np.ascontiguousarray(uniforms, dtype=np.float64)
+                if u.shape != (n_max,):
+                    raise ValueError(f"run_tokens needs {n_max} uniforms, got shape {u.shape}")
+            hist = np.asarray(history, dtype=np.int64)
+            if hist.size and (hist.min() < 0 or hist.max() >= self._n_vocab):
+                raise DecodeStepError(f"a history token id of {hist[:8].tolist()} is outside 0..{self._n_vocab - 1}")
+            hist = hist.astype(np.int32)
+            scratch = chain.scratch(self._n_vocab, hist.size, n_max)
             fn = "el_decode_sample"
-            rc = self._lib.el_decode_sample(*args, chain.params_p, u.ctypes.data, scratch.ctypes.data, scratch.nbytes)
+            rc = self._lib.el_decode_sample(*args, chain.params_p, None if u is None else u.ctypes.data,
+                                            hist.ctypes.data if hist.size else None, int(hist.size),
+                                            scratch.ctypes.data, scratch.nbytes)
         if rc < 0:
             self._check(rc, fn, f"{n_max} tokens from position {pos}", n)
         return out_ids[:rc].tolist(), logits

@@ -25,7 +25,7 @@ class ElKvI8(ctypes.Structure):
 class ElSampling(ctypes.Structure):
     """el_sampling of neon/edgellm_neon.h: a sampling chain's parameters (neon/sample.c)."""
     _fields_ = [("top_k", c_int), ("top_p", ctypes.c_double), ("min_p", ctypes.c_double),
-                ("temperature", ctypes.c_double)]
+                ("temperature", ctypes.c_double), ("repeat_penalty", ctypes.c_double), ("repeat_last_n", c_int)]
 
 
 EL_ENONFINITE = -4   # el_sample: logits holding a NaN, or a maximum of +-inf
@@ -84,7 +84,8 @@ _SIGNATURES = {
     "el_decode_sample": (c_int, [c_void_p, c_void_p, c_int, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int,
                                  c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_int, c_int, c_int,
                                  c_void_p, c_size_t, c_void_p, c_void_p, c_int, c_int, c_void_p, c_void_p, c_int,
-                                 c_void_p, c_void_p, c_void_p, c_void_p, c_size_t]),
+                                 c_void_p, c_void_p, c_void_p, c_void_p, c_int, c_void_p, c_size_t]),
+    "el_decode_sample_scratch": (c_size_t, [c_int, c_int, c_int]),
     "el_sample_scratch": (c_size_t, [c_int]),
     "el_sample": (c_int, [c_void_p, c_int, c_void_p, ctypes.c_double, c_void_p, c_size_t]),
     "el_f32_to_f16": (c_int, [c_void_p, c_void_p, c_size_t]),
