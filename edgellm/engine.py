@@ -181,8 +181,21 @@ class ModelRunner:
     def can_decode_run(self, seq) -> bool:
         """Whether decode_run can run on `seq`: the decode step is one fused call from the token
         id to the logits (and the sequence a block pool's)."""
-        return ("decode" in self._fused_phases and "decode" in self._fused_lead and "decode" in self._fused_tail
-                and self.decode_override is None and not seq.slides and self._fusable(seq))
+        return self.decode_run_blocker(seq) is None
+
+    def decode_run_blocker(self, seq) -> str | None:
+        """Why decode_run cannot run on `seq`, or None."""
+        if "decode" not in self._fused_phases:
+            return "decode is not one fused native step in this plan"
+        if "decode" not in self._fused_lead or "decode" not in self._fused_tail:
+            return "the plan puts decode's embedding or head on another unit than its layers"
+        if self.decode_override is not None:
+            return "decode runs at another precision than the plan's"
+        if seq.slides:
+            return "the ring buffer moves its window between tokens"
+        if not self._fusable(seq):
+            return "the fused step cannot read this KV cache"
+        return None
 
     def decode_run(self, seq, tok: int, n_max: int, stop_ids=(), chain=None, uniforms=None,
                    history=()) -> tuple[list[int], np.ndarray]:

@@ -27,13 +27,15 @@ class GenerationStats:
     decode_tps: float = 0.0                # (generated - 1) / decode time
     peak_rss_mb: float = 0.0               # process peak resident memory so far
     guard_switches: int = 0                # quality guard: times decode switched to the quality precision
+    decode_runs: str = ""                  # how decode tokens ran: native runs, or token by token and why
     stop_reason: str = ""                  # eos | stop | max_tokens | context_full | cancelled
 
     def summary(self) -> str:
         cached = f", {self.cached_tokens} cached" if self.cached_tokens else ""
+        runs = f" ({self.decode_runs})" if self.decode_runs else ""
         return (f"prompt {self.prompt_tokens} tok{cached}, TTFT {self.ttft_ms:.0f} ms (tokenize "
                 f"{self.tokenize_ms:.1f}, prefill {self.prefill_ms:.0f}), decode {self.generated_tokens} tok at "
-                f"{self.decode_tps:.1f} tok/s, peak RSS {self.peak_rss_mb:.0f} MB, stop: {self.stop_reason}")
+                f"{self.decode_tps:.1f} tok/s{runs}, peak RSS {self.peak_rss_mb:.0f} MB, stop: {self.stop_reason}")
 
 
 def peak_rss_mb() -> float:
@@ -67,8 +69,8 @@ class Generation:
                               f"(raise n_ctx / --ctx)")
         self.chunk = chunk or engine.runner.prefill_chunk
         self.sampler = Sampler(cfg.sampling())
-        # whether decode runs can pick as the sampler does, and the chain they pick with
-        self._runs, self._chain = self.sampler.run_chain(engine.config.vocab_size)
+        # the chain decode runs pick with, and why they cannot pick as the sampler does (or None)
+        self._chain, self._no_runs = self.sampler.run_chain(engine.config.vocab_size)
         self.stopper = StopChecker(cfg.stop)
         self.decoder = engine.tokenizer.decoder()
         self.history = list(ids)
@@ -146,7 +148,12 @@ class Generation:
     def _run_length(self) -> int:
         """Tokens the next step may produce in one native call (0: token by token)."""
         st = self.stats
-        if not self._runs or self.guard is not None or not self.engine.runner.can_decode_run(self.seq):
+        why = self._no_runs or ("the quality guard looks at every token's logits" if self.guard is not None
+                                else self.engine.runner.decode_run_blocker(self.seq))
+        if not st.decode_runs:
+            st.decode_runs = f"token by token: {why}" if why else \
+                f"native runs, {'greedy' if self.sampler.config.greedy else 'sampled'}"
+        if why:
             return 0
         now = time.perf_counter()
         last, self._t_step = self._t_step, now

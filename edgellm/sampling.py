@@ -128,18 +128,17 @@ class Sampler:
         return self.native if self.native is not None and self.config.top_k < n_vocab else None
 
     def run_chain(self, n_vocab: int):
-        """(whether a native decode run picks as this sampler does, the chain it picks with):
-        None for greedy without a penalty (the bare argmax), a temperature-0 chain for greedy
-        with one, the native draw chain otherwise; (False, None) where the library is
-        unavailable or the chain has no top-k (numpy's draws, token by token)."""
+        """(the chain a native decode run picks with, why no run can pick as this sampler
+        does): the chain is None for greedy without a penalty (the bare argmax), a temperature-0
+        chain for greedy with one, the native draw chain otherwise; the reason is None when a
+        run can (token by token otherwise: numpy's chain, or no library)."""
         cfg = self.config
-        if cfg.greedy:
-            if cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0:
-                return True, None
-            chain = _native_chain(cfg)
-            return chain is not None, chain
-        chain = self.native_for(n_vocab)
-        return chain is not None, chain
+        if cfg.greedy and (cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0):
+            return None, None
+        if not cfg.greedy and not 0 < cfg.top_k < n_vocab:
+            return None, "top-k is off, so numpy's chain weighs every logit"
+        chain = _native_chain(cfg) if cfg.greedy else self.native_for(n_vocab)
+        return (chain, None) if chain is not None else (None, "the NEON library is unavailable: numpy's chain")
 
     def uniforms(self, n: int) -> list[float]:
         """The stream's next n uniforms, one per draw: a native decode run draws with them."""

@@ -104,8 +104,8 @@ def test_a_run_with_a_repetition_penalty_picks_as_the_sampler(tiny, sampling):
     r, cfg = tiny.runner, tiny.config
     sc = SamplingConfig(seed=21, **sampling)
     plain, native = Sampler(sc), Sampler(sc)
-    ok, chain = native.run_chain(cfg.vocab_size)
-    assert ok and chain is not None
+    chain, why = native.run_chain(cfg.vocab_size)
+    assert why is None and chain is not None
     prompt = list(np.random.default_rng(5).integers(3, 12, 14))     # few distinct ids: the penalty bites
     a, b = _seq(tiny), _seq(tiny)
     tok = int(np.argmax(r.forward(a, prompt)))
@@ -261,3 +261,26 @@ def test_runs_answer_cancellation_within_the_run(real, monkeypatch):
         out.append((real.generate("one two three", temperature=0, ignore_eos=True, max_tokens=30, cancel=CancelAfter(9)),
                     real.last_stats.stop_reason, real.last_stats.generated_tokens))
     assert out[0] == out[1] and out[0][1] == "cancelled"
+
+
+@pytest.mark.parametrize("kw, want", [(dict(temperature=0), "native runs, greedy"),
+                                      (dict(temperature=0.8, seed=1), "native runs, sampled"),
+                                      (dict(temperature=0, repeat_penalty=1.2), "native runs, greedy"),
+                                      (dict(temperature=0.8, top_k=0, seed=1),
+                                       "token by token: top-k is off, so numpy's chain weighs every logit")])
+def test_stats_say_how_decode_ran(real, kw, want):
+    real.generate("Name three colors.", max_tokens=6, ignore_eos=True, **kw)
+    assert real.last_stats.decode_runs == want
+    assert f"({want})" in real.last_stats.summary()
+
+
+def test_stats_say_why_a_ring_decodes_token_by_token(real_model_path):
+    eng = edgellm.load(real_model_path, n_ctx=512, kv="ring", window=128, sinks=4)
+    eng.generate("Name three colors.", max_tokens=6, ignore_eos=True, temperature=0)
+    assert eng.last_stats.decode_runs == "token by token: the ring buffer moves its window between tokens"
+
+
+def test_stats_say_why_a_guarded_decode_goes_token_by_token(real_model_path):
+    eng = edgellm.load(real_model_path, n_ctx=512, quality_guard=True)
+    eng.generate("Name three colors.", max_tokens=6, ignore_eos=True, temperature=0)
+    assert eng.last_stats.decode_runs == "token by token: the quality guard looks at every token's logits"
