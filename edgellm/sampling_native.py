@@ -41,7 +41,8 @@ class NativeChain:
         s = self.scratch(x.size)
         rc = self._lib.el_sample(x.ctypes.data, x.size, self.params_p, u, s.ctypes.data, s.nbytes)
         if rc < 0:
-            raise EdgeLLMError(f"sampler: el_sample refused {x.size} logits with u = {u!r} (code {rc})")
+            from .backends.neon_fused import _ERRORS
+            raise EdgeLLMError(f"sampler: el_sample refused {x.size} logits with u = {u!r}: {_ERRORS.get(rc, rc)}")
         return rc
 
 

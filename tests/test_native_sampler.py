@@ -190,3 +190,11 @@ def test_the_generic_twin_draws_the_same_ids():
     finally:
         lib.el_use_generic(0)
     assert generic == fast
+
+
+def test_a_refused_draw_names_its_code():
+    chain = _native(SamplingConfig(temperature=0.8, top_k=40))
+    with pytest.raises(EdgeLLMError, match="EL_EINVAL"):
+        chain.draw(np.zeros(100, np.float32), 1.5)
+    with pytest.raises(EdgeLLMError, match="EL_ENONFINITE"):
+        chain.draw(np.full(100, np.nan, np.float32), 0.5)

@@ -35,7 +35,8 @@ from ..model.config import ModelConfig
 from . import neon
 from .neon import PreparedWeights, QMatrix
 
-_ERRORS = {-1: "EL_EINVAL (an argument is out of range)", -2: "EL_ENOMEM", -3: "EL_EUNSUPPORTED"}
+_ERRORS = {-1: "EL_EINVAL (an argument is out of range)", -2: "EL_ENOMEM", -3: "EL_EUNSUPPORTED",
+           -4: "EL_ENONFINITE (logits with a NaN or an infinite maximum)"}
 
 
 class DecodeStepError(RuntimeError):
