@@ -71,6 +71,24 @@ def test_ring_engine_serves_interleaved_requests_like_direct_calls(real_model_pa
     assert got == want
 
 
+def test_seeded_sampled_requests_interleaved_give_their_direct_text(real_model_path):
+    """Sampled requests (the API's default chain, decoded in native runs) each draw their own
+    seed's stream: interleaved by the scheduler they give the text a direct call gives. (Prompts
+    under the scheduler's chunk, and the prefix cache cleared: both prefill in one chunk.)"""
+    e = edgellm.load(real_model_path, n_ctx=1024)
+    kw = dict(temperature=0.8, max_tokens=24, ignore_eos=True)
+    prompts = [("Tell me about the sea.", 3), ("Name a color.", 4), ("Count to five.", 5)]
+    want = []
+    for p, seed in prompts:
+        e.clear_cache()
+        want.append(e.generate(p, seed=seed, **kw))
+        assert e.last_stats.decode_runs == "native runs, sampled"
+    e.clear_cache()
+    with Scheduler(e, chunk=16) as s:
+        got = [r.result(timeout=120) for r in [s.submit(p, seed=seed, **kw) for p, seed in prompts]]
+    assert got == want and len(set(want)) == 3
+
+
 @pytest.mark.parametrize("policy", ["interleave", "fifo"])
 def test_short_request_overtakes_long_prefill_only_when_interleaving(engine, policy):
     text = long_prompt(engine, 900)
