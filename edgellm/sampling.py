@@ -8,8 +8,8 @@ so top-p and min-p see probabilities at temperature 1 (renormalised over what to
 temperature only reshapes the surviving set. Temperature 0 is greedy: argmax after the penalty.
 
 Cost matters: this runs once per generated token on a ~49k vocabulary. Where the NEON library
-loads and top-k is set (the default), a draw runs in C (neon/sample.c), also inside native
-decode runs; the numpy chain below is its twin and the path otherwise. Both fix every
+loads, a draw runs in C (neon/sample.c), also inside native decode runs; the numpy chain below
+is its twin and the path otherwise. Both fix every
 order that decides which token a uniform picks: candidates rank by (logit descending, id
 ascending), so ties at the top-k or top-p boundary keep the lower ids, and the draw walks the
 final candidates in id order. They can differ only where exp rounds an ulp apart, which moves a
@@ -102,9 +102,8 @@ class Sampler:
         self._seed = self.config.seed
         self._rng_now: random.Random | None = None
         self._pending: list[float] = []   # uniforms a native run drew but did not use, next last
-        # the C chain (neon/sample.c) when the library loads and top-k is set (without it every
-        # logit is weighed: numpy's vectorized exp is faster); None: greedy, or numpy's chain
-        self.native = None if self.config.greedy or self.config.top_k == 0 else _native_chain(self.config)
+        # the C chain (neon/sample.c) when the library loads; None: greedy, or numpy's chain
+        self.native = None if self.config.greedy else _native_chain(self.config)
 
     @property
     def _rng(self) -> random.Random:
@@ -123,20 +122,17 @@ class Sampler:
         self._pending.clear()
 
     def native_for(self, n_vocab: int):
-        """The native chain when it draws from n_vocab logits (top-k below the vocabulary), else
-        None: a native decode run can draw with it."""
-        return self.native if self.native is not None and self.config.top_k < n_vocab else None
+        """The native chain a draw from n_vocab logits (and a native decode run) uses, or None."""
+        return self.native if n_vocab > 0 else None
 
     def run_chain(self, n_vocab: int):
         """(the chain a native decode run picks with, why no run can pick as this sampler
         does): the chain is None for greedy without a penalty (the bare argmax), a temperature-0
         chain for greedy with one, the native draw chain otherwise; the reason is None when a
-        run can (token by token otherwise: numpy's chain, or no library)."""
+        run can (token by token otherwise: no library, numpy's chain)."""
         cfg = self.config
         if cfg.greedy and (cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0):
             return None, None
-        if not cfg.greedy and not 0 < cfg.top_k < n_vocab:
-            return None, "top-k is off, so numpy's chain weighs every logit"
         chain = _native_chain(cfg) if cfg.greedy else self.native_for(n_vocab)
         return (chain, None) if chain is not None else (None, "the NEON library is unavailable: numpy's chain")
 

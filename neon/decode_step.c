@@ -576,7 +576,6 @@ int el_decode_sample(el_pool *pool, const el_layer *layers, int n_layers, const 
             if (!u) return EL_EINVAL;
             for (int i = 0; i < n_max; i++)
                 if (!(u[i] >= 0.0 && u[i] < 1.0)) return EL_EINVAL;
-            if (s->top_k <= 0 || s->top_k >= n_vocab) return EL_EUNSUPPORTED;   /* el_sample's */
         }
     }
     float *saved = s ? (float *)((char *)sample_scratch + el_sample_scratch(n_vocab)) : NULL;

@@ -240,8 +240,7 @@ typedef struct {
 /* bytes of scratch el_sample needs for n_vocab logits */
 EL_API size_t el_sample_scratch(int n_vocab);
 /* The id the chain draws from x (n,) with the uniform u in [0, 1); EL_ENONFINITE when x holds a
- * NaN or its maximum is +-inf, EL_EUNSUPPORTED without top-k (0 < top_k < n), EL_EINVAL for a
- * bad argument. */
+ * NaN or its maximum is +-inf, EL_EINVAL for a bad argument (temperature 0 among them). */
 EL_API int el_sample(const float *x, int n, const el_sampling *s, double u, void *scratch, size_t scratch_bytes);
 /* el_decode_greedy with the chain's pick instead of the bare argmax: step i draws with u[i]
  * (n_max of them; unused with temperature 0, which picks the first maximum), after the
@@ -249,8 +248,7 @@ EL_API int el_sample(const float *x, int n, const el_sampling *s, double u, void
  * the tokens the run produced before it. It stops before picking from logits it cannot pick
  * from (a NaN; a draw: any non-finite maximum). sample_scratch: at least
  * el_decode_sample_scratch(n_vocab, n_history, n_max) bytes. A bad chain, uniform or history id
- * is refused up front, a draw without top-k with EL_EUNSUPPORTED. sampling NULL:
- * el_decode_greedy. The returned logits are the last step's as computed (no penalty). */
+ * is refused up front. sampling NULL: el_decode_greedy. The returned logits are the last step's as computed (no penalty). */
 EL_API size_t el_decode_sample_scratch(int n_vocab, int n_history, int n_max);
 EL_API int el_decode_sample(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims,
                             const el_embedding *emb, int32_t first_id, float *x, int pos, int n_max,

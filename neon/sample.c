@@ -8,10 +8,9 @@
  *
  * Why native: a sampled token had to leave the native decode loop for Python's sampler
  * (~0.3 ms a token with the loop, ~12% of a SmolLM2 decode token on the x86 host);
- * el_decode_sample (decode_step.c) draws here between its steps. Only chains with top-k set
- * (0 < k < n, llama.cpp's and edgellm's default is 40) run here: then only k logits are weighed.
- * Without top-k every logit needs an exp, which numpy's vectorized exp does faster than a
- * scalar loop, so those chains stay in numpy (EL_EUNSUPPORTED here).
+ * el_decode_sample (decode_step.c) draws here between its steps. With top-k set (llama.cpp's and
+ * edgellm's default is 40) only k logits are weighed, with a scalar exp; without it every logit
+ * is, with the softmax's vectorized exp (el_exp_sub_sum).
  *
  * Both twins fix every order that can change which token a uniform u picks: candidates rank by
  * (logit descending, id ascending), so ties at the top-k or top-p boundary keep the lower ids,
@@ -108,8 +107,8 @@ int el_sampling_check(const el_sampling *s) {
     return EL_OK;
 }
 
-/* the candidates: top_k ids at most */
-size_t el_sample_scratch(int n_vocab) { return n_vocab > 0 ? (size_t)n_vocab * sizeof(int32_t) : 0; }
+/* the candidates (ids) and, for a chain without top-k, every logit's weight */
+size_t el_sample_scratch(int n_vocab) { return n_vocab > 0 ? (size_t)n_vocab * (sizeof(int32_t) + sizeof(float)) : 0; }
 
 /* The top-p cut over ranked candidates (best first): the fewest whose weights exp(x - m) reach
  * `target`. Returns that count, or 0 when all nc fall short (rounding, top_p near 1). */
@@ -122,45 +121,135 @@ static int el_nucleus_cut(const float *x, const int32_t *c, int nc, float m, dou
     return 0;
 }
 
+/* w[0..n) = exp(w[i]) in place, vectorized (the softmax's exp; its scalar twin under
+ * el_use_generic) */
+static void el_exp_inplace(float *w, int n) { (void)(el_generic_flag ? el_exp_sub_sum_generic : el_exp_sub_sum)(w, n, 0.0f); }
+
+/* sum of w[0..n) in float64, 4 running sums (one is a chain of dependent adds) */
+static double el_sum_f64(const float *w, int n) {
+    double a[4] = {0.0, 0.0, 0.0, 0.0};
+    int i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int j = 0; j < 4; j++) a[j] += (double)w[i + j];
+    for (; i < n; i++) a[0] += (double)w[i];
+    return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+/* The draw over candidates in id order: c[0..nc) (sorted ids, weights exp((x - m) * inv_t)
+ * computed here), or every id when c is NULL (weights w[0..nc)). The first candidate whose
+ * cumulative weight exceeds u * total: a whole vocabulary is walked by blocks of 256 first. */
+#define EL_DRAW_BLOCK 256
+static int el_draw(const float *x, const int32_t *c, const float *w, int nc, float m, float inv_t, double u) {
+    double total;
+    if (c) {
+        total = 0.0;
+        for (int j = 0; j < nc; j++) total += (double)expf((x[c[j]] - m) * inv_t);
+    } else {
+        total = el_sum_f64(w, nc);
+    }
+    double r = u * total, acc = 0.0;
+    int j = 0, last = -1;
+    if (!c)   /* skip whole blocks that end at or below r */
+        for (double bs; j + EL_DRAW_BLOCK <= nc && acc + (bs = el_sum_f64(w + j, EL_DRAW_BLOCK)) <= r; j += EL_DRAW_BLOCK) {
+            acc += bs;
+            if (bs > 0.0) last = j + EL_DRAW_BLOCK - 1;   /* (its last id with weight: found below if needed) */
+        }
+    for (; j < nc; j++) {
+        const double wj = c ? (double)expf((x[c[j]] - m) * inv_t) : (double)w[j];
+        if (wj > 0.0) last = c ? c[j] : j;
+        acc += wj;
+        if (acc > r) return c ? c[j] : j;
+    }
+    /* rounding pushed r past the sum: the last candidate with weight */
+    if (!c)
+        while (last > 0 && w[last] == 0.0f) last--;
+    return last;
+}
+
+/* The last member of a ranked prefix (logit descending, id ascending): the prefix is every id
+ * with a higher logit, or the same logit and an id up to this one's. */
+typedef struct {
+    float x;
+    int id;
+} el_rank_end;
+
+/* The top-p nucleus of a whole vocabulary whose weights w = exp(x - m) sum to target / top_p,
+ * without ranking it all (a heap of thousands of ids took ~2 ms a draw, numpy's SIMD sort ~0.5): the weights' mass by bucket of m - x (the buckets follow the ranking:
+ * a higher logit never falls in a later bucket) finds the bucket where the cumulative mass
+ * reaches target; only that bucket's members are ranked (a heap sort in c), and the cut falls
+ * among them. The float64 sums run in another order than the ranked one: they differ in the
+ * last bits, which moves a cut only where the mass lies within that much of the target. */
+#define EL_NUC_BUCKETS 4096
+#define EL_NUC_RANGE 104.0f   /* exp(x - m) is 0 in fp32 below m - 104 */
+static inline int el_nuc_bucket(float x, float m) {
+    const float d = (m - x) * (EL_NUC_BUCKETS / EL_NUC_RANGE);
+    return d < (float)(EL_NUC_BUCKETS - 1) ? (int)d : EL_NUC_BUCKETS - 1;
+}
+
+static el_rank_end el_nucleus_flat(const float *x, const float *w, int n, float m, double target, int32_t *c) {
+    double mass[EL_NUC_BUCKETS] = {0};
+    for (int i = 0; i < n; i++) mass[el_nuc_bucket(x[i], m)] += (double)w[i];
+    double before = 0.0;
+    int b = 0;
+    while (b < EL_NUC_BUCKETS - 1 && before + mass[b] < target) before += mass[b++];
+    int k = 0;
+    for (int i = 0; i < n; i++)
+        if (el_nuc_bucket(x[i], m) == b) c[k++] = i;
+    if (k == 0) return (el_rank_end){-INFINITY, n};   /* the mass fell short in the last bucket: every id */
+    for (int i = k / 2 - 1; i >= 0; i--) el_sift_down(x, c, k, i);    /* worst on top */
+    for (int end = k - 1; end > 0; end--) {                           /* heap sort: best first */
+        const int32_t t = c[0];
+        c[0] = c[end], c[end] = t;
+        el_sift_down(x, c, end, 0);
+    }
+    int j = 0;
+    for (double acc = before; j < k - 1 && (acc += (double)w[c[j]]) < target;) j++;
+    return (el_rank_end){x[c[j]], c[j]};   /* short of the target (rounding): the bucket's last */
+}
+
 int el_sample(const float *x, int n, const el_sampling *s, double u, void *scratch, size_t scratch_bytes) {
     if (!x || n <= 0 || el_sampling_check(s) != EL_OK || !(s->temperature > 0.0) || !(u >= 0.0 && u < 1.0))
         return EL_EINVAL;
-    if (s->top_k <= 0 || s->top_k >= n) return EL_EUNSUPPORTED;   /* see the top of this file */
     if (!scratch || scratch_bytes < el_sample_scratch(n)) return EL_EINVAL;
     int nan;
     const float m = el_max_nan(x, n, &nan);
     if (nan || !isfinite(m)) return EL_ENONFINITE;
     int32_t *c = scratch;
-    int nc = s->top_k;
-    el_rank_top(x, n, nc, c);
-    if (s->top_p < 1.0) {
-        double total = 0.0;
-        for (int j = 0; j < nc; j++) total += (double)expf(x[c[j]] - m);
-        const int cut = el_nucleus_cut(x, c, nc, m, s->top_p * total);
-        nc = cut > 0 ? cut : nc;
-    }
-    if (s->min_p > 0.0) {
-        /* p_i >= min_p p_max <=> x_i >= m + log(min_p), in float32 as numpy adds them; the
-         * maximum always stays */
-        const float thr = m + (float)log(s->min_p);
-        int k = 0;
-        for (int j = 0; j < nc; j++)
-            if (x[c[j]] >= thr) c[k++] = c[j];
-        nc = k;
-    }
-    qsort(c, (size_t)nc, sizeof(int32_t), el_cmp_id);
-    /* temperature last; exp(0) = 1 at the maximum, so the weights never all underflow */
+    float *w = (float *)(c + n);
     const float inv_t = (float)(1.0 / s->temperature);
-    double total = 0.0;
-    for (int j = 0; j < nc; j++) total += (double)expf((x[c[j]] - m) * inv_t);
-    const double r = u * total;
-    double acc = 0.0;
-    int last = -1;
-    for (int j = 0; j < nc; j++) {
-        const double w = (double)expf((x[c[j]] - m) * inv_t);
-        if (w > 0.0) last = c[j];
-        acc += w;
-        if (acc > r) return c[j];
+    /* min-p: p_i >= min_p p_max <=> x_i >= m + log(min_p), in float32 as numpy adds them; the
+     * maximum always stays */
+    const float thr = s->min_p > 0.0 ? m + (float)log(s->min_p) : -INFINITY;
+    if (s->top_k > 0 && s->top_k < n) {
+        int nc = s->top_k;
+        el_rank_top(x, n, nc, c);
+        if (s->top_p < 1.0) {
+            double total = 0.0;
+            for (int j = 0; j < nc; j++) total += (double)expf(x[c[j]] - m);
+            const int cut = el_nucleus_cut(x, c, nc, m, s->top_p * total);
+            nc = cut > 0 ? cut : nc;
+        }
+        if (s->min_p > 0.0) {
+            int k = 0;
+            for (int j = 0; j < nc; j++)
+                if (x[c[j]] >= thr) c[k++] = c[j];
+            nc = k;
+        }
+        qsort(c, (size_t)nc, sizeof(int32_t), el_cmp_id);
+        /* temperature last; exp(0) = 1 at the maximum, so the weights never all underflow */
+        return el_draw(x, c, NULL, nc, m, inv_t, u);
     }
-    return last;   /* rounding pushed r past the sum: the last candidate with weight */
+    /* Without top-k every id is a candidate, in id order, its weight (vectorized exp) 0 outside
+     * the nucleus or below min-p. The nucleus: the ids ranked up to its last member e, found
+     * by buckets (a flat distribution's holds thousands of ids: no full ranking). */
+    el_rank_end e = {-INFINITY, n};
+    if (s->top_p < 1.0) {
+        for (int i = 0; i < n; i++) w[i] = x[i] - m;
+        el_exp_inplace(w, n);
+        e = el_nucleus_flat(x, w, n, m, s->top_p * el_sum_f64(w, n), c);
+    }
+    for (int i = 0; i < n; i++)
+        w[i] = (x[i] > e.x || (x[i] == e.x && i <= e.id)) && x[i] >= thr ? (x[i] - m) * inv_t : -INFINITY;
+    el_exp_inplace(w, n);
+    return el_draw(x, NULL, w, n, m, inv_t, u);
 }

@@ -16,7 +16,7 @@ from edgellm.errors import EdgeLLMError
 from edgellm.sampling import Sampler, SamplingConfig, draw_numpy
 from edgellm.sampling_native import NativeChain
 
-EINVAL, EUNSUPPORTED, ENONFINITE = -1, -3, neon_lib.EL_ENONFINITE
+EINVAL, ENONFINITE = -1, neon_lib.EL_ENONFINITE
 
 
 def _chain64(x: np.ndarray, cfg: SamplingConfig, u: float) -> tuple[int, float]:
@@ -59,18 +59,19 @@ def _el_sample(x: np.ndarray, params, u: float, scratch_bytes: int | None = None
 
 
 @settings(max_examples=400, deadline=None)
-@given(seed=st.integers(0, 2**32), n=st.integers(2, 3000), ties=st.booleans(), top_k=st.integers(2, 120),
+@given(seed=st.integers(0, 2**32), n=st.integers(2, 3000), ties=st.booleans(), top_k=st.one_of(st.integers(2, 120), st.just(0), st.integers(3000, 3100)),
        top_p=st.floats(0.05, 1.0), min_p=st.floats(0.0, 0.9), temperature=st.floats(0.05, 4.0),
        u=st.floats(0.0, 1.0, exclude_max=True), neg_inf=st.integers(0, 3))
 def test_property_c_and_numpy_chains_pick_the_definitions_id(seed, n, ties, top_k, top_p, min_p, temperature, u,
                                                              neg_inf):
     """Both twins draw the id the float64 chain does, ties at the top-k and top-p boundaries
-    included (logits in steps of 1/4), wherever no rounding boundary lies within 1e-5 (the twins
-    round exp and sums in float32 / float64 as numpy does, the definition in float64)."""
+    included (logits in steps of 1/4), with top-k or without (0, or as wide as the vocabulary:
+    every logit weighed), wherever no rounding boundary lies within 1e-5 (the twins round exp
+    and sums in float32 / float64 as numpy does, the definition in float64)."""
     rng = np.random.default_rng(seed)
     x = (rng.integers(-40, 41, n) / 4.0 if ties else rng.standard_normal(n) * rng.uniform(0.5, 10)).astype(np.float32)
     x[:neg_inf] = -np.inf
-    assume(np.isfinite(x.max()) and top_k < x.size)
+    assume(np.isfinite(x.max()))
     cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     want, margin = _chain64(x, cfg, u)
     assume(margin > 1e-5)
@@ -130,19 +131,18 @@ def test_bad_arguments_are_refused():
                    E(40, 0.95, 0.05, 0.8, pen=float("inf")), E(40, 0.95, 0.05, 0.8, last_n=-2)):
         assert _el_sample(x, params, 0.5) == EINVAL
     assert _el_sample(x, ok, 0.5, scratch_bytes=8) == EINVAL
-    # no top-k (or one as wide as the vocabulary): numpy's chain, not this one
-    for k in (0, 300, 400):
-        assert _el_sample(x, E(k, 0.95, 0.05, 0.8), 0.5) == EUNSUPPORTED
+    for k in (0, 300, 400):          # no top-k, or one as wide as the vocabulary: every logit
+        assert 0 <= _el_sample(x, E(k, 0.95, 0.05, 0.8), 0.5) < 300
     lib = neon._lib()
     assert lib.el_sample(None, 300, ctypes.addressof(ok), 0.5, None, 0) == EINVAL
 
 
-def test_sampler_draws_natively_only_with_top_k():
+def test_sampler_draws_natively_unless_greedy():
     assert Sampler(SamplingConfig(temperature=0.8, top_k=40)).native is not None
-    assert Sampler(SamplingConfig(temperature=0.8, top_k=0)).native is None       # numpy: every logit weighed
+    assert Sampler(SamplingConfig(temperature=0.8, top_k=0)).native is not None
     assert Sampler(SamplingConfig(temperature=0.0, top_k=40)).native is None      # greedy: argmax
     s = Sampler(SamplingConfig(temperature=0.8, top_k=40))
-    assert s.native_for(49152) is s.native and s.native_for(40) is None
+    assert s.native_for(49152) is s.native
 
 
 @settings(max_examples=200, deadline=None)
@@ -173,13 +173,13 @@ def test_seeded_sampling_reproduces_through_the_native_chain():
 
 
 def test_the_generic_twin_draws_the_same_ids():
-    """el_use_generic(1): the scalar maximum and top-k scan, the same picks."""
+    """el_use_generic(1): the scalar maximum, top-k scan and exp, the same picks."""
     rng = np.random.default_rng(9)
     cases = []
     for i in range(60):
         n = int(rng.integers(3, 6000))
         x = (rng.integers(-20, 21, n) / 4.0 if i % 2 else rng.standard_normal(n) * 4).astype(np.float32)
-        cfg = SamplingConfig(temperature=float(rng.uniform(0.1, 3)), top_k=int(rng.integers(2, min(n - 1, 90) + 1)),
+        cfg = SamplingConfig(temperature=float(rng.uniform(0.1, 3)), top_k=0 if i % 3 == 0 else int(rng.integers(2, min(n - 1, 90) + 1)),
                              top_p=float(rng.uniform(0.3, 1.0)), min_p=float(rng.uniform(0, 0.3)))
         cases.append((x, _native(cfg), rng.random(5)))
     fast = [[chain.draw(x, u) for u in us] for x, chain, us in cases]
@@ -198,3 +198,33 @@ def test_a_refused_draw_names_its_code():
         chain.draw(np.zeros(100, np.float32), 1.5)
     with pytest.raises(EdgeLLMError, match="EL_ENONFINITE"):
         chain.draw(np.full(100, np.nan, np.float32), 0.5)
+
+
+@pytest.mark.parametrize("top_p, min_p, temperature", [(1.0, 0.0, 0.8), (0.9, 0.0, 1.0), (1.0, 0.05, 1.3),
+                                                       (0.95, 0.02, 0.7)])
+def test_whole_vocabulary_chains_draw_the_definitions_id(top_p, min_p, temperature):
+    """Without top-k at a real vocabulary's size: every weight through the vectorized exp, the
+    draw walked by blocks, a nucleus of thousands of ids (the growing ranked slice)."""
+    x = (np.random.default_rng(12).standard_normal(49152) * 2).astype(np.float32)
+    cfg = SamplingConfig(temperature=temperature, top_k=0, top_p=top_p, min_p=min_p)
+    chain, checked = _native(cfg), 0
+    for u in np.random.default_rng(13).random(60):
+        want, margin = _chain64(x, cfg, float(u))
+        if margin > 1e-6:
+            checked += 1
+            assert chain.draw(x, float(u)) == want == draw_numpy(cfg, x, x.max(), float(u))
+    assert checked >= 50
+
+
+@pytest.mark.parametrize("top_p", [1 - 1e-12, 1 - 1e-9, np.nextafter(1.0, 0.0)])
+def test_a_nucleus_a_hair_under_one_keeps_every_id(top_p):
+    """top_p just under 1 over the whole vocabulary, where the cut lands at the ranking's end and
+    float64 rounding decides it: every draw is an id of the vocabulary, and both twins agree."""
+    x = (np.random.default_rng(14).standard_normal(5000) * 2).astype(np.float32)
+    x[::7] = -60.0                             # a tail whose weights are tiny, not zero
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=float(top_p))
+    chain = _native(cfg)
+    for u in np.linspace(0.0, 0.999, 40):
+        got = chain.draw(x, float(u))
+        assert 0 <= got < x.size
+        assert got == draw_numpy(cfg, x, x.max(), float(u))
