@@ -314,13 +314,17 @@ def _sample_cases(rng: np.random.Generator) -> list[Case]:
     # (n, logits, top_k, top_p, min_p, temperature): parameters exact in float32 (the file's)
     for n, kind, k, top_p, min_p, temp in ((5000, "normal", 40, 0.9375, 0.0625, 0.75), (1000, "ties", 7, 1.0, 0.0, 1.5),
                                            (49152, "normal", 40, 0.9375, 0.046875, 0.8125),
-                                           (33, "neg_inf", 32, 0.9375, 0.0, 2.0), (2, "normal", 1, 1.0, 0.0, 1.0)):
+                                           (33, "neg_inf", 32, 0.9375, 0.0, 2.0), (2, "normal", 1, 1.0, 0.0, 1.0),
+                                           # no top-k: every logit weighed (vectorized exp), the
+                                           # nucleus cut by buckets, the draw walked by blocks
+                                           (3000, "normal", 0, 0.875, 0.0, 1.0),
+                                           (3000, "neg_inf", 0, 1.0, 0.03125, 0.6875)):
         x = rng.integers(-8, 9, n) / 4.0 if kind == "ties" else rng.standard_normal(n) * 3.0
         x = _f32(x)
         if kind == "neg_inf":
             x[::3] = -np.inf
         x64, m = x.astype(np.float64), float(x.max())
-        ids = np.lexsort((np.arange(n), -x64))[:k]                  # (logit descending, id ascending)
+        ids = np.lexsort((np.arange(n), -x64))[: k or n]            # (logit descending, id ascending)
         if top_p < 1.0:
             e = np.exp(x64[ids] - m)
             c = np.cumsum(e) / e.sum()
@@ -339,7 +343,7 @@ def _sample_cases(rng: np.random.Generator) -> list[Case]:
         want = ids[wide]
         cfg = SamplingConfig(temperature=temp, top_k=k, top_p=top_p, min_p=min_p)
         assert [draw_numpy(cfg, x, x.max(), float(v)) for v in u] == want.tolist()
-        cases.append(Case(OP_SAMPLE, f"sample/{kind}_n{n}_k{k}", BOUND_EXACT, (n, k, u.size), (top_p, min_p, temp),
+        cases.append(Case(OP_SAMPLE, f"sample/{kind}_n{n}_k{k}_p{top_p}", BOUND_EXACT, (n, k, u.size), (top_p, min_p, temp),
                           (x, u, _f32(want))))
     return cases
 

@@ -348,7 +348,7 @@ static void validate(const case_t *k) {
     case OP_SAMPLE: {
         need_counts(3, 3, 3);
         int64_t n = dim(0, "n", 2), n_u = dim(2, "n_u", 1);
-        dim(1, "top_k", 1);
+        dim(1, "top_k", 0);
         need_array(0, KIND_F32, n, "x");
         need_array(1, KIND_F32, n_u, "u");
         need_array(2, KIND_F32, n_u, "expected");
