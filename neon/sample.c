@@ -43,19 +43,22 @@ static void el_sift_down(const float *x, int32_t *h, int n, int i) {
  * the worst on top: an id that does not beat it (almost all of them, once the heap is full)
  * costs one compare, 16 at a time. A later id never beats an equal logit, so ties keep the
  * lower ids. */
+/* Whether any of x[0..16) is above t (ge: at or above), in one vector compare */
+static inline int el_any16(const float *x, float t, int ge) {
+    const float32x4_t v = vdupq_n_f32(t);
+    uint32x4_t r = vdupq_n_u32(0);
+    for (int j = 0; j < 16; j += 4) r = vorrq_u32(r, ge ? vcgeq_f32(vld1q_f32(x + j), v) : vcgtq_f32(vld1q_f32(x + j), v));
+    return vmaxvq_u32(r) != 0;
+}
+
 static void el_rank_top(const float *x, int n, int k, int32_t *ids) {
     for (int i = 0; i < k; i++) ids[i] = i;
     for (int i = k / 2 - 1; i >= 0; i--) el_sift_down(x, ids, k, i);
     float thr = x[ids[0]];
     for (int i = k; i < n;) {
-        if (!el_generic_flag && i % 16 == 0 && i + 16 <= n) {   /* a whole block: one vector compare rejects most */
-            const float32x4_t t = vdupq_n_f32(thr);
-            uint32x4_t gt = vcgtq_f32(vld1q_f32(x + i), t);
-            for (int j = 4; j < 16; j += 4) gt = vorrq_u32(gt, vcgtq_f32(vld1q_f32(x + i + j), t));
-            if (vmaxvq_u32(gt) == 0) {
-                i += 16;
-                continue;
-            }
+        if (!el_generic_flag && i % 16 == 0 && i + 16 <= n && !el_any16(x + i, thr, 0)) {   /* one compare rejects most */
+            i += 16;
+            continue;
         }
         if (x[i] > thr) {
             ids[0] = i;
@@ -243,6 +246,19 @@ int el_sample(const float *x, int n, const el_sampling *s, double u, void *scrat
      * the nucleus or below min-p. The nucleus: the ids ranked up to its last member e, found
      * by buckets (a flat distribution's holds thousands of ids: no full ranking). */
     el_rank_end e = {-INFINITY, n};
+    if (s->top_p >= 1.0 && s->min_p > 0.0) {
+        /* min-p alone usually keeps a few ids: weigh only those (scalar exp), in id order */
+        int nc = 0;
+        for (int i = 0; i < n && nc <= n / 16;) {
+            if (!el_generic_flag && i % 16 == 0 && i + 16 <= n && !el_any16(x + i, thr, 1)) {   /* a block below thr */
+                i += 16;
+                continue;
+            }
+            if (x[i] >= thr) c[nc++] = i;
+            i++;
+        }
+        if (nc <= n / 16) return el_draw(x, c, NULL, nc, m, inv_t, u);
+    }
     if (s->top_p < 1.0) {
         for (int i = 0; i < n; i++) w[i] = x[i] - m;
         el_exp_inplace(w, n);
