@@ -70,7 +70,7 @@ class Generation:
         self.chunk = chunk or engine.runner.prefill_chunk
         self.sampler = Sampler(cfg.sampling())
         # the chain decode runs pick with, and why they cannot pick as the sampler does (or None)
-        self._chain, self._no_runs = self.sampler.run_chain(engine.config.vocab_size)
+        self._chain, self._no_runs = self.sampler.run_chain()
         self.stopper = StopChecker(cfg.stop)
         self.decoder = engine.tokenizer.decoder()
         self.history = list(ids)
@@ -135,10 +135,9 @@ class Generation:
         return self._emit(logits)
 
     # Decode runs several tokens in one native call when the runner can (DecodeStep.run_tokens):
-    # ~100 us of Python per token stay out of the loop, and a sampled token's draw (~0.2 ms in
-    # numpy) runs in C. That takes a pick C makes as the sampler does (Sampler.run_chain): the
-    # argmax, or the native chain (greedy, or top-k set), repetition penalty included; not under
-    # the quality guard. A run is as long as this many seconds of tokens, so text still streams
+    # ~100 us of Python per token stay out of the loop, and a sampled token's draw runs in C.
+    # That takes a pick C makes as the sampler does (Sampler.run_chain): the argmax, or the
+    # native chain (sampled, or greedy after a repetition penalty); not under the quality guard. A run is as long as this many seconds of tokens, so text still streams
     # in small steps and cancellation still answers within them. A sampled run draws with the
     # sampler's own uniforms and gives back those it did not use, so a seed gives the same
     # tokens however the runs fall.

@@ -9,10 +9,9 @@ temperature only reshapes the surviving set. Temperature 0 is greedy: argmax aft
 
 Cost matters: this runs once per generated token on a ~49k vocabulary. Where the NEON library
 loads, a draw runs in C (neon/sample.c), also inside native decode runs; the numpy chain below
-is its twin and the path otherwise. Both fix every
-order that decides which token a uniform picks: candidates rank by (logit descending, id
-ascending), so ties at the top-k or top-p boundary keep the lower ids, and the draw walks the
-final candidates in id order. They can differ only where exp rounds an ulp apart, which moves a
+is its twin and the path otherwise. Both fix every order that decides which token a uniform
+picks: candidates rank by (logit descending, id ascending), so ties at the top-k or top-p
+boundary keep the lower ids, and the draw walks the final candidates in id order. They can differ only where exp rounds an ulp apart, which moves a
 pick only when the uniform falls within ~1e-7 of a boundary.
 
 In numpy the full vocabulary is never sorted when top-k is set (a partition, then a sort of k
@@ -121,11 +120,7 @@ class Sampler:
         self._rng_now = None
         self._pending.clear()
 
-    def native_for(self, n_vocab: int):
-        """The native chain a draw from n_vocab logits (and a native decode run) uses, or None."""
-        return self.native if n_vocab > 0 else None
-
-    def run_chain(self, n_vocab: int):
+    def run_chain(self):
         """(the chain a native decode run picks with, why no run can pick as this sampler
         does): the chain is None for greedy without a penalty (the bare argmax), a temperature-0
         chain for greedy with one, the native draw chain otherwise; the reason is None when a
@@ -133,7 +128,7 @@ class Sampler:
         cfg = self.config
         if cfg.greedy and (cfg.repeat_penalty == 1.0 or cfg.repeat_last_n == 0):
             return None, None
-        chain = _native_chain(cfg) if cfg.greedy else self.native_for(n_vocab)
+        chain = _native_chain(cfg) if cfg.greedy else self.native
         return (chain, None) if chain is not None else (None, "the NEON library is unavailable: numpy's chain")
 
     def uniforms(self, n: int) -> list[float]:
@@ -196,7 +191,7 @@ class Sampler:
         m = x.max()  # also the NaN check: max propagates NaN
         if not math.isfinite(m):
             raise _nonfinite(x)
-        if x.dtype == np.float32 and self.native_for(x.size) is not None:
+        if x.dtype == np.float32 and self.native is not None:
             return self.native.draw(x, self._uniform())
         return draw_numpy(self.config, x, m, self._uniform())
 

@@ -104,7 +104,7 @@ def test_a_run_with_a_repetition_penalty_picks_as_the_sampler(tiny, sampling):
     r, cfg = tiny.runner, tiny.config
     sc = SamplingConfig(seed=21, **sampling)
     plain, native = Sampler(sc), Sampler(sc)
-    chain, why = native.run_chain(cfg.vocab_size)
+    chain, why = native.run_chain()
     assert why is None and chain is not None
     prompt = list(np.random.default_rng(5).integers(3, 12, 14))     # few distinct ids: the penalty bites
     a, b = _seq(tiny), _seq(tiny)

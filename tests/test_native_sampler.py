@@ -142,7 +142,8 @@ def test_sampler_draws_natively_unless_greedy():
     assert Sampler(SamplingConfig(temperature=0.8, top_k=0)).native is not None
     assert Sampler(SamplingConfig(temperature=0.0, top_k=40)).native is None      # greedy: argmax
     s = Sampler(SamplingConfig(temperature=0.8, top_k=40))
-    assert s.native_for(49152) is s.native
+    assert s.run_chain() == (s.native, None)
+    assert Sampler(SamplingConfig(temperature=0.0)).run_chain() == (None, None)      # the bare argmax
 
 
 @settings(max_examples=200, deadline=None)
