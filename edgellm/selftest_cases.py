@@ -305,9 +305,11 @@ def _kv_quant_cases(rng: np.random.Generator) -> list[Case]:
 
 def _sample_cases(rng: np.random.Generator) -> list[Case]:
     """The sampler chain (el_sample): each u is the middle of one candidate's slice of the
-    cumulative weights, computed in float64 from the chain's definition, so any correct draw
-    picks that candidate whatever its exp rounds to; sampling.draw_numpy must agree. Ties at the
-    top-k boundary (keep the lower ids), -inf logits, a real-size vocabulary."""
+    cumulative weights, computed in float64 from the chain's definition (reference.sample_chain),
+    so any correct draw picks that candidate whatever its exp rounds to; sampling.draw_numpy must
+    agree. Ties at the top-k boundary (keep the lower ids), -inf logits, a real-size vocabulary,
+    two chains without top-k."""
+    from .backends import reference
     from .sampling import SamplingConfig, draw_numpy
 
     cases = []
@@ -323,20 +325,8 @@ def _sample_cases(rng: np.random.Generator) -> list[Case]:
         x = _f32(x)
         if kind == "neg_inf":
             x[::3] = -np.inf
-        x64, m = x.astype(np.float64), float(x.max())
-        ids = np.lexsort((np.arange(n), -x64))[: k or n]            # (logit descending, id ascending)
-        if top_p < 1.0:
-            e = np.exp(x64[ids] - m)
-            c = np.cumsum(e) / e.sum()
-            assert np.min(np.abs(c - top_p)) > 1e-4, "top-p's cut too close to call"
-            ids = ids[: int(np.searchsorted(c, top_p, side="left")) + 1]
-        if min_p > 0.0:
-            thr = m + np.log(min_p)
-            assert np.min(np.abs(x64[ids] - thr)) > 1e-4, "min-p's threshold too close to call"
-            ids = ids[x64[ids] >= thr]
-        ids = np.sort(ids)
-        c = np.cumsum(np.exp((x64[ids] - m) / temp))
-        c /= c[-1]
+        ids, c, margin = reference.sample_chain(x, k, top_p, min_p, temp)
+        assert margin > 1e-4, "a top-p cut or min-p threshold too close to call"
         lo = np.concatenate([[0.0], c[:-1]])
         wide = (c - lo) > 1e-3                          # a float32 u lands well inside the slice
         u = _f32((lo + c)[wide] / 2)

@@ -2,7 +2,8 @@
  *
  *     top-k -> top-p -> min-p -> temperature -> draw,
  *
- * as edgellm/sampling.py's Sampler defines it; that numpy code is this file's reference twin
+ * as edgellm/sampling.py's Sampler defines it; that numpy code is this file's twin, and
+ * backends/reference.py's sample_chain the chain's definition in float64
  * (tests/test_native_sampler.py). top-p and min-p see probabilities at temperature 1
  * (renormalised over what top-k kept); temperature only reshapes the surviving set.
  *
@@ -39,10 +40,20 @@ static void el_sift_down(const float *x, int32_t *h, int n, int i) {
     }
 }
 
-/* ids[0..k) = the k best ids of x, best first, 0 < k <= n. A heap of the k best so far with
- * the worst on top: an id that does not beat it (almost all of them, once the heap is full)
- * costs one compare, 16 at a time. A later id never beats an equal logit, so ties keep the
- * lower ids. */
+/* h[0..n) into a heap with the worst id on top */
+static void el_heapify(const float *x, int32_t *h, int n) {
+    for (int i = n / 2 - 1; i >= 0; i--) el_sift_down(x, h, n, i);
+}
+
+/* a heap h[0..n) (el_heapify's) sorted best first: the worst goes last, then the next */
+static void el_heap_sort(const float *x, int32_t *h, int n) {
+    for (int end = n - 1; end > 0; end--) {
+        const int32_t t = h[0];
+        h[0] = h[end], h[end] = t;
+        el_sift_down(x, h, end, 0);
+    }
+}
+
 /* Whether any of x[0..16) is above t (ge: at or above), in one vector compare */
 static inline int el_any16(const float *x, float t, int ge) {
     const float32x4_t v = vdupq_n_f32(t);
@@ -51,9 +62,13 @@ static inline int el_any16(const float *x, float t, int ge) {
     return vmaxvq_u32(r) != 0;
 }
 
+/* ids[0..k) = the k best ids of x, best first, 0 < k <= n. A heap of the k best so far with
+ * the worst on top: an id that does not beat it (almost all of them, once the heap is full)
+ * costs one compare, 16 at a time. A later id never beats an equal logit, so ties keep the
+ * lower ids. */
 static void el_rank_top(const float *x, int n, int k, int32_t *ids) {
     for (int i = 0; i < k; i++) ids[i] = i;
-    for (int i = k / 2 - 1; i >= 0; i--) el_sift_down(x, ids, k, i);
+    el_heapify(x, ids, k);
     float thr = x[ids[0]];
     for (int i = k; i < n;) {
         if (!el_generic_flag && i % 16 == 0 && i + 16 <= n && !el_any16(x + i, thr, 0)) {   /* one compare rejects most */
@@ -67,11 +82,7 @@ static void el_rank_top(const float *x, int n, int k, int32_t *ids) {
         }
         i++;
     }
-    for (int end = k - 1; end > 0; end--) {   /* heap sort: the worst goes last */
-        const int32_t t = ids[0];
-        ids[0] = ids[end], ids[end] = t;
-        el_sift_down(x, ids, end, 0);
-    }
+    el_heap_sort(x, ids, k);
 }
 
 /* The maximum of x (n > 0); *nan: whether x holds a NaN (then the maximum is meaningless). */
@@ -199,12 +210,8 @@ static el_rank_end el_nucleus_flat(const float *x, const float *w, int n, float 
     for (int i = 0; i < n; i++)
         if (el_nuc_bucket(x[i], m) == b) c[k++] = i;
     if (k == 0) return (el_rank_end){-INFINITY, n};   /* the mass fell short in the last bucket: every id */
-    for (int i = k / 2 - 1; i >= 0; i--) el_sift_down(x, c, k, i);    /* worst on top */
-    for (int end = k - 1; end > 0; end--) {                           /* heap sort: best first */
-        const int32_t t = c[0];
-        c[0] = c[end], c[end] = t;
-        el_sift_down(x, c, end, 0);
-    }
+    el_heapify(x, c, k);
+    el_heap_sort(x, c, k);
     int j = 0;
     for (double acc = before; j < k - 1 && (acc += (double)w[c[j]]) < target;) j++;
     return (el_rank_end){x[c[j]], c[j]};   /* short of the target (rounding): the bucket's last */

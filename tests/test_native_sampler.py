@@ -11,7 +11,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from edgellm.backends import neon, neon_lib
+from edgellm.backends import neon, neon_lib, reference
 from edgellm.errors import EdgeLLMError
 from edgellm.sampling import Sampler, SamplingConfig, draw_numpy
 from edgellm.sampling_native import NativeChain
@@ -20,29 +20,11 @@ EINVAL, ENONFINITE = -1, neon_lib.EL_ENONFINITE
 
 
 def _chain64(x: np.ndarray, cfg: SamplingConfig, u: float) -> tuple[int, float]:
-    """The chain from its definitions in float64: the id u picks, and how close (relative) a
-    top-p target, a min-p threshold or u came to a boundary where rounding could decide."""
-    x64 = x.astype(np.float64)
-    m = float(x64.max())
-    ids = np.lexsort((np.arange(x.size), -x64))          # (logit descending, id ascending)
-    if 0 < cfg.top_k < x.size:
-        ids = ids[: cfg.top_k]
-    margin = math.inf
-    if cfg.top_p < 1.0:
-        e = np.exp(x64[ids] - m)
-        c, target = np.cumsum(e), cfg.top_p * e.sum()
-        margin = min(margin, float(np.min(np.abs(c - target)) / e.sum()))
-        ids = ids[: min(int(np.searchsorted(c, target, side="left")) + 1, ids.size)]
-    if cfg.min_p > 0.0:
-        thr = m + math.log(cfg.min_p)
-        margin = min(margin, float(np.min(np.abs(x64[ids] - thr))))
-        ids = ids[x64[ids] >= thr]
-    ids = np.sort(ids)
-    w = np.exp((x64[ids] - m) / cfg.temperature)
-    c = np.cumsum(w)
-    r = u * c[-1]
-    margin = min(margin, float(np.min(np.abs(c - r)) / c[-1]))
-    return int(ids[min(int(np.searchsorted(c, r, side="right")), ids.size - 1)]), margin
+    """The id u draws by the chain's float64 definition (reference.sample_chain), and how close
+    (relative) a top-p cut, the min-p threshold or u came to a boundary rounding could decide."""
+    ids, cum, margin = reference.sample_chain(x, cfg.top_k, cfg.top_p, cfg.min_p, cfg.temperature)
+    j = min(int(np.searchsorted(cum, u, side="right")), ids.size - 1)
+    return int(ids[j]), min(margin, float(np.min(np.abs(cum - u))))
 
 
 def _native(cfg: SamplingConfig) -> NativeChain:
@@ -218,7 +200,7 @@ def test_whole_vocabulary_chains_draw_the_definitions_id(top_p, min_p, temperatu
 
 
 @pytest.mark.parametrize("top_p", [1 - 1e-12, 1 - 1e-9, np.nextafter(1.0, 0.0)])
-def test_a_nucleus_a_hair_under_one_keeps_every_id(top_p):
+def test_a_nucleus_a_hair_under_one_draws_ids_both_twins_agree_on(top_p):
     """top_p just under 1 over the whole vocabulary, where the cut lands at the ranking's end and
     float64 rounding decides it: every draw is an id of the vocabulary, and both twins agree."""
     x = (np.random.default_rng(14).standard_normal(5000) * 2).astype(np.float32)

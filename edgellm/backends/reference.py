@@ -144,6 +144,34 @@ def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return a + b
 
 
+def sample_chain(x: np.ndarray, top_k: int, top_p: float, min_p: float,
+                 temperature: float) -> tuple[np.ndarray, np.ndarray, float]:
+    """The sampler chain (sampling.py's numpy chain, neon/sample.c's el_sample) from its
+    definition, in float64: (the final candidates in id order, their cumulative weights
+    normalized to end at 1, margin). A uniform u draws ids[first i with cum[i] > u]. margin:
+    how close (relative to the mass, or in logits for min-p) a top-p cut or the min-p threshold
+    came to deciding differently; rounding may decide within it. Candidates rank by (logit
+    descending, id ascending); top-k 0 (or >= the vocabulary) keeps all."""
+    x64 = np.asarray(x, dtype=np.float64)
+    m = float(x64.max())
+    ids = np.lexsort((np.arange(x64.size), -x64))
+    if 0 < top_k < x64.size:
+        ids = ids[:top_k]
+    margin = np.inf
+    if top_p < 1.0:
+        e = np.exp(x64[ids] - m)
+        c = np.cumsum(e) / e.sum()
+        margin = min(margin, float(np.min(np.abs(c - top_p))))
+        ids = ids[: min(int(np.searchsorted(c, top_p, side="left")) + 1, ids.size)]
+    if min_p > 0.0:
+        thr = m + np.log(min_p)
+        margin = min(margin, float(np.min(np.abs(x64[ids] - thr))))
+        ids = ids[x64[ids] >= thr]
+    ids = np.sort(ids)
+    cum = np.cumsum(np.exp((x64[ids] - m) / temperature))
+    return ids, cum / cum[-1], margin
+
+
 def lm_head(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """x (T, d) final-normed -> logits (T, vocab)."""
     return x @ w.T
