@@ -1,5 +1,6 @@
 """The request scheduler on a tiny model: same outputs as direct calls, interleaving lets a short
 request overtake a long prefill, priorities, cancellation and errors stay per request."""
+import threading
 import time
 
 import pytest
@@ -7,6 +8,7 @@ from gguf import GGMLQuantizationType as QT
 
 import edgellm
 from edgellm.errors import ConfigError, ContextFull
+from edgellm.generation import Generation
 from edgellm.scheduler import Scheduler
 from tests.synthetic import write_tiny_model
 
@@ -90,18 +92,30 @@ def test_seeded_sampled_requests_interleaved_give_their_direct_text(real_model_p
 
 
 @pytest.mark.parametrize("policy", ["interleave", "fifo"])
-def test_short_request_overtakes_long_prefill_only_when_interleaving(engine, policy):
+def test_short_request_overtakes_long_prefill_only_when_interleaving(engine, policy, monkeypatch):
     text = long_prompt(engine, 900)
     engine.clear_cache()  # the whole long prompt is computed, whichever test ran before
+    # the short request arrives while the long prefill is under way: after its first chunk. The
+    # long one waits there until the short one is in (polling for that chunk raced a loaded CI
+    # machine: the test thread saw it only after the whole tiny prefill, once in ~20 runs)
+    short_in = threading.Event()
+    step = Generation.step
+
+    def held_step(gen):
+        out = step(gen)
+        if gen.stats.prompt_tokens > 100 and gen.in_prefill:
+            short_in.wait(timeout=30)
+        return out
+
+    monkeypatch.setattr(Generation, "step", held_step)
     with Scheduler(engine, chunk=32, policy=policy) as s:
         long = s.submit(text, **GREEDY)
-        # the short request arrives while the long prefill is under way: once its first chunk is
-        # in the cache (a fixed sleep raced the prefill, which got faster than the sleep)
         deadline = time.perf_counter() + 30
         while long.gen is None or long.gen.seq.n_tokens == 0:
             assert time.perf_counter() < deadline and not long.done, "the long prefill never started"
             time.sleep(0)
         short = s.submit("hi there", **GREEDY)
+        short_in.set()
         long.result(timeout=60), short.result(timeout=60)
     first_short = short.submitted + short.stats.ttft_ms / 1e3
     first_long = long.submitted + long.stats.ttft_ms / 1e3
