@@ -26,15 +26,17 @@ class NativeChain:
                                  cfg.repeat_penalty, cfg.repeat_last_n)
         self.params_p = ctypes.addressof(self.params)
         self._scratch = np.empty(0, np.uint8)
-        self._need: dict[tuple[int, int, int], int] = {}
+        self._need: dict[int, int] = {}   # n_vocab -> a draw's scratch bytes
 
     def scratch(self, n_vocab: int, n_history: int = 0, n_max: int = 0) -> np.ndarray:
         """Scratch for draws from n_vocab logits, and for a decode run's penalty over up to
         n_history + n_max tokens (kept: a draw per token must not allocate)."""
-        key = (n_vocab, n_history, n_max)
-        need = self._need.get(key)
-        if need is None:    # one ctypes call per shape, not per draw
-            need = self._need[key] = self._lib.el_decode_sample_scratch(n_vocab, n_history, n_max)
+        if n_history or n_max:    # a run: one ctypes call per run (its history grows run by run)
+            need = self._lib.el_decode_sample_scratch(n_vocab, n_history, n_max)
+        else:                     # a draw: asked once per vocabulary size, not per token
+            need = self._need.get(n_vocab)
+            if need is None:
+                need = self._need[n_vocab] = self._lib.el_decode_sample_scratch(n_vocab, 0, 0)
         if self._scratch.nbytes < need:
             self._scratch = np.empty(need, np.uint8)
         return self._scratch
