@@ -211,3 +211,25 @@ def test_a_nucleus_a_hair_under_one_draws_ids_both_twins_agree_on(top_p):
         got = chain.draw(x, float(u))
         assert 0 <= got < x.size
         assert got == draw_numpy(cfg, x, x.max(), float(u))
+
+
+def test_a_nucleus_whose_bucketed_mass_falls_short_keeps_every_id():
+    """el_nucleus_flat adds the weights' mass bucket by bucket (by logit). One weight of 1 and 64
+    tails of ~2^-54 each, one per bucket: each is lost when added to the 1, so the buckets' running
+    mass never reaches top_p * total (1 + ~2^-49, summed in another order) and the walk ends in the
+    last, empty bucket. The definition keeps every id there (its cumulative sum stays under
+    top_p), and so must both twins: a u inside a tail id's slice draws that id, not the maximum."""
+    x = np.concatenate([-37.5 - 0.03 * np.arange(64), [0.0]]).astype(np.float32)
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=float(np.nextafter(1.0, 0.0)))
+    ids, cum, _ = reference.sample_chain(x, cfg.top_k, cfg.top_p, cfg.min_p, cfg.temperature)
+    assert ids.size == x.size                        # the definition's nucleus: every id
+    chain, lib = _native(cfg), neon._lib()
+    us = [float((cum[k - 1] if k else 0.0) + cum[k]) / 2 for k in (0, 10, 63)] + [0.5]   # mid-slice
+    want = [0, 10, 63, 64]
+    assert [draw_numpy(cfg, x, x.max(), u) for u in us] == want
+    assert [chain.draw(x, u) for u in us] == want
+    lib.el_use_generic(1)                            # the scalar exp's weights, the same walk
+    try:
+        assert [chain.draw(x, u) for u in us] == want
+    finally:
+        lib.el_use_generic(0)
