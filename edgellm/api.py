@@ -1,9 +1,11 @@
 """The embedded Python API: load() -> Engine with generate / stream / chat / logits / tokenize."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
@@ -55,8 +57,10 @@ class GenerationConfig:
 
 
 class Engine:
-    """One loaded model. Not thread-safe: one generation at a time; several requests from an
-    app's threads go through edgellm.scheduler.Scheduler, which owns the engine while it runs."""
+    """One loaded model. Its calls may come from several threads: generations take turns a step
+    (a prefill chunk, a decode run) at a time under `lock`, each giving the text it gives alone.
+    For priorities, and short requests overtaking a long prefill, submit them to
+    edgellm.scheduler.Scheduler instead, whose worker takes the same turns."""
 
     def __init__(self, model: ModelFile, runner: ModelRunner, kv, *, threads: int,
                  load_ms: float):
@@ -83,6 +87,11 @@ class Engine:
         self.pinning = None     # device.topology.PinResult of the compute threads
         self.precision_plan = None  # the PrecisionPlan loaded (None: each unit's own precision)
         self.quality_guard = None   # a QualityGuard, or None (off)
+        # Held (through turn()) while anything uses the runner's buffers or the KV store: a native
+        # step's scratch, chunk and logits buffers are the engine's, not a generation's.
+        self.lock = threading.RLock()
+        self._turn_depth = threading.local()   # .n: this thread's nesting of turn()
+        self._orphans: list = []                # generations dropped inside a turn: ended at the next
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Waits for load()'s background work (paging the mapped weights in, committing the KV
@@ -95,6 +104,31 @@ class Engine:
             self.load_rss_mb = max(self.load_rss_mb, peak_rss_mb())
             self._load_rss_final = True
         return done
+
+    # -- turns ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def turn(self):
+        """Holds the engine for one unit of work (a generation step, warm, a session's load):
+        other threads' work waits. A thread's own nested turns pass."""
+        with self.lock:
+            depth = getattr(self._turn_depth, "n", 0)
+            self._turn_depth.n = depth + 1
+            try:
+                while depth == 0 and self._orphans:
+                    self._orphans.pop()._end("cancelled")
+                yield
+            finally:
+                self._turn_depth.n = depth
+
+    def end_generation(self, gen) -> None:
+        """Ends `gen` as cancelled in a turn of its own. Inside a turn of this thread (a garbage
+        collector finalising a dropped stream mid-step) it waits for the next turn instead: a
+        step must not see the KV store change under it."""
+        if getattr(self._turn_depth, "n", 0):
+            self._orphans.append(gen)
+            return
+        with self.turn():
+            gen._end("cancelled")
 
     # -- text <-> ids --------------------------------------------------------------------------
     @property
@@ -117,7 +151,9 @@ class Engine:
 
     # -- generation ----------------------------------------------------------------------------
     def cancel(self) -> None:
-        """Cancel the generation in progress (from another thread or a signal handler)."""
+        """Cancel the generation in progress (from another thread or a signal handler). Generations
+        of several threads share this one cancel: give each its own (cancel=CancelToken()) to
+        stop one alone."""
         self._cancel.cancel()
 
     def stream(self, prompt: str, *, config: GenerationConfig | None = None, cancel: CancelToken | None = None,
@@ -148,11 +184,13 @@ class Engine:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced next-token logits, (len(token_ids), vocab) float32, from an empty cache."""
-        seq = self._new_sequence()
-        try:
-            return self.runner.forward(seq, np.asarray(token_ids, dtype=np.int64), all_logits=True).astype(np.float32)
-        finally:
-            seq.free()
+        with self.turn():
+            seq = self._new_sequence()
+            try:
+                return self.runner.forward(seq, np.asarray(token_ids, dtype=np.int64),
+                                           all_logits=True).astype(np.float32)
+            finally:
+                seq.free()
 
     def _new_sequence(self):
         return self.kv.new_sequence()
@@ -171,16 +209,18 @@ class Engine:
         ids = self.tokenize(text)
         if not ids:
             raise ConfigError("warm needs a non-empty text")
-        seq, n = self.kv.open(ids)
-        if n < len(ids):
-            self.runner.forward(seq, ids[n:], logits=False)
-        self.kv.close(seq, keep=True, token_ids=ids)
-        return seq.n_tokens
+        with self.turn():
+            seq, n = self.kv.open(ids)
+            if n < len(ids):
+                self.runner.forward(seq, ids[n:], logits=False)
+            self.kv.close(seq, keep=True, token_ids=ids)
+            return seq.n_tokens
 
     def clear_cache(self) -> None:
         """Forget every cached prefix and the last conversation, and the tokenizer's memo of the
         text fragments it encoded."""
-        self.kv.clear()
+        with self.turn():
+            self.kv.clear()
         self.tokenizer.clear_memo()
 
     def model_sha256(self) -> str:
@@ -199,7 +239,8 @@ class Engine:
     def save_session(self, path: str | os.PathLike, meta: dict | None = None) -> int:
         """Write the last conversation (token ids and KV) atomically; returns its token count.
         `meta` (JSON-able, e.g. the chat messages) comes back as session_meta on load."""
-        tokens, arrays = self.kv.snapshot()
+        with self.turn():
+            tokens, arrays = self.kv.snapshot()
         meta = {**(meta or {}), "model_name": self.config.name, "n_tokens": len(tokens)}
         try:
             write_session(path, token_ids=tokens, arrays=arrays, meta=meta, **self._session_keys())
@@ -218,7 +259,8 @@ class Engine:
             log.warning("session cache miss: %s: token id outside the vocabulary", path)
             return False
         try:
-            self.kv.restore(ids, data.arrays)
+            with self.turn():
+                self.kv.restore(ids, data.arrays)
         except (ConfigError, KeyError) as e:
             log.warning("session cache miss: %s: %s", path, e)
             return False
@@ -231,10 +273,13 @@ class Engine:
         cancel.reset()
         gen = Generation(self, ids, cfg, cancel, t0, t_tok)
         self.last_stats = gen.stats
-        while not gen.done:
-            piece = gen.step()
-            if piece:
-                yield piece
+        try:
+            while not gen.done:
+                piece = gen.step()
+                if piece:
+                    yield piece
+        finally:
+            gen.close()   # a stream the app stopped reading (closed, dropped, an error in its loop)
 
 
 def generation_config(config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:

@@ -74,7 +74,8 @@ class Generation:
         self.stopper = StopChecker(cfg.stop)
         self.decoder = engine.tokenizer.decoder()
         self.history = list(ids)
-        self.seq, cached = engine._open_sequence(ids)
+        with engine.turn():
+            self.seq, cached = engine._open_sequence(ids)
         self.stats.cached_tokens = cached
         self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
         self.last_tok: int | None = None
@@ -92,7 +93,22 @@ class Generation:
 
     def step(self) -> str | None:
         """One unit of work. Returns text to show ('' when a token produced none yet), or None
-        after a prefill chunk that is not the last."""
+        after a prefill chunk that is not the last. Runs in a turn of the engine (Engine.turn):
+        generations of several threads (or a scheduler's) take turns a step at a time."""
+        with self.engine.turn():
+            return self._step()
+
+    def close(self) -> None:
+        """Ends a generation its driver stops stepping (a stream the app stopped reading): as
+        cancelled, its KV sequence freed. Nothing when it is done."""
+        if not self.done:
+            self.engine.end_generation(self)
+
+    def _end(self, reason: str) -> None:
+        if not self.done:
+            self._finish(reason)
+
+    def _step(self) -> str | None:
         if self.done:
             return ""
         runner = self.engine.runner

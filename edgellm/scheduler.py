@@ -7,8 +7,9 @@ short chat turn that arrives during a long prefill waits for at most one chunk, 
 prompt. policy="fifo" runs requests one after another instead (the baseline `bench --concurrent`
 compares against).
 
-Requests come from any thread; only the worker touches the engine, so do not call the engine's
-own generate/stream while a scheduler serves it.
+Requests come from any thread; only the worker steps them. The engine's own calls from other
+threads (generate, stream, warm) take turns with the worker a step at a time (Engine.turn), outside
+its priorities.
 """
 from __future__ import annotations
 

@@ -1,0 +1,119 @@
+"""One engine used the ways an app uses it: from several threads at once, beside a scheduler, and
+through streams it stops reading. Every generation gives its direct, alone-on-the-engine text,
+and no stream keeps KV blocks after it is dropped."""
+import gc
+import threading
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import edgellm
+from edgellm.scheduler import Scheduler
+from tests.synthetic import write_tiny_model
+
+GREEDY = dict(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = ["hello world", "the quick brown fox", "zzz", "abc def ghi abc def", "one two three", "x y z w"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    tm = write_tiny_model(tmp_path_factory.mktemp("sharing") / "tiny.gguf", tensor_type=QT.Q4_1, seed=3,
+                          context_length=512)
+    return edgellm.load(tm.path, n_ctx=256, threads=2)
+
+
+def _in_threads(fn, args):
+    out, errors = {}, []
+
+    def run(a):
+        try:
+            out[a] = fn(a)
+        except BaseException as e:   # collected: an assertion below names it
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(a,)) for a in args]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in ts), "a generation hung"
+    return out, errors
+
+
+def test_threads_generating_on_one_engine_get_their_alone_text(engine):
+    """Generations from several threads at once take turns a step at a time: each thread's text
+    is the one it gets alone (they used to share the native step's buffers mid-step: NaN logits
+    and each other's K/V)."""
+    want = {p: engine.generate(p, **GREEDY) for p in PROMPTS}
+    for _ in range(3):
+        got, errors = _in_threads(lambda p: engine.generate(p, **GREEDY), PROMPTS)
+        assert not errors, errors
+        assert got == want
+    assert not engine.kv.pool._live - {engine.kv.last}
+
+
+def test_a_thread_generating_beside_a_scheduler_waits_its_turn(engine):
+    """The scheduler's worker and an app thread calling the engine directly share it a step at
+    a time; both give their alone text."""
+    want = {p: engine.generate(p, **GREEDY) for p in PROMPTS}
+    with Scheduler(engine, chunk=4) as s:
+        reqs = {p: s.submit(p, **GREEDY) for p in PROMPTS[:3]}
+        got, errors = _in_threads(lambda p: engine.generate(p, **GREEDY), PROMPTS[3:])
+        assert not errors, errors
+        got.update({p: r.result(timeout=60) for p, r in reqs.items()})
+    assert got == want
+
+
+@pytest.mark.parametrize("drop", ["close", "del", "exception"])
+def test_a_stream_stopped_early_frees_its_kv(engine, drop):
+    """A stream the app stops reading (closed, dropped, or left by an exception in the loop
+    body) ends as cancelled and releases its sequence: far more such streams than the pool has
+    blocks for leave it as usable as before (its sequences used to stay live until the pool was
+    full)."""
+    engine.clear_cache()
+    pool = engine.kv.pool
+    free0 = pool.free_blocks
+    for i in range(3 * pool.n_blocks):
+        prompt = f"story {i} " + "abc def ghi " * 8
+        it = engine.stream(prompt, **GREEDY)
+        if drop == "exception":
+            with pytest.raises(KeyError):
+                for _ in it:
+                    raise KeyError("the app's loop body failed")
+        else:
+            next(it)
+            next(it)
+            if drop == "close":
+                it.close()
+        del it
+        gc.collect()
+        assert engine.last_stats.stop_reason == "cancelled"
+        assert not pool._live - {engine.kv.last}
+    engine.clear_cache()
+    assert pool.free_blocks == free0
+    assert engine.generate(PROMPTS[0], **GREEDY) == engine.generate(PROMPTS[0], **GREEDY)
+
+
+def test_a_generation_dropped_inside_a_turn_ends_at_the_next_one(engine):
+    """A garbage collector may finalise a dropped stream while some thread is mid-step (its
+    turn held): ending it there would change the KV store under that step, so it waits, and the
+    next turn ends it."""
+    import time
+
+    from edgellm.api import generation_config
+    from edgellm.engine import CancelToken
+    from edgellm.generation import Generation
+
+    engine.clear_cache()
+    t = time.perf_counter()
+    gen = Generation(engine, engine.tokenize(PROMPTS[1]), generation_config(**GREEDY), CancelToken(), t, t)
+    gen.step()
+    gen.step()
+    with engine.turn():
+        gen.close()
+        assert not gen.done and gen.seq in engine.kv.pool._live      # not inside the turn
+    assert not gen.done                                                 # (nothing ran a turn yet)
+    with engine.turn():
+        pass
+    assert gen.done and gen.stats.stop_reason == "cancelled"
+    assert gen.seq not in engine.kv.pool._live
