@@ -32,6 +32,7 @@ from .model.prefault import enabled_by_env
 from .model.prefault import start as start_prefault
 from .model.registry import resolve_model
 from .model.chat_template import ChatTemplate
+from .model.tokenizer import check_text
 from .quality_guard import QualityGuard
 from .sampling import SamplingConfig
 
@@ -161,6 +162,7 @@ class Engine:
         """Yield text pieces as they are produced. Keywords mirror the CLI flags (max_tokens,
         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop). Options are validated
         here, before the first piece is asked for."""
+        check_text(prompt, "prompt")
         return self._stream(lambda: prompt, time.perf_counter(), generation_config(config, **kwargs), cancel)
 
     def generate(self, prompt: str, **kwargs) -> str:
@@ -239,6 +241,8 @@ class Engine:
     def save_session(self, path: str | os.PathLike, meta: dict | None = None) -> int:
         """Write the last conversation (token ids and KV) atomically; returns its token count.
         `meta` (JSON-able, e.g. the chat messages) comes back as session_meta on load."""
+        if os.path.isdir(path):
+            raise ConfigError(f"{path}: is a directory; save_session needs a file path")
         with self.turn():
             tokens, arrays = self.kv.snapshot()
         meta = {**(meta or {}), "model_name": self.config.name, "n_tokens": len(tokens)}

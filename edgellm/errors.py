@@ -32,6 +32,10 @@ class ConfigError(EdgeLLMError):
     """A bad argument or setting (sampling parameter, thread count, ...)."""
 
 
+class TokenIdError(ConfigError, IndexError):
+    """A token id outside the vocabulary (an IndexError too, as for any sequence)."""
+
+
 class ContextFull(EdgeLLMError):
     """The request needs more KV positions than the cache holds."""
 

@@ -23,6 +23,7 @@ from .engine import CancelToken
 from .errors import ConfigError, EdgeLLMError
 from .generation import Generation, GenerationStats
 from .model.chat_template import ChatTemplate
+from .model.tokenizer import check_text
 
 _DONE = object()
 
@@ -105,6 +106,8 @@ class Scheduler:
             raise ConfigError("submit needs exactly one of prompt or messages")
         if messages is not None:
             ChatTemplate.check_messages(messages)
+        else:
+            check_text(prompt, "prompt")
         cfg = generation_config(**kwargs)
         req = Request(next(self._ids), priority, prompt if prompt is not None else messages, messages is not None, cfg)
         with self._cv:

@@ -114,6 +114,40 @@ def test_bad_options_and_messages_fail_before_iteration(engine):
         engine.stream("x", temperature=-1)
 
 
+@pytest.mark.parametrize("prompt, found", [(b"hello", "found bytes; decode bytes first"), (12345, "found int"),
+                                           (None, "found NoneType"), (["hi"], "found list")])
+def test_a_prompt_that_is_not_text_is_a_config_error_naming_its_type(engine, prompt, found):
+    """Not a TypeError from inside the tokenizer ("a bytes-like object is required, not 'str'"
+    for bytes): stream refuses it before iteration, the scheduler at submit, tokenize too."""
+    from edgellm.scheduler import Scheduler
+
+    with pytest.raises(ConfigError, match=f"prompt: expected a str, {found}"):
+        engine.stream(prompt, max_tokens=2)
+    # (submit's None is no prompt: "submit needs exactly one of prompt or messages")
+    with Scheduler(engine) as s, pytest.raises(ConfigError, match=f"prompt: expected a str, {found}"
+                                                if prompt is not None else "exactly one of prompt or messages"):
+        s.submit(prompt, max_tokens=2)
+    with pytest.raises(ConfigError, match=f"text: expected a str, {found}"):
+        engine.tokenize(prompt)
+
+
+def test_detokenizing_an_id_outside_the_vocabulary_is_a_typed_error(engine):
+    from edgellm.errors import EdgeLLMError, TokenIdError
+
+    n = engine.config.vocab_size
+    for bad in (n, -1, 10**9):
+        with pytest.raises(TokenIdError, match=f"token id {bad} outside the vocabulary") as e:
+            engine.detokenize([1, bad])
+        assert isinstance(e.value, EdgeLLMError) and isinstance(e.value, IndexError)
+
+
+def test_saving_a_session_to_a_directory_names_it(engine, tmp_path):
+    engine.generate("hello", max_tokens=2, temperature=0)
+    with pytest.raises(ConfigError, match="is a directory; save_session needs a file path"):
+        engine.save_session(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_bad_chat_template_fails_the_first_chat_not_the_load(tmp_path):
     # the template compiles on first use (jinja2 stays out of completion-only processes); until
     # then the model completes text, and a chat then names the field

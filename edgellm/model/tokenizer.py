@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from edgellm.errors import ConfigError, ModelFormatError, UnsupportedModelError
+from edgellm.errors import ConfigError, ModelFormatError, TokenIdError, UnsupportedModelError
 from edgellm.backends.neon_lib import NeonLibError
 from edgellm.model.bpe_native import SPLIT, DuplicateToken, MergeError, NativeBPE, NativeSPM
 from edgellm.model.fragment_memo import FragmentMemo
@@ -259,6 +259,7 @@ class Tokenizer:
         True/False force it. With parse_special the texts of control tokens (``<|im_start|>``)
         become those tokens; user-defined tokens are always matched whole, as in llama.cpp.
         """
+        check_text(text)
         if add_bos is None:
             add_bos = self.add_bos
         elif add_bos and self.bos_id is None:
@@ -325,7 +326,7 @@ class Tokenizer:
 
     def _make_piece(self, token_id: int) -> bytes:
         if not 0 <= token_id < len(self._tokens):
-            raise IndexError(f"token id {token_id} outside the vocabulary (0..{len(self._tokens) - 1})")
+            raise TokenIdError(f"token id {token_id} outside the vocabulary (0..{len(self._tokens) - 1})")
         text, kind = self._tokens[token_id], self._types[token_id]
         if token_id in self._control or kind == TOKEN_USER_DEFINED:
             return text.encode("utf-8")
@@ -378,6 +379,14 @@ class StreamDecoder:
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
+
+
+def check_text(text, what: str = "text") -> None:
+    """Text to encode is a str: anything else is a ConfigError naming its type (bytes: say how to
+    decode them), not a TypeError from deep inside the tokenizer."""
+    if not isinstance(text, str):
+        hint = "; decode bytes first: data.decode('utf-8', errors='replace')" if isinstance(text, (bytes, bytearray)) else ""
+        raise ConfigError(f"{what}: expected a str, found {type(text).__name__}{hint}")
 
 
 # --- metadata helpers ----------------------------------------------------------------------------
