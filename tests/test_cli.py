@@ -69,3 +69,23 @@ def test_bench_writes_json_records(tiny, tmp_path):
     assert [set(x) >= {"prompt_tokens", "ttft_ms_p50", "ttft_ms_p95", "prefill_tps", "decode_tps",
                        "peak_rss_mb", "load_ms"} for x in recs] == [True, True]
     assert recs[0]["prompt_tokens"] == 8 and recs[0]["ttft_ms_p95"] >= recs[0]["ttft_ms_p50"] > 0
+
+
+def test_run_session_file_continues_the_conversation(tiny, tmp_path, monkeypatch):
+    """`run --session FILE`: the first run saves prompt and answer beside their KV; the next run
+    continues them (its stats count them cached) and saves the longer conversation; a bare name
+    that is not a valid cache name says how to give a file instead."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    f = str(tmp_path / "talk.edgesess")
+    base = ["run", "--model", tiny, "-n", "4", "--temperature", "0", "--session", f]
+    r1 = runner.invoke(app, base + ["hello there"])
+    assert r1.exit_code == 0, r1.output
+    n1 = int(r1.stderr.split("[session: saved ")[1].split(" tokens")[0])
+    r2 = runner.invoke(app, base + [" and more"])
+    assert r2.exit_code == 0, r2.output
+    assert f"[session: continuing {n1} cached tokens from {f}]" in r2.stderr
+    assert f" tok, {n1} cached, TTFT" in r2.stderr                # the saved KV, not recomputed
+    n2 = int(r2.stderr.split("[session: saved ")[1].split(" tokens")[0])
+    assert n2 > n1
+    bad = runner.invoke(app, base[:-1] + ["talk.session", "hi"])
+    assert bad.exit_code == 1 and "a file is a path (./talk.session) or ends in .edgesess" in bad.stderr
