@@ -21,7 +21,7 @@ from .hashing import bulk_sha256, sha256
 from .heap import release_free_pages
 from .procmem import available_bytes
 from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (GenerationStats: part of the API)
-from .errors import ConfigError
+from .errors import ConfigError, ContextFull
 from .kv.pool import KVPool
 from .kv.ring import RingKV
 from .kv.session_file import read_session, write_session
@@ -211,10 +211,17 @@ class Engine:
         ids = self.tokenize(text)
         if not ids:
             raise ConfigError("warm needs a non-empty text")
+        if len(ids) >= self.n_ctx:
+            raise ContextFull(f"warm: the text has {len(ids)} tokens but the context holds {self.n_ctx} "
+                              f"(raise n_ctx / --ctx)")
         with self.turn():
             seq, n = self.kv.open(ids)
-            if n < len(ids):
-                self.runner.forward(seq, ids[n:], logits=False)
+            try:
+                if n < len(ids):
+                    self.runner.forward(seq, ids[n:], logits=False)
+            except BaseException:   # (ContextFull beside other requests, a cancel): nothing kept
+                self.kv.close(seq, keep=False)
+                raise
             self.kv.close(seq, keep=True, token_ids=ids)
             return seq.n_tokens
 

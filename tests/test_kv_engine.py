@@ -44,6 +44,28 @@ def test_warm_prefix_is_reused_and_output_unchanged(tiny_path):
     assert warm == cold
 
 
+def test_a_warm_that_does_not_fit_keeps_nothing_and_the_engine_usable(tiny_path):
+    """A text longer than the context is refused up front; one that runs out of pool room beside
+    a live request (mid-prefill) frees what it took (it used to stay a live sequence: every
+    later request failed with ContextFull)."""
+    e = load(tiny_path, n_ctx=256)
+    pool = e.kv.pool
+    want = e.generate(text_of(e, 30, seed=4), max_tokens=6, **GREEDY)
+    e.clear_cache()
+    free0 = pool.free_blocks
+    with pytest.raises(ContextFull, match="warm: the text has 3.. tokens but the context holds 256"):
+        e.warm(text_of(e, 300, seed=5))
+    it = e.stream(text_of(e, 150, seed=6), max_tokens=50, **GREEDY)
+    next(it)                                          # a live request holding ~10 of 16 blocks
+    with pytest.raises(ContextFull, match="KV pool full"):
+        e.warm(text_of(e, 150, seed=7))
+    it.close()
+    assert not pool._live - {e.kv.last}
+    e.clear_cache()
+    assert pool.free_blocks == free0
+    assert e.generate(text_of(e, 30, seed=4), max_tokens=6, **GREEDY) == want
+
+
 def test_multi_turn_continues_in_place(tiny_path):
     e = load(tiny_path)
     first = text_of(e, 60, seed=3)
