@@ -139,6 +139,24 @@ def test_session_mismatch_and_mutations_are_misses(tiny_path, tmp_path, caplog):
     assert a.generate("alpha beta", max_tokens=3, **GREEDY)
 
 
+def test_a_session_that_does_not_fit_beside_a_live_request_is_a_miss(tiny_path, tmp_path, caplog):
+    """Loading a session while a request holds most of the pool: a miss with a warning, as for
+    a stale file (ContextFull escaped load_session, and left a live sequence behind); after the
+    request the same file loads."""
+    e = load(tiny_path, n_ctx=256)
+    e.generate(text_of(e, 150, seed=8), max_tokens=4, **GREEDY)
+    path = tmp_path / "big.edgesess"
+    e.save_session(path)
+    it = e.stream(text_of(e, 150, seed=9), max_tokens=50, **GREEDY)
+    next(it)
+    with caplog.at_level("WARNING"):
+        assert e.load_session(path) is False
+    assert "session cache miss" in caplog.text and "KV pool full" in caplog.text
+    assert len(e.kv.pool._live) == 1                                    # only the live request's
+    it.close()
+    assert e.load_session(path) is True
+
+
 def test_ring_runs_past_its_window_in_constant_memory(tiny_path):
     e = load(tiny_path, kv="ring", window=64, sinks=4, prefill_chunk=16)
     nbytes = e.kv.nbytes

@@ -127,9 +127,13 @@ class PoolStore:
             raise ConfigError(f"session KV has shape {k.shape}, expected {want}")
         self.clear()
         seq = self.pool.new_sequence()
-        seq.reserve(n)
-        for layer in range(self.pool.n_layers):
-            seq.write(layer, 0, k[layer].astype(np.float32), v[layer].astype(np.float32))
+        try:
+            seq.reserve(n)      # ContextFull when live requests hold the room
+            for layer in range(self.pool.n_layers):
+                seq.write(layer, 0, k[layer].astype(np.float32), v[layer].astype(np.float32))
+        except BaseException:
+            seq.free()
+            raise
         seq.commit(n, token_ids)
         self.close(seq, keep=True)
 
