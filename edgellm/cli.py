@@ -253,12 +253,26 @@ def chat(
             typer.echo(eng.last_stats.summary(), err=True)
 
 
+def _memory_text(mf, n_ctx: int) -> str:
+    """What load() adds to the mapped file: the KV cache, and weights that depend on the unit.
+    The neon unit reads the quantized matrices in place (only the norm vectors are copied); the
+    fp32 reference unit, where it runs everything, holds a dequantized copy."""
+    from .api import memory_needed
+    from .backends import neon, reference
+
+    kv = memory_needed(mf, n_ctx, placement={})
+    mib = 2 ** 20
+    return (f"{kv / mib:.0f} MiB KV cache (f16) beside the mapped file ({mf.file_size / mib:.1f} MiB); weights "
+            f"add {neon.prepared_nbytes(mf.config) / mib:.1f} MiB on the neon unit (read in place, quantized), "
+            f"{reference.prepared_nbytes(mf.config) / mib:.0f} MiB of fp32 copies where the reference unit runs "
+            f"every op")
+
+
 @app.command()
 @friendly
 def info(model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
          ctx: int = typer.Option(2048, "--ctx", help="Context size for the memory estimate")):
     """Architecture, hyperparameters, tensor types, file size and memory needed."""
-    from .api import memory_needed
     from .model.loader import open_model
     from .model.registry import resolve_model
 
@@ -274,8 +288,7 @@ def info(model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
         ("tied embeddings", c.tied_embeddings), ("qkv bias", c.qkv_bias),
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in sorted(mf.tensor_type_counts.items()))),
         ("file size", f"{mf.file_size / 2**20:.1f} MiB"),
-        (f"memory at ctx {n_ctx}", f"{memory_needed(mf, n_ctx) / 2**20:.0f} MiB "
-                                   "(fp32 resident weights + KV cache; the file stays memory-mapped)"),
+        (f"memory at ctx {n_ctx}", _memory_text(mf, n_ctx)),
     ]
     w = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -33,7 +33,8 @@ def test_run_chat_mode(tiny):
 def test_info_prints_architecture_and_memory(tiny):
     r = runner.invoke(app, ["info", tiny])
     assert r.exit_code == 0, r.output
-    for word in ("architecture", "llama", "Q8_0", "memory at ctx", "file size", "heads (q / kv)"):
+    for word in ("architecture", "llama", "Q8_0", "memory at ctx", "file size", "heads (q / kv)", "KV cache (f16)",
+                 "on the neon unit (read in place, quantized)", "where the reference unit runs every op"):
         assert word in r.stdout
 
 
