@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import os
 import threading
 import time
@@ -24,7 +25,7 @@ from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (
 from .errors import ConfigError, ContextFull
 from .kv.pool import KVPool
 from .kv.ring import RingKV
-from .kv.session_file import read_session, write_session
+from .kv.session_file import foreign_file, read_session, write_session
 from .kv.store import KVConfig, make_store
 from .model.gguf_file import file_memmap
 from .model.loader import ModelFile, open_model
@@ -37,6 +38,7 @@ from .quality_guard import QualityGuard
 from .sampling import SamplingConfig
 
 DEFAULT_CTX = 2048
+MAX_THREADS = 256   # the native pool's bound (neon/threadpool.c EL_POOL_MAX_THREADS)
 log = logging.getLogger("edgellm")
 
 
@@ -248,8 +250,9 @@ class Engine:
     def save_session(self, path: str | os.PathLike, meta: dict | None = None) -> int:
         """Write the last conversation (token ids and KV) atomically; returns its token count.
         `meta` (JSON-able, e.g. the chat messages) comes back as session_meta on load."""
-        if os.path.isdir(path):
-            raise ConfigError(f"{path}: is a directory; save_session needs a file path")
+        why = foreign_file(path)
+        if why is not None:   # never replace a user's file given as the session by mistake
+            raise ConfigError(f"{path}: {why}; save_session writes only new files or session files")
         with self.turn():
             tokens, arrays = self.kv.snapshot()
         meta = {**(meta or {}), "model_name": self.config.name, "n_tokens": len(tokens)}
@@ -333,7 +336,7 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None,
     return weights + kv_bytes
 
 
-def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int = DEFAULT_CTX,
+def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          threads: int | None = None, prefill_chunk: int | None = None, kv: str = "pool",
          kv_precision: str | None = None, window: int = 1024, sinks: int = 4, units: Sequence[str] | None = None,
          precision=None, quality_guard=None, prefault: bool | None = None,
@@ -344,6 +347,8 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     written by `edgellm profile`, else an estimate), a shipped profile name or a YAML path.
     units: restrict placement to these units, in preference order (e.g. ["opencl", "neon"]);
     an op none of them runs goes to the reference backend with a warning.
+    n_ctx: the KV capacity in tokens; None: 2048 (DEFAULT_CTX), or the model's trained context
+    when shorter. A larger n_ctx than the trained context is capped there, with a warning.
     prefill_chunk: tokens per prefill step; None lets the roofline model choose.
     kv: "pool" (block pool of n_ctx tokens with a prefix cache) or "ring" (a sliding window of
     `window` tokens keeping the first `sinks`, for chats of any length in constant memory).
@@ -376,8 +381,10 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         plan_notes.append(f"kv_precision={kv_precision} replaces the precision plan's {pplan.kv_precision}")
     kv_cfg = KVConfig(kind=kv, precision=kv_precision, window=window, sinks=sinks)
     guard = QualityGuard.from_option(quality_guard)
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise ConfigError(f"threads must be an integer >= 1, got {threads!r}")
+    if threads is not None and (not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS):
+        raise ConfigError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
+    if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1):
+        raise ConfigError(f"n_ctx must be an integer >= 1, got {n_ctx!r}")
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     if isinstance(units, str):
@@ -401,7 +408,13 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         mf, note = plan_model(mf, pplan, progress=(lambda d, t: progress("requantize", d, t)) if progress else None)
         log.info("%s", note)
         compute = ComputeTable(pplan, mf.config.n_layers)
-    n_ctx = min(int(n_ctx), mf.config.context_length)
+    if n_ctx is None:
+        n_ctx = min(DEFAULT_CTX, mf.config.context_length)
+    elif n_ctx > mf.config.context_length:
+        log.warning("n_ctx %d is above %s's trained context: using %d", n_ctx, mf.config.name,
+                    mf.config.context_length)
+        n_ctx = mf.config.context_length
+    n_ctx = int(n_ctx)
     avail = available_bytes()
     big = select_big(detect_clusters())
     threads = threads or len(big)

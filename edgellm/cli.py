@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,7 +25,8 @@ def _err(msg: str) -> None:
 
 
 def friendly(fn):
-    """One clear line and a non-zero exit for our errors; no traceback."""
+    """One clear line and a non-zero exit for our errors and the system's (a file that cannot be
+    written, a full disk under stdout, a read-only EDGELLM_HOME); no traceback."""
     @functools.wraps(fn)
     def wrapper(*a, **k):
         try:
@@ -33,11 +35,36 @@ def friendly(fn):
             _stop_probe_child()
             _err(str(e))
             raise typer.Exit(1)
+        except BrokenPipeError:
+            raise   # stdout closed by the reader (| head): click ends quietly
+        except OSError as e:
+            _stop_probe_child()
+            _err(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+            raise typer.Exit(1)
         except KeyboardInterrupt:
             _stop_probe_child()
             typer.echo("", err=True)
             raise typer.Exit(130)
     return wrapper
+
+
+def check_out_path(path, flag: str, suffixes: tuple[str, ...] = ()) -> None:
+    """Refuses, before any long work, an output path that cannot be written: a directory, a
+    missing or read-only folder, a suffix the writer does not know."""
+    from .errors import ConfigError
+
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a directory; give a file path")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {p}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {p}: the folder {parent} is not writable")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise ConfigError(f"{flag} {p}: expected a file ending in {', '.join(suffixes)}")
 
 
 def _stop_probe_child() -> None:
@@ -133,7 +160,8 @@ def run(
     seed: Optional[int] = typer.Option(None, help="Random seed for reproducible sampling"),
     stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable); not printed"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template"),
-    ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens (KV cache capacity)"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size in tokens (KV cache capacity; default "
+                                      "2048, or the model's trained context when shorter)"),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads (default: all usable cores)"),
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print timing statistics to stderr"),
     session: Optional[str] = typer.Option(None, "--session", help="Continue the conversation saved under this "
@@ -152,6 +180,8 @@ def run(
     """Generate text from a prompt, streamed to stdout."""
     _start_probe_child()
     from .api import generation_config
+    from .errors import ConfigError
+    from .kv.session_file import foreign_file
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
@@ -160,7 +190,15 @@ def run(
     # a session file carries the conversation so far (chat messages or plain text) beside its KV
     if session is not None:
         session = _session_path(eng, session)
+        check_out_path(session, "--session")
+        why = foreign_file(session)
+        if why is not None:   # (a user's document given by mistake: never overwritten)
+            raise ConfigError(f"--session {session}: {why}")
     saved = eng.session_meta if session is not None and eng.load_session(session) else {}
+    if "messages" in saved and not chat:
+        raise ConfigError(f"--session {session} holds a chat: continue it with --chat")
+    if "text" in saved and chat:
+        raise ConfigError(f"--session {session} holds plain text: continue it without --chat")
     if saved:
         typer.echo(f"[session: continuing {saved.get('n_tokens', 0)} cached tokens from {session}]", err=True)
     if chat:
@@ -186,6 +224,8 @@ def run(
         typer.echo(f"[session: saved {n} tokens to {session}]", err=True)
     if stats:
         typer.echo(f"[load {eng.load_ms:.0f} ms] {eng.last_stats.summary()}", err=True)
+    if eng.last_stats.stop_reason == "cancelled":
+        raise typer.Exit(130)   # Ctrl-C: the shell's convention
 
 
 @app.command()
@@ -198,10 +238,13 @@ def chat(
     top_k: int = typer.Option(40, help="Keep the k most likely tokens; 0 = off"),
     top_p: float = typer.Option(0.95, help="Nucleus sampling mass; 1 = off"),
     seed: Optional[int] = typer.Option(None, help="Random seed"),
-    ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size in tokens (default 2048, or the "
+                                      "model's trained context when shorter)"),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads"),
     stats: bool = typer.Option(False, "--stats/--no-stats", help="Print statistics after each answer"),
     kv: str = typer.Option("pool", "--kv", help=KV_HELP),
+    kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8 "
+                                               "(pool or ring); default: the precision plan's, else f16"),
     window: int = typer.Option(1024, help="--kv ring: window in tokens, sinks included"),
     sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
@@ -215,7 +258,7 @@ def chat(
     from .api import generation_config
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    eng = _load(model, ctx, threads, kv, None, window, sinks, device, units, precision, quality_guard)
+    eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units, precision, quality_guard)
     messages = [{"role": "system", "content": system}] if system else []
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D quits, /reset clears", err=True)
     while True:
@@ -273,9 +316,12 @@ def _memory_text(mf, n_ctx: int) -> str:
 def info(model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
          ctx: int = typer.Option(2048, "--ctx", help="Context size for the memory estimate")):
     """Architecture, hyperparameters, tensor types, file size and memory needed."""
+    from .errors import ConfigError
     from .model.loader import open_model
     from .model.registry import resolve_model
 
+    if ctx < 1:
+        raise ConfigError(f"--ctx must be >= 1, got {ctx}")
     mf = open_model(resolve_model(model, pull_if_missing=False))
     c = mf.config
     n_ctx = min(ctx, c.context_length)
@@ -343,6 +389,11 @@ def bench(
         raise ConfigError("--prompt-tokens, --runs and --gen-tokens must be positive")
     if shared_prefix < 0:
         raise ConfigError("--shared-prefix must be >= 0")
+    if concurrent and short_tokens < 1:
+        raise ConfigError(f"--short-tokens must be >= 1, got {short_tokens}")
+    if concurrent and not (math.isfinite(delay_ms) and delay_ms >= 0):
+        raise ConfigError(f"--delay-ms must be a finite number >= 0, got {delay_ms}")
+    check_out_path(json_path, "--json")
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
     eng = _load(model, max(2048, need), threads, device=device, units=units, precision=precision)
     eng.wait_loaded()   # the weights' paging-in belongs to load: its RSS, not the first run's TTFT
@@ -432,6 +483,7 @@ def plan(
     from .precision import load_plan
     from .precision_runtime import ComputeTable, planned_formats
 
+    check_out_path(plot_path, "--plot", (".png", ".pdf", ".svg"))
     pplan = load_plan(precision) if precision is not None else None
     kv_cfg = KVConfig(precision=kv_precision or (pplan.kv_precision if pplan else "f16"))  # validates it
     profile = device_profile(device)
@@ -472,6 +524,7 @@ def profile(
     bandwidth, and each available unit's GEMM throughput by rows and per-call overhead."""
     from .device.probes import gemm_peak_share, measure_host
 
+    check_out_path(out, "--out", (".yaml", ".yml"))
     tty = sys.stderr.isatty()
 
     def prog(stage: str, done: int, total: int) -> None:
@@ -500,7 +553,8 @@ def profile(
             typer.echo(f"unit {name}: {share}")
     for note in result.notes:
         typer.echo(f"note: {note}", err=True)
-    typer.echo(f"profile written to {result.path} in {result.seconds:.1f} s (use --device host)", err=True)
+    use = "host" if out is None else result.path
+    typer.echo(f"profile written to {result.path} in {result.seconds:.1f} s (use --device {use})", err=True)
 
 
 @app.command()
@@ -540,6 +594,7 @@ def quantize(
     from .precision import load_plan
     from .requant import format_report, plan_formats, requantize_gguf
 
+    check_out_path(out, "--out")
     src = resolve_model(model, progress=lambda d, t: Progress()("pull", d, t))
     p = load_plan(plan)
     mf = open_model(src)
@@ -576,6 +631,11 @@ def precision_analyze(
     from .calibration import load_calibration
     from .sensitivity import analyze, forward_passes
 
+    from .errors import ConfigError
+
+    if top < 0:
+        raise ConfigError(f"--top must be >= 0, got {top}")
+    check_out_path(json_out, "--json")
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     op_list = tuple(o.strip() for o in ops.split(",") if o.strip())
     text = load_calibration(calib)
@@ -638,12 +698,6 @@ def cache_clear():
     typer.echo(f"removed {disk_cache.clear()} file(s) from {disk_cache.cache_dir()}")
 
 
-def main() -> None:
-    app()
-
-
-if __name__ == "__main__":
-    main()
 
 
 @precision_app.command("plan")
@@ -685,6 +739,7 @@ def precision_plan(
 
     if objective not in ("ttft", "decode"):
         raise ConfigError(f"--objective must be ttft or decode, got {objective!r}")
+    check_out_path(out, "--out", (".yaml", ".yml"))
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     text = load_calibration(calib)
     ref = edgellm.load(model, n_ctx=max(max_tokens + 1, 256), units=["reference"], progress=Progress())
@@ -735,3 +790,15 @@ def precision_plan(
         ratio = kl / res.predicted_kl if res.predicted_kl > 0 else math.inf
         typer.echo(f"  verified KL on this machine ({phase}, {len(ids)} calibration tokens): {kl:.5f} "
                    f"(verified / predicted = {ratio:.2f}); {'within' if kl <= budget_kl else 'OVER'} the budget")
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:   # Ctrl-C before a command's body (imports, option parsing)
+        sys.stderr.write("\n")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

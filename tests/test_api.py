@@ -143,9 +143,27 @@ def test_detokenizing_an_id_outside_the_vocabulary_is_a_typed_error(engine):
 
 def test_saving_a_session_to_a_directory_names_it(engine, tmp_path):
     engine.generate("hello", max_tokens=2, temperature=0)
-    with pytest.raises(ConfigError, match="is a directory; save_session needs a file path"):
+    with pytest.raises(ConfigError, match="is a directory; save_session writes only new files or session files"):
         engine.save_session(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_save_session_never_replaces_a_file_that_is_not_a_session(engine, tmp_path):
+    """A user's document, or a device or pipe (as root, /dev/null became a regular file), given
+    as the session path: refused, untouched. A session file, even a stale one, is replaced."""
+    import os
+
+    engine.generate("hello", max_tokens=2, temperature=0)
+    doc, fifo, sess = tmp_path / "notes.txt", tmp_path / "pipe", tmp_path / "s.edgesess"
+    doc.write_text("my notes")
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="exists and is not an edgellm session file"):
+        engine.save_session(doc)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        engine.save_session(fifo)
+    assert doc.read_text() == "my notes" and fifo.is_fifo()
+    n = engine.save_session(sess)
+    assert engine.save_session(sess) == n and sess.read_bytes()[:8] == b"EDGESESS"
 
 
 def test_a_bad_chat_template_fails_the_first_chat_not_the_load(tmp_path):

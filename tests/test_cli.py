@@ -44,9 +44,26 @@ def test_info_prints_architecture_and_memory(tiny):
     (["run", "x", "--temperature", "-1", "--model", "TINY"], "temperature"),
     (["info", "/nonexistent.gguf"], "no such file"),
     (["bench", "--prompt-tokens", "a,b", "--model", "TINY"], "--prompt-tokens"),
+    (["run", "x", "--model", "TINY", "--threads", "257"], "threads must be an integer in 1..256, got 257"),
+    (["run", "x", "--model", "TINY", "--ctx", "-5"], "n_ctx must be an integer >= 1, got -5"),
+    (["info", "TINY", "--ctx", "0"], "--ctx must be >= 1, got 0"),
+    (["info", "/dev/null"], "/dev/null: expected a model file, found no regular file"),
+    (["pull", "/tmp/some.gguf"], "a .gguf file needs no pull: give its path to --model"),
+    (["bench", "--model", "TINY", "--prompt-tokens", "8", "--concurrent", "--delay-ms", "-5"],
+     "--delay-ms must be a finite number >= 0, got -5.0"),
+    (["bench", "--model", "TINY", "--prompt-tokens", "8", "--concurrent", "--delay-ms", "nan"],
+     "--delay-ms must be a finite number >= 0, got nan"),
+    (["bench", "--model", "TINY", "--prompt-tokens", "8", "--concurrent", "--short-tokens", "0"],
+     "--short-tokens must be >= 1, got 0"),
+    (["plan", "--model", "TINY", "--plot", "roofline.txt"], "expected a file ending in .png, .pdf, .svg"),
+    (["bench", "--model", "TINY", "--prompt-tokens", "8", "--json", "/nonexistent-dir/b.json"],
+     "--json /nonexistent-dir/b.json: the folder /nonexistent-dir does not exist"),
 ])
 def test_errors_are_one_line_without_traceback(tiny, args, needle):
-    args = [tiny if a == "TINY" else a for a in args]
+    _assert_one_line_error([tiny if a == "TINY" else a for a in args], needle)
+
+
+def _assert_one_line_error(args, needle):
     r = runner.invoke(app, args)
     assert r.exit_code == 1
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -90,3 +107,80 @@ def test_run_session_file_continues_the_conversation(tiny, tmp_path, monkeypatch
     assert n2 > n1
     bad = runner.invoke(app, base[:-1] + ["talk.session", "hi"])
     assert bad.exit_code == 1 and "a file is a path (./talk.session) or ends in .edgesess" in bad.stderr
+
+
+
+@pytest.mark.parametrize("args", [
+    ["bench", "--model", "TINY", "--prompt-tokens", "8", "--runs", "1", "--no-floor", "--json", "DIR"],
+    ["plan", "--model", "TINY", "--plot", "DIR"],
+    ["profile", "--quick", "--out", "DIR"],
+    ["quantize", "TINY", "--plan", "fast", "-o", "DIR"],
+])
+def test_an_output_path_that_is_a_directory_is_refused_before_the_work(tiny, tmp_path, args):
+    """(They wrote after the work, and raised IsADirectoryError; plan --plot DIR wrote DIR.png
+    beside the folder.)"""
+    flag = {"-o": "--out"}.get(args[args.index("DIR") - 1], args[args.index("DIR") - 1])
+    _assert_one_line_error([tiny if a == "TINY" else str(tmp_path) if a == "DIR" else a for a in args],
+                           f"{flag} {tmp_path}: is a directory; give a file path")
+    assert list(tmp_path.iterdir()) == [] and not tmp_path.with_suffix(".png").exists()
+
+
+def test_system_errors_are_one_line_too(tiny, tmp_path, monkeypatch):
+    """An OSError (here EDGELLM_HOME is a file, so the session cache cannot be made) prints one
+    line naming the path, not a traceback."""
+    home = tmp_path / "home"
+    home.write_text("not a folder")
+    monkeypatch.setenv("EDGELLM_HOME", str(home))
+    _assert_one_line_error(["run", "x", "--model", tiny, "-n", "2", "--session", "talk"], str(home))
+
+
+def test_a_full_disk_under_stdout_is_one_line(tiny):
+    import subprocess
+    import sys
+
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "edgellm.cli", "run", "hello", "--model", tiny, "-n", "4",
+                            "--temperature", "0", "--no-stats"], stdout=full, stderr=subprocess.PIPE, text=True,
+                           timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 1 and lines == ["edgellm: error: [Errno 28] No space left on device"], r.stderr
+
+
+def test_ctrl_c_before_a_command_runs_exits_130_quietly(monkeypatch, capsys):
+    from edgellm import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "app", interrupted)
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 130 and "Traceback" not in capsys.readouterr().err
+
+
+def test_session_never_overwrites_a_file_that_is_not_a_session(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    doc = tmp_path / "thesis.md"
+    doc.write_text("my thesis")
+    _assert_one_line_error(["run", "x", "--model", tiny, "-n", "2", "--session", str(doc)],
+                           f"--session {doc}: exists and is not an edgellm session file")
+    assert doc.read_text() == "my thesis"
+    _assert_one_line_error(["run", "x", "--model", tiny, "-n", "2", "--session", str(tmp_path / "no" / "s.edgesess")],
+                           f"the folder {tmp_path / 'no'} does not exist")
+
+
+def test_a_chat_session_continues_only_as_a_chat(tiny, tmp_path, monkeypatch):
+    """A session keeps its mode: continuing a --chat session as plain text (or the other way
+    round) dropped the saved conversation and overwrote it."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    chat, text = str(tmp_path / "c.edgesess"), str(tmp_path / "t.edgesess")
+    base = ["run", "--model", tiny, "-n", "3", "--temperature", "0"]
+    assert runner.invoke(app, base + ["hi", "--chat", "--session", chat]).exit_code == 0
+    assert runner.invoke(app, base + ["hi", "--session", text]).exit_code == 0
+    before = open(chat, "rb").read()
+    _assert_one_line_error(base + ["more", "--session", chat],
+                           f"--session {chat} holds a chat: continue it with --chat")
+    _assert_one_line_error(base + ["more", "--chat", "--session", text], "holds plain text: continue it without --chat")
+    assert open(chat, "rb").read() == before
+    r = runner.invoke(app, base + ["more", "--chat", "--session", chat])
+    assert r.exit_code == 0 and "[session: continuing" in r.stderr

