@@ -14,7 +14,6 @@ its priorities.
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 from typing import Iterator, Sequence
@@ -24,8 +23,6 @@ from .errors import ConfigError, EdgeLLMError
 from .generation import Generation, GenerationStats
 from .model.chat_template import ChatTemplate
 from .model.tokenizer import check_text
-
-_DONE = object()
 
 
 class Request:
@@ -41,7 +38,11 @@ class Request:
         self.cancel_token = CancelToken()
         self.stats = GenerationStats()
         self.error: BaseException | None = None
-        self._pieces: queue.Queue = queue.Queue()
+        # every piece so far, kept: any number of readers, each from the start, and result()
+        # after a stream (a queue let only the first reader see the end: the next one waited
+        # forever)
+        self._pieces: list[str] = []
+        self._cv = threading.Condition()
         self._done = threading.Event()
         self.gen: Generation | None = None
 
@@ -53,38 +54,49 @@ class Request:
         return self._done.is_set()
 
     def stream(self) -> Iterator[str]:
-        """Text pieces as the worker produces them; raises the request's error, if any."""
+        """Text pieces as the worker produces them, from the first (each call streams them all);
+        raises the request's error, if any."""
+        i = 0
         while True:
-            piece = self._pieces.get()
-            if piece is _DONE:
+            with self._cv:
+                self._cv.wait_for(lambda: i < len(self._pieces) or self._done.is_set())
+                new, done = self._pieces[i:], self._done.is_set()
+            i += len(new)
+            yield from new
+            if done and i == len(self._pieces):
                 break
-            yield piece
         if self.error is not None:
             raise self.error
 
     def result(self, timeout: float | None = None) -> str:
+        """The whole text (again on each call); TimeoutError when not finished within timeout."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
-        return "".join(self.stream())
+        if self.error is not None:
+            raise self.error
+        return "".join(self._pieces)
 
     def _put(self, piece: str | None) -> None:
         if piece:
-            self._pieces.put(piece)
+            with self._cv:
+                self._pieces.append(piece)
+                self._cv.notify_all()
 
     def _finish(self, error: BaseException | None = None) -> None:
         self.error = error
         if self.gen is not None:
             self.stats = self.gen.stats
-        self._pieces.put(_DONE)
-        self._done.set()
+        with self._cv:
+            self._done.set()
+            self._cv.notify_all()
 
 
 class Scheduler:
     def __init__(self, engine, *, chunk: int = 128, policy: str = "interleave"):
         if policy not in ("interleave", "fifo"):
             raise ConfigError(f"policy must be 'interleave' or 'fifo', got {policy!r}")
-        if chunk < 1:
-            raise ConfigError(f"chunk must be >= 1, got {chunk}")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ConfigError(f"chunk must be an integer >= 1, got {chunk!r}")
         self.engine = engine
         self.chunk = chunk
         self.policy = policy
@@ -104,6 +116,8 @@ class Scheduler:
 
         if (prompt is None) == (messages is None):
             raise ConfigError("submit needs exactly one of prompt or messages")
+        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or priority != priority:
+            raise ConfigError(f"priority must be a number (higher goes first), got {priority!r}")
         if messages is not None:
             ChatTemplate.check_messages(messages)
         else:

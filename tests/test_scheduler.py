@@ -162,3 +162,30 @@ def test_bad_submissions(engine):
             s.submit(messages=[{"role": "user"}])
     with pytest.raises(ConfigError):
         s.submit("after close")
+
+
+def test_a_requests_text_can_be_read_any_number_of_times(engine):
+    """result() again, result() after stream(), two streams: each gives the whole text (the
+    pieces were a queue: the second reader waited forever, whatever its timeout)."""
+    with Scheduler(engine, chunk=4) as s:
+        r = s.submit("hello world", **GREEDY)
+        text = r.result(timeout=30)
+        assert r.result(timeout=1) == text == "".join(r.stream()) == "".join(r.stream())
+        r2 = s.submit("hello world", **GREEDY)
+        streamed = "".join(r2.stream())
+        assert streamed == text and r2.result(timeout=1) == text
+
+
+@pytest.mark.parametrize("priority", ["high", None, float("nan"), True])
+def test_a_priority_that_is_not_a_number_is_refused_at_submit(engine, priority):
+    """(It was accepted, and the worker died sorting by it: every request then hung.)"""
+    with Scheduler(engine) as s:
+        with pytest.raises(ConfigError, match="priority must be a number"):
+            s.submit("hello", priority=priority, **GREEDY)
+        assert s.submit("hello", priority=2.5, **GREEDY).result(timeout=30)
+
+
+@pytest.mark.parametrize("chunk", [2.5, "4", 0, True])
+def test_a_chunk_that_is_not_a_positive_integer_is_refused(engine, chunk):
+    with pytest.raises(ConfigError, match="chunk must be an integer >= 1"):
+        Scheduler(engine, chunk=chunk)
