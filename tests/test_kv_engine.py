@@ -248,3 +248,20 @@ def test_cancelled_ring_prefill_leaves_a_usable_engine(tiny_path, held):
     assert e.last_stats.stop_reason == "cancelled"
     p = text_of(e, 30, seed=14)
     assert e.generate(p, max_tokens=6, **GREEDY) == fresh.generate(p, max_tokens=6, **GREEDY)
+
+
+def test_clear_cache_while_a_ring_request_streams_lets_it_finish_then_forgets(tiny_path):
+    """A "new chat" while an answer streams on a ring engine: the answer is what it is alone (the
+    ring was freed under it), and the next request starts from an empty ring."""
+    kw = dict(kv="ring", window=48, sinks=4)
+    e, fresh = load(tiny_path, **kw), load(tiny_path, **kw)
+    prompt = text_of(e, 20, seed=11)
+    alone = fresh.generate(prompt, max_tokens=40, **GREEDY)
+    it = e.stream(prompt, max_tokens=40, **GREEDY)
+    got = next(it) + next(it)
+    e.clear_cache()
+    got += "".join(it)
+    assert got == alone
+    assert e.kv.history == [] and e.kv.ring.total_tokens == 0
+    assert e.generate(prompt, max_tokens=8, **GREEDY) == fresh.generate(prompt, max_tokens=8, **GREEDY)
+    assert e.last_stats.cached_tokens == 0

@@ -151,6 +151,7 @@ class RingStore:
         self.ring = RingKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv.window, kv.sinks, kv.precision)
         self.history: list[int] = []               # every token id the ring has taken, in order
         self.ring_open = False                     # a request holds self.ring (opened, not closed)
+        self._forget = False                       # clear() while held: forget the ring at close
         self._cfg = cfg
 
     @property
@@ -183,11 +184,17 @@ class RingStore:
             seq.free()
             return
         self.ring_open = False
+        keep, self._forget = keep and not self._forget, False
         self.history = [int(t) for t in token_ids[: seq.total_tokens]] if keep else []
         if not keep:
             seq.free()
 
     def clear(self) -> None:
+        """Forget the conversation. While a request holds the ring it finishes on its KV, and the
+        ring is forgotten when it closes (freeing it under the request corrupted its answer)."""
+        if self.ring_open:
+            self._forget = True
+            return
         self.ring.free()
         self.history = []
 
