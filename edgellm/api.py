@@ -165,7 +165,8 @@ class Engine:
         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop). Options are validated
         here, before the first piece is asked for."""
         check_text(prompt, "prompt")
-        return self._stream(lambda: prompt, time.perf_counter(), generation_config(config, **kwargs), cancel)
+        return self._stream(lambda: prompt, time.perf_counter(), generation_config(config, **kwargs),
+                            self._cancel_token(cancel))
 
     def generate(self, prompt: str, **kwargs) -> str:
         return "".join(self.stream(prompt, **kwargs))
@@ -177,9 +178,20 @@ class Engine:
         t0 = time.perf_counter()
         cfg = generation_config(config, **kwargs)
         ChatTemplate.check_messages(messages)
-        return self._stream(lambda: self.render_chat(messages), t0, cfg, cancel)
+        return self._stream(lambda: self.render_chat(messages), t0, cfg, self._cancel_token(cancel))
 
-    def _stream(self, text_fn, t0: float, cfg: GenerationConfig, cancel: CancelToken | None) -> Iterator[str]:
+    def _cancel_token(self, cancel: CancelToken | None) -> CancelToken:
+        """The request's token: the caller's as it is (one cancelled before the request starts
+        cancels it), else the engine's own, reset now, when the request is made, so an
+        engine.cancel() from then on (before the first piece is asked for, too) stops it."""
+        if cancel is None:
+            cancel = self._cancel
+            cancel.reset()
+        elif not isinstance(cancel, CancelToken):
+            raise ConfigError(f"cancel: expected an edgellm.engine.CancelToken, found {type(cancel).__name__}")
+        return cancel
+
+    def _stream(self, text_fn, t0: float, cfg: GenerationConfig, cancel: CancelToken) -> Iterator[str]:
         ids = self.tokenize(text_fn())
         yield from self._generate_ids(ids, cfg, cancel, t0, time.perf_counter())
 
@@ -283,8 +295,6 @@ class Engine:
 
     def _generate_ids(self, ids: list[int], cfg: GenerationConfig, cancel: CancelToken | None,
                       t0: float, t_tok: float) -> Iterator[str]:
-        cancel = cancel or self._cancel
-        cancel.reset()
         gen = Generation(self, ids, cfg, cancel, t0, t_tok)
         self.last_stats = gen.stats
         try:

@@ -82,6 +82,24 @@ def test_cancel_before_first_token_returns_nothing_and_engine_reusable(engine):
     assert again.startswith(first) or first.startswith(again[: len(first)])
 
 
+def test_a_cancel_before_the_request_starts_is_honoured(engine):
+    """A caller's token cancelled already, or engine.cancel() between stream() and the first
+    piece: the request ends as cancelled with nothing (the token was reset when the generation
+    started, so both ran to the end). The engine's own token starts afresh with each request."""
+    tok = CancelToken()
+    tok.cancel()
+    assert engine.generate("hello world", max_tokens=8, temperature=0, cancel=tok) == ""
+    assert engine.last_stats.stop_reason == "cancelled" and engine.last_stats.generated_tokens == 0
+    assert tok.cancelled
+    it = engine.stream("hello world", max_tokens=8, temperature=0)
+    engine.cancel()
+    assert "".join(it) == "" and engine.last_stats.stop_reason == "cancelled"
+    assert engine.generate("hello world", max_tokens=3, temperature=0, ignore_eos=True)
+    assert engine.last_stats.stop_reason == "max_tokens"
+    with pytest.raises(ConfigError, match="cancel: expected an edgellm.engine.CancelToken, found int"):
+        engine.stream("hello", cancel=5)
+
+
 def test_engine_cancel_from_other_thread(engine):
     # the cancel arrives from another thread after the first piece; decode stops at the next token
     pieces = []
