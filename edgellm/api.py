@@ -33,9 +33,9 @@ from .model.prefault import enabled_by_env
 from .model.prefault import start as start_prefault
 from .model.registry import resolve_model
 from .model.chat_template import ChatTemplate
-from .model.tokenizer import check_text
+from .model.tokenizer import check_text, check_token_ids
 from .quality_guard import QualityGuard
-from .sampling import SamplingConfig
+from .sampling import SamplingConfig, StopChecker
 
 DEFAULT_CTX = 2048
 MAX_THREADS = 256   # the native pool's bound (neon/threadpool.c EL_POOL_MAX_THREADS)
@@ -147,7 +147,7 @@ class Engine:
         return self.tokenizer.encode(text, add_bos=add_bos)
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(check_token_ids(ids, self.config.vocab_size))
 
     def render_chat(self, messages: Sequence[dict]) -> str:
         return self.template.render(messages)
@@ -200,6 +200,7 @@ class Engine:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced next-token logits, (len(token_ids), vocab) float32, from an empty cache."""
+        token_ids = check_token_ids(token_ids, self.config.vocab_size)
         with self.turn():
             seq = self._new_sequence()
             try:
@@ -262,6 +263,10 @@ class Engine:
     def save_session(self, path: str | os.PathLike, meta: dict | None = None) -> int:
         """Write the last conversation (token ids and KV) atomically; returns its token count.
         `meta` (JSON-able, e.g. the chat messages) comes back as session_meta on load."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"save_session: expected a file path, found {type(path).__name__}")
+        if meta is not None and not isinstance(meta, dict):
+            raise ConfigError(f"save_session: meta must be a dict (JSON-able), found {type(meta).__name__}")
         why = foreign_file(path)
         if why is not None:   # never replace a user's file given as the session by mistake
             raise ConfigError(f"{path}: {why}; save_session writes only new files or session files")
@@ -277,6 +282,8 @@ class Engine:
     def load_session(self, path: str | os.PathLike) -> bool:
         """Restore a saved conversation; the next prompt that extends it continues in place. A
         missing, stale or corrupt file is a cache miss (False, one warning line), never an error."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError(f"load_session: expected a file path, found {type(path).__name__}")
         data = read_session(path, max_tokens=self.n_ctx - 1, **self._session_keys())
         if data is None:
             return False
@@ -308,17 +315,28 @@ class Engine:
 
 def generation_config(config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:
     """`config` with keyword overrides, validated (ConfigError naming the bad option)."""
+    if config is not None and not isinstance(config, GenerationConfig):
+        raise ConfigError(f"config: expected an edgellm.GenerationConfig, found {type(config).__name__}")
     cfg = config or GenerationConfig()
     unknown = set(kwargs) - set(GenerationConfig.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
     if "stop" in kwargs:
         s = kwargs["stop"]
-        kwargs["stop"] = (s,) if isinstance(s, str) else tuple(s or ())
+        if isinstance(s, str):
+            s = (s,)
+        elif s is None:
+            s = ()
+        elif not isinstance(s, (list, tuple, set, frozenset)):
+            raise ConfigError(f"stop: expected a string or a list of strings, found {type(s).__name__}")
+        kwargs["stop"] = tuple(s)
     cfg = replace(cfg, **kwargs)
-    if not isinstance(cfg.max_tokens, int) or cfg.max_tokens < 1:
+    if isinstance(cfg.max_tokens, bool) or not isinstance(cfg.max_tokens, int) or cfg.max_tokens < 1:
         raise ConfigError(f"max_tokens must be an integer >= 1, got {cfg.max_tokens!r}")
+    if not isinstance(cfg.ignore_eos, bool):
+        raise ConfigError(f"ignore_eos must be True or False, got {cfg.ignore_eos!r}")
     cfg.sampling()  # validates the sampling parameters with named errors
+    StopChecker(cfg.stop)  # and the stop strings, here rather than at the first piece
     return cfg
 
 

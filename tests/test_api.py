@@ -184,6 +184,28 @@ def test_save_session_never_replaces_a_file_that_is_not_a_session(engine, tmp_pa
     assert engine.save_session(sess) == n and sess.read_bytes()[:8] == b"EDGESESS"
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda e: e.stream("hi", stop=""), "sampling.stop: expected non-empty strings, found ''"),
+    (lambda e: e.stream("hi", stop=123), "stop: expected a string or a list of strings, found int"),
+    (lambda e: e.stream("hi", config=5), "config: expected an edgellm.GenerationConfig, found int"),
+    (lambda e: e.stream("hi", ignore_eos="yes"), "ignore_eos must be True or False"),
+    (lambda e: e.stream("hi", max_tokens=True), "max_tokens must be an integer >= 1, got True"),
+    (lambda e: e.logits(["a"]), r"token ids\[0\]: expected an integer token id, found 'a'"),
+    (lambda e: e.logits(None), "token ids: expected a sequence of integer token ids, found NoneType"),
+    (lambda e: e.logits([1.7]), r"token ids\[0\]: expected an integer token id, found 1.7"),
+    (lambda e: e.logits([2**63]), "token id 9223372036854775808 outside the vocabulary"),
+    (lambda e: e.detokenize("abc"), "token ids: expected a sequence of integer token ids, found str"),
+    (lambda e: e.detokenize([1.5]), r"token ids\[0\]: expected an integer token id, found 1.5"),
+    (lambda e: e.load_session(5), "load_session: expected a file path, found int"),
+    (lambda e: e.save_session("/tmp/x.edgesess", meta=[1, 2]), "save_session: meta must be a dict"),
+])
+def test_bad_arguments_are_config_errors_named_up_front(engine, call, message):
+    """Each was a TypeError, ValueError, OverflowError or AttributeError from deep inside, a
+    stop string checked only at the first piece, or a float id silently truncated."""
+    with pytest.raises(ConfigError, match=message):
+        call(engine)
+
+
 def test_a_bad_chat_template_fails_the_first_chat_not_the_load(tmp_path):
     # the template compiles on first use (jinja2 stays out of completion-only processes); until
     # then the model completes text, and a chat then names the field

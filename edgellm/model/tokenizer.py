@@ -389,6 +389,21 @@ def check_text(text, what: str = "text") -> None:
         raise ConfigError(f"{what}: expected a str, found {type(text).__name__}{hint}")
 
 
+def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> list[int]:
+    """ids as a list of ints inside the vocabulary: a ConfigError naming what is not a token id
+    (a str, a float that would be truncated, None), TokenIdError for an id outside."""
+    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
+        raise ConfigError(f"{what}: expected a sequence of integer token ids, found {type(ids).__name__}")
+    out = []
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ConfigError(f"{what}[{i}]: expected an integer token id, found {t!r}")
+        if not 0 <= t < vocab_size:
+            raise TokenIdError(f"token id {t} outside the vocabulary (0..{vocab_size - 1})")
+        out.append(int(t))
+    return out
+
+
 # --- metadata helpers ----------------------------------------------------------------------------
 def _raise_if_surrogate(text: str) -> None:
     """A lone surrogate (U+D800..U+DFFF: a str Python allows, but not Unicode text) is a
