@@ -201,13 +201,22 @@ class Engine:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced next-token logits, (len(token_ids), vocab) float32, from an empty cache."""
         token_ids = check_token_ids(token_ids, self.config.vocab_size)
+        if len(token_ids) > self.n_ctx:
+            raise ContextFull(f"logits: {len(token_ids)} token ids but the context holds {self.n_ctx} "
+                              f"(raise n_ctx / --ctx)")
+        ids = np.asarray(token_ids, dtype=np.int64)
         with self.turn():
-            seq = self._new_sequence()
-            try:
-                return self.runner.forward(seq, np.asarray(token_ids, dtype=np.int64),
-                                           all_logits=True).astype(np.float32)
-            finally:
-                seq.free()
+            for retry in (False, True):
+                seq = self._new_sequence()
+                try:
+                    return self.runner.forward(seq, ids, all_logits=True).astype(np.float32)
+                except ContextFull:
+                    # the kept conversation holds the room: let it go (its full blocks stay in the
+                    # prefix cache) and try once more
+                    if retry or not self.kv.release_last():
+                        raise
+                finally:
+                    seq.free()
 
     def _new_sequence(self):
         return self.kv.new_sequence()

@@ -74,10 +74,6 @@ class Generation:
         self.stopper = StopChecker(cfg.stop)
         self.decoder = engine.tokenizer.decoder()
         self.history = list(ids)
-        with engine.turn():
-            self.seq, cached = engine._open_sequence(ids)
-        self.stats.cached_tokens = cached
-        self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
         self.last_tok: int | None = None
         self.t_first: float | None = None
         self._t_step: float | None = None      # when the last decode step began (decode runs' length)
@@ -86,6 +82,11 @@ class Generation:
         self.done = False
         guard = getattr(engine, "quality_guard", None)
         self.guard = GuardState(guard, engine.runner) if guard is not None else None
+        # last: nothing after it may fail and leave the sequence open
+        with engine.turn():
+            self.seq, cached = engine._open_sequence(ids)
+        self.stats.cached_tokens = cached
+        self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
 
     @property
     def in_prefill(self) -> bool:

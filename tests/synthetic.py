@@ -133,7 +133,8 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama",
                      qkv_bias: bool | None = None, context_length: int = 256,
                      rope_freq_base: float = 10000.0, rms_eps: float = 1e-5,
                      extra_metadata: dict[str, Any] | None = None,
-                     omit: Iterable[str] = ()) -> TinyModel:
+                     omit: Iterable[str] = (), tensor_types: dict[str, QT] | None = None,
+                     head_dim: int | None = None) -> TinyModel:
     """Writes a valid small Llama-family GGUF and returns its description.
 
     vocab_size None: 3 specials + 256 bytes + the base merges (310 tokens). qkv_bias None means
@@ -141,12 +142,15 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama",
     out of range), float -> FLOAT32, str, list -> ARRAY), or key -> (value, GGUFValueType) or
     (value, ARRAY, element type); it overrides generated keys. "general.alignment" given as a
     plain int also sets the writer's data alignment. omit: tensor names or metadata keys to leave
-    out (general.architecture included)."""
+    out (general.architecture included). tensor_types: name suffix (e.g. "attn_v.weight") -> the
+    type of the matrices it ends, in place of tensor_type (a llama.cpp-style per-tensor mix).
+    head_dim: other than d_model / n_heads, written as attention.key_length / value_length."""
     if qkv_bias is None:
         qkv_bias = arch == "qwen2"
     tensor_type = QT(tensor_type)
-    head_dim = d_model // n_heads
-    if head_dim * n_heads != d_model or n_heads % n_kv_heads:
+    own_head_dim = head_dim is not None and head_dim * n_heads != d_model
+    head_dim = head_dim or d_model // n_heads
+    if (head_dim * n_heads != d_model and not own_head_dim) or n_heads % n_kv_heads:
         raise ValueError("d_model must be divisible by n_heads, n_heads by n_kv_heads")
     if tensor_type in QUANT_TYPES:
         block = gguf.GGML_QUANT_SIZES[tensor_type][0]
@@ -176,6 +180,9 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama",
     put(f"{arch}.rope.freq_base", float(rope_freq_base), VT.FLOAT32)
     put(f"{arch}.attention.layer_norm_rms_epsilon", float(rms_eps), VT.FLOAT32)
     put(f"{arch}.rope.dimension_count", head_dim, VT.UINT32)
+    if own_head_dim:
+        put(f"{arch}.attention.key_length", head_dim, VT.UINT32)
+        put(f"{arch}.attention.value_length", head_dim, VT.UINT32)
     put("tokenizer.ggml.model", "gpt2", VT.STRING)
     put("tokenizer.ggml.pre", "smollm", VT.STRING)
     put("tokenizer.ggml.tokens", tokens, VT.ARRAY, VT.STRING)
@@ -238,12 +245,13 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama",
     for name, w in weights.items():
         if name in omit:
             continue
-        if w.ndim == 1 or tensor_type == QT.F32:
+        t = next((QT(v) for suf, v in (tensor_types or {}).items() if name.endswith(suf)), tensor_type)
+        if w.ndim == 1 or t == QT.F32:
             writer.add_tensor(name, w)
-        elif tensor_type == QT.F16:
+        elif t == QT.F16:
             writer.add_tensor(name, w.astype(np.float16))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(w, tensor_type), raw_dtype=tensor_type)
+            writer.add_tensor(name, gguf.quants.quantize(w, t), raw_dtype=t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

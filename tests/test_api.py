@@ -206,6 +206,20 @@ def test_bad_arguments_are_config_errors_named_up_front(engine, call, message):
         call(engine)
 
 
+def test_logits_after_a_generation_fills_most_of_the_context(tmp_path):
+    """The finished conversation the engine keeps for the next turn held the room logits()
+    needed: ContextFull 'held by live sequences' with no request live. It lets it go now; more
+    ids than the context holds say so."""
+    tm = write_tiny_model(tmp_path / "t.gguf", seed=2)
+    eng = edgellm.load(tm.path, n_ctx=64, threads=1)
+    ids = list(range(10, 40))
+    want = eng.logits(ids)
+    eng.generate("hello", max_tokens=40, temperature=0, ignore_eos=True)
+    np.testing.assert_array_equal(eng.logits(ids), want)
+    with pytest.raises(ContextFull, match="logits: 65 token ids but the context holds 64"):
+        eng.logits(list(range(10, 75)))
+
+
 def test_a_bad_chat_template_fails_the_first_chat_not_the_load(tmp_path):
     # the template compiles on first use (jinja2 stays out of completion-only processes); until
     # then the model completes text, and a chat then names the field

@@ -16,10 +16,11 @@ import numpy as np
 from .. import quant
 from ..model import layout
 from ..model.config import ModelConfig
-from . import neon_lib
+from . import UnitFailed, neon_lib
 from .neon_lib import fptr
 
 NAME = "neon"
+MAX_HEAD_DIM = 512   # neon/attention.c EL_ATTN_MAX_HD and decode_step.c EL_DECODE_MAX_HD: stack scratch
 KIND = "cpu"
 # prepare() keeps views of the memory-mapped file: load() pages the mapping in (model/prefault.py)
 MAPS_WEIGHTS = True
@@ -185,16 +186,25 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
     def f32(name, shape):
         return quant.dequantize(model.raw(name), model.tensor_type(name), shape)
 
-    def mat(*parts: tuple[str, int], k: int) -> QMatrix:
+    def mat(*parts: tuple[str, int], k: int, op: str) -> QMatrix:
         types = {_type_name(model, n) for n, _ in parts}
         if len(types) != 1:
-            # a fused projection whose parts differ in format: kept as one format per call
-            raise ValueError(f"{[n for n, _ in parts]} mix weight types {sorted(types)}")
+            # a fused projection whose parts differ in format (one format per call): the op moves
+            # to another unit, said so, instead of the whole load failing
+            raise UnitFailed(NAME, f"{', '.join(n for n, _ in parts)} mix weight types {', '.join(sorted(types))}; "
+                                   "its fused matmul takes one", ops=(op,))
         return QMatrix.from_arrays(types.pop(), [model.raw(n) for n, _ in parts], [r for _, r in parts], k)
 
-    def proj(i: int, op: str) -> QMatrix:
+    def proj(i: int, op: str) -> QMatrix | None:
+        if ops is not None and op not in ops:
+            return None    # placed on another unit (this one may not take it: see mat)
         parts, k = layout.projection(cfg, i, op)
-        return mat(*parts, k=k)
+        return mat(*parts, k=k, op=op)
+
+    if ops is None or "attention" in ops:
+        if cfg.head_dim > MAX_HEAD_DIM:
+            raise UnitFailed(NAME, f"head_dim {cfg.head_dim} is above its attention's {MAX_HEAD_DIM}",
+                             ops=("attention",))
 
     layers = []
     for i in range(cfg.n_layers):
@@ -211,7 +221,7 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
     return PreparedWeights(
         embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
         layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)),
-        lm_head=mat((head, cfg.vocab_size), k=d))
+        lm_head=mat((head, cfg.vocab_size), k=d, op="lm_head"))
 
 
 def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:

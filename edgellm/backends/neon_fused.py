@@ -30,6 +30,7 @@ from ctypes import c_float, c_int, c_void_p
 
 import numpy as np
 
+from ..errors import EdgeLLMError
 from ..heap import release_free_pages
 from ..model.config import ModelConfig
 from . import neon
@@ -39,7 +40,7 @@ _ERRORS = {-1: "EL_EINVAL (an argument is out of range)", -2: "EL_ENOMEM", -3: "
            -4: "EL_ENONFINITE (logits with a NaN or an infinite maximum)"}
 
 
-class DecodeStepError(RuntimeError):
+class DecodeStepError(EdgeLLMError, RuntimeError):
     """el_decode_step refused its arguments (nothing was written) or the model cannot be fused."""
 
 

@@ -100,10 +100,17 @@ class PoolStore:
             seq.free()
 
     def clear(self) -> None:
-        if self.last is not None:
-            self.last.free()
-            self.last = None
+        self.release_last()
         self.prefix.clear()
+
+    def release_last(self) -> bool:
+        """Frees the kept last conversation (its full blocks stay in the prefix cache, evictable);
+        True when there was one."""
+        if self.last is None:
+            return False
+        self.last.free()
+        self.last = None
+        return True
 
     def snapshot(self) -> tuple[list[int], dict[str, np.ndarray]]:
         """The last conversation's token ids and KV, (layers, n, kv_heads, head_dim) each, in
@@ -188,6 +195,9 @@ class RingStore:
         self.history = [int(t) for t in token_ids[: seq.total_tokens]] if keep else []
         if not keep:
             seq.free()
+
+    def release_last(self) -> bool:
+        return False   # (a second sequence is a ring of its own: it takes no room from this one)
 
     def clear(self) -> None:
         """Forget the conversation. While a request holds the ring it finishes on its KV, and the

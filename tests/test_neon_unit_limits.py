@@ -1,0 +1,41 @@
+"""Models the neon unit can take only in part: the ops it cannot run move to the next best unit
+at load, the plan says why, and the text is the reference unit's. (Both loads failed with an
+untyped error before: a ValueError, a DecodeStepError.)"""
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import edgellm
+from edgellm.backends.neon_fused import DecodeStepError
+from edgellm.errors import EdgeLLMError
+from tests.synthetic import write_tiny_model
+
+GREEDY = dict(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _load_both(path):
+    return edgellm.load(path, n_ctx=64, threads=1), edgellm.load(path, n_ctx=64, threads=1, units=["reference"])
+
+
+@pytest.mark.parametrize("mix, op", [({"attn_v.weight": QT.Q8_0}, "qkv"),
+                                     ({"ffn_up.weight": QT.Q4_1}, "ffn_gate_up")])
+def test_a_fused_projection_of_mixed_weight_types_runs_elsewhere(tmp_path, mix, op):
+    """A Q4_0 file whose attn_v is Q8_0 (the kind of per-tensor mix llama.cpp's quantizers
+    write): neon's fused matmul takes one type per call, so that op moves, said so."""
+    tm = write_tiny_model(tmp_path / "mix.gguf", tensor_type=QT.Q4_0, seed=4, tensor_types=mix)
+    eng, ref = _load_both(tm.path)
+    assert {ph[op] for ph in eng.runner.placement.values()} == {"reference"}
+    assert any(f"unit neon rejected {op} at load" in w and "mix weight types" in w for w in eng.plan.warnings)
+    assert eng.generate("hello world", **GREEDY) == ref.generate("hello world", **GREEDY)
+
+
+def test_a_head_dim_above_neons_attention_bound_runs_attention_elsewhere(tmp_path):
+    tm = write_tiny_model(tmp_path / "hd.gguf", d_model=64, n_heads=2, n_kv_heads=1, head_dim=640, n_layers=1,
+                          seed=5)
+    eng, ref = _load_both(tm.path)
+    assert {ph["attention"] for ph in eng.runner.placement.values()} == {"reference"}
+    assert any("head_dim 640 is above its attention's 512" in w for w in eng.plan.warnings)
+    assert eng.generate("hello world", **GREEDY) == ref.generate("hello world", **GREEDY)
+
+
+def test_the_native_steps_refusals_are_typed():
+    assert issubclass(DecodeStepError, EdgeLLMError)   # the CLI prints it as one line
