@@ -213,6 +213,9 @@ class Dispatcher:
         self.probe, self.kv_bytes = probe, kv_bytes
         self.units = tuple(units) if units is not None else build_units(profile, probe=probe, threads=threads)
         names = [u.name for u in self.units]
+        if override is not None and (isinstance(override, (str, bytes)) or not hasattr(override, "__iter__")
+                                     or not all(isinstance(n, str) for n in override)):
+            raise ConfigError(f"units: expected a list of unit names ({', '.join(names)}), found {override!r}")
         self.override = tuple(override) if override else None
         if self.override:
             bad = [n for n in self.override if n not in names]
@@ -363,6 +366,7 @@ class Dispatcher:
                 tail_note = (f"in the fused {what}'s native call on {home} (the output norm and head on the "
                              f"last row, no call of their own): {tail[0]:.4f} ms vs {h_ms:.4f} ms as separate calls")
                 h_ms, h_path, h_opts = tail
+        lpath, swiglu_note = self._swiglu_with_its_ffn(lops, list(lpath), lopts)
         placements = []
         for ops, path, opts, start, note in (([emb], e_path, e_opts, e_home, lead_note),
                                              (lops, lpath, lopts, home, fused_note),
@@ -372,9 +376,32 @@ class Dispatcher:
                 p = self._placement(op, phase, tokens, u, prev, ok, no)
                 if note:
                     p = replace(p, reason=f"{note}; alone: {p.reason}")
+                if op.name == "swiglu" and swiglu_note:
+                    p = replace(p, reason=f"{swiglu_note}; {p.reason}")
                 placements.append(p)
                 prev = u
         return PhasePlan(phase, tokens, context, tuple(placements), layer_ms, e_ms + h_ms, self.cfg.n_layers)
+
+    def _swiglu_with_its_ffn(self, lops, lpath: list, lopts) -> tuple[list, str]:
+        """An NPU runs swiglu only inside its FFN subgraph, which needs both FFN projections on
+        it: on a path that puts either elsewhere, swiglu goes where ffn_gate_up is (its input),
+        else to its fastest other unit, and says why (the plan showed it on the NPU while it ran
+        on the host)."""
+        names = [op.name for op in lops]
+        if not {"swiglu", "ffn_gate_up", "ffn_down"} <= set(names):
+            return lpath, ""
+        i, gu, dn = names.index("swiglu"), lpath[names.index("ffn_gate_up")], lpath[names.index("ffn_down")]
+        u = lpath[i]
+        if self.unit(u).kind != "npu" or gu == u == dn:
+            return lpath, ""
+        ok = lopts[i][0]
+        alt = gu if gu in ok else min((n for n in ok if self.unit(n).kind != "npu"), key=lambda n: ok[n].ms,
+                                      default=None)
+        if alt is None:
+            return lpath, ""
+        lpath[i] = alt
+        return lpath, (f"{u} runs swiglu only inside its FFN subgraph, with ffn_gate_up and ffn_down on it "
+                       f"(here on {gu} and {dn}): on {alt}")
 
     def _fused_step(self, lops, phase, tokens, context):
         """A unit with a native layer step (a decode token or a prefill chunk) runs every layer

@@ -425,3 +425,10 @@ def test_the_embedding_joins_the_fused_step_as_its_lead():
         assert "as a separate call" in emb.reason
     (emb,) = [q for q in unfused.decode.placements if q.op == "embedding"]
     assert emb.unit == "reference" and "native call" not in emb.reason
+
+
+@pytest.mark.parametrize("units", [[None], [1], 5, "neon"])
+def test_units_that_are_not_a_list_of_names_are_a_config_error(units):
+    """(A TypeError while the error message itself was formatted.)"""
+    with pytest.raises(ConfigError, match="units: expected a list of unit names"):
+        Dispatcher(soc(), CFG, Q41, probe=False, override=units)

@@ -137,3 +137,55 @@ def test_healthy_unit_runs_the_projections(tmp_path, monkeypatch, tiny, runtime)
     # int8 weights per channel and int8 activations per row: ~1e-4 per projection, compounding
     print(f"\n[npu {runtime}] logits NMSE vs the fp32 reference: {nmse:.2e}")
     assert nmse < 1e-2, nmse
+
+
+def _profile(tmp_path, name, **npu_kw):
+    kw = dict(peaks={"int8": 4e12}, providers=("CPUExecutionProvider",), buckets=(32,))
+    kw.update(npu_kw)
+    n = Npu(name, kw["peaks"], kw["providers"], None, True, kw["buckets"], frozenset({"matmul"}), 300e-6, 100e-6)
+    return str(write_profile(replace(estimate_host_profile(), name=name, npu=n), tmp_path / f"{name}.yaml"))
+
+
+def test_a_second_engine_with_another_npu_leaves_the_first_one_working(tmp_path, monkeypatch, tiny, caplog):
+    """The unit's state is the process's: a second engine whose profile names another NPU used to
+    switch it under the first, whose every later request then failed. The second engine now sees
+    the unit unavailable, with the reason, and runs on the CPU."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", "onnx")
+    path, cpu_text = tiny
+    a = edgellm.load(path, device=_profile(tmp_path, "first"), n_ctx=128, units=["npu", "reference"])
+    assert "npu" in a.plan.units_used()
+    text_a = a.generate("hello", max_tokens=6, temperature=0)
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        b = edgellm.load(path, device=_profile(tmp_path, "second", buckets=(64,)), n_ctx=128, units=["npu", "reference"])
+    assert "npu" not in b.plan.units_used()
+    assert "it serves one NPU configuration per process" in caplog.text
+    assert b.generate("hello", max_tokens=6, temperature=0) == cpu_text
+    assert a.generate("hello", max_tokens=6, temperature=0) == text_a
+
+
+def test_a_float_projection_the_int8b_form_cannot_hold_moves_alone(tmp_path, monkeypatch):
+    """ONNX's int8b blocks need K a multiple of 32; an F16 model of width 40 raised a ValueError
+    from load. Now those ops move, said so, and the text is the CPU's."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", "onnx")
+    tm = write_tiny_model(tmp_path / "oddk.gguf", tensor_type=QT.F16, n_layers=1, d_model=40, n_heads=5,
+                          n_kv_heads=5, d_ff=72, seed=6)
+    prof = _profile(tmp_path, "fp16npu", peaks={"int8": 4e12, "fp16": 2e12})
+    eng = edgellm.load(tm.path, device=prof, n_ctx=64, units=["npu", "reference"])
+    assert any("int8b weights need K a multiple of 32" in w for w in eng.plan.warnings), eng.plan.warnings
+    ref = edgellm.load(tm.path, n_ctx=64, units=["reference"])
+    assert eng.generate("hi", max_tokens=4, temperature=0) == ref.generate("hi", max_tokens=4, temperature=0)
+
+
+def test_swiglu_is_planned_where_it_runs_when_the_npu_takes_no_ffn_projection(tmp_path, monkeypatch):
+    """An int8-only NPU and a float model: the NPU takes no projection, so swiglu (which it runs
+    only inside its FFN subgraph) is planned beside ffn_gate_up, with the reason; the plan said
+    npu while it ran on the host."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    tm = write_tiny_model(tmp_path / "f32.gguf", tensor_type=QT.F32, n_layers=2, seed=3)
+    eng = edgellm.load(tm.path, device=_profile(tmp_path, "int8npu"), n_ctx=128, units=["npu", "reference"])
+    for phase in (eng.plan.prefill, eng.plan.decode):
+        at = {p.op: p for p in phase.placements}
+        assert at["ffn_gate_up"].unit == at["swiglu"].unit == "reference"
+        assert "npu runs swiglu only inside its FFN subgraph" in at["swiglu"].reason

@@ -142,3 +142,14 @@ def test_norms_and_qkv_bias_are_resident_and_correct(home):
     assert isinstance(lw.attn_norm, opencl.ResidentVector) and isinstance(lw.bqkv, opencl.ResidentVector)
     got = eng.logits(ids)
     assert float(np.abs(got - ref).max()) < 1e-3 * float(np.abs(ref).max())
+
+
+def test_a_head_dim_above_the_attention_kernels_bound_moves_attention_alone(home):
+    """head_dim 512 (the kernel takes 256): load raised a ValueError from the warm-up; now the
+    attention moves, said so, and the text is the CPU's."""
+    tm = write_tiny_model(home / "hd.gguf", d_model=64, n_heads=2, n_kv_heads=1, head_dim=512, n_layers=1, seed=5)
+    eng = edgellm.load(tm.path, n_ctx=64, units=["opencl", "reference"])
+    assert any("head_dim 512 is above its attention kernel's 256" in w for w in eng.plan.warnings), eng.plan.warnings
+    assert {ph["attention"] for ph in eng.runner.placement.values()} == {"reference"}
+    ref = edgellm.load(tm.path, n_ctx=64, units=["reference"])
+    assert eng.generate("hello", max_tokens=6, temperature=0) == ref.generate("hello", max_tokens=6, temperature=0)

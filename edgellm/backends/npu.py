@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,16 +38,29 @@ SELF_CHECK_NMSE = 5e-4
 _MATMUL_OPS = {"qkv": "attn", "attn_out": "attn_out", "ffn_gate_up": "ffn", "ffn_down": "ffn_down",
                "lm_head": "head"}
 
-_state: dict = {"profile_npu": None, "probe": None, "runtime": None, "threads": None, "plan": None}
+_state: dict = {"profile_npu": None, "probe": None, "runtime": None, "threads": None, "plan": None,
+                "conflict": None}
 _lock = threading.Lock()
+# the weights prepared for live engines: while any is alive the process's NPU configuration (the
+# state above, which their subgraphs run under) must not change under them
+_live: "weakref.WeakValueDictionary[int, PreparedWeights]" = weakref.WeakValueDictionary()
 
 
 def use_profile(profile) -> None:
-    """The device profile's NPU section (providers, delegate, buckets): set before probing."""
+    """The device profile's NPU section (providers, delegate, buckets): set before probing. The
+    unit serves one NPU configuration per process: while an engine's weights use another, this
+    load sees the unit unavailable, with the reason (switching broke the first engine for good)."""
     npu = getattr(profile, "npu", None)
     with _lock:
-        if npu != _state["profile_npu"]:
-            _state.update(profile_npu=npu, probe=None, runtime=None)
+        _state["conflict"] = None
+        if npu == _state["profile_npu"]:
+            return
+        if len(_live):
+            old = getattr(_state["profile_npu"], "name", "another profile's NPU")
+            _state["conflict"] = (f"a live engine uses this process's NPU unit as {old}; it serves one NPU "
+                                  f"configuration per process")
+            return
+        _state.update(profile_npu=npu, probe=None, runtime=None)
 
 
 def use_plan(plan) -> None:
@@ -62,7 +76,8 @@ def configure(threads: int | None = None, cores=None) -> None:
 
 def reset() -> None:
     with _lock:
-        _state.update(profile_npu=None, probe=None, runtime=None)
+        _state.update(profile_npu=None, probe=None, runtime=None, conflict=None)
+        _live.clear()
 
 
 def _providers() -> tuple[str, ...]:
@@ -149,6 +164,8 @@ def available() -> tuple[bool, str]:
     """A runtime is importable, one of the profile's providers (or its delegate) loads, and an
     int8 subgraph matches the reference."""
     with _lock:
+        if _state["conflict"] is not None:
+            return False, _state["conflict"]
         if _state["probe"] is None:
             _state["probe"] = _probe()
         return _state["probe"]
@@ -250,7 +267,7 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
             return "fp16"
         return weight_format(mod)
 
-    def qlin(*parts: tuple[str, int], k: int, bias=None, fmt: str | None = None):
+    def qlin(*parts: tuple[str, int], k: int, bias=None, fmt: str | None = None, op: str = ""):
         w = np.concatenate([f32(n, (r, k)) for n, r in parts]) if len(parts) > 1 else f32(parts[0][0], (parts[0][1], k))
         fmt = fmt or weight_format(mod)
         if fmt == "int8s" and k % npu_graphs.INT8S_SLICE:
@@ -258,7 +275,10 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
             log.info("npu: %s has K = %d, not a multiple of %d: int8 per channel instead of int8s",
                      parts[0][0], k, npu_graphs.INT8S_SLICE)
             fmt = "int8"
-        q = npu_graphs.quantize(w, fmt, bias)
+        try:
+            q = npu_graphs.quantize(w, fmt, bias)
+        except ValueError as e:   # a shape the format cannot hold (int8b: K a multiple of 32): elsewhere
+            raise UnitFailed(NAME, f"{parts[0][0]}: {e}", ops=(op,) if op else ()) from e
         total[0] += q.q.nbytes + (q.scale.nbytes if q.scale is not None else 0)
         return q
 
@@ -276,7 +296,7 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
         if not need(op):
             return None
         parts, k = layout.projection(cfg, i, op)
-        return qlin(*parts, k=k, bias=bias, fmt=planned(i, op))
+        return qlin(*parts, k=k, bias=bias, fmt=planned(i, op), op=op)
 
     layers = []
     for i in range(cfg.n_layers):
@@ -296,12 +316,14 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
     lm = None
     if need("lm_head"):
         lm = linear("lm_head", "lm_head", qlin((layout.head_tensor(cfg), cfg.vocab_size), k=d,
-                                               fmt=planned(None, "lm_head")))
+                                               fmt=planned(None, "lm_head"), op="lm_head"))
     if progress:
         progress(steps, steps)
-    return PreparedWeights(
+    prepared = PreparedWeights(
         embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
         layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm, nbytes=total[0])
+    _live[id(prepared)] = prepared
+    return prepared
 
 
 def _ffn(label: str, gu, down, compiled, d: int) -> NpuMatrix:

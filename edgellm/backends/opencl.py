@@ -217,7 +217,7 @@ def prepare(model, precision: str = "fp32", progress=None, ops=None) -> Prepared
         types = {model.tensor_type(n).name for n, _ in parts}
         if len(types) != 1 or not types <= _TYPES:
             raise UnitFailed(NAME, f"{[n for n, _ in parts]}: the OpenCL kernels read one of {sorted(_TYPES)} "
-                             f"per projection, found {sorted(types)}")
+                             f"per projection, found {sorted(types)}", ops=(op,))
         try:
             m = opencl_matmul.pack(rt, types.pop(), [model.raw(n) for n, _ in parts], [r for _, r in parts], k)
         except (KernelBuildError, OpenCLUnavailable) as e:
@@ -255,6 +255,9 @@ def _warm_up(rt: ClRuntime, cfg: ModelConfig, ops) -> None:
 
     need = (lambda op: True) if ops is None else (lambda op: op in ops)
     H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    if need("attention") and hd > opencl_attention.MAX_HEAD_DIM:
+        raise UnitFailed(NAME, f"head_dim {hd} is above its attention kernel's {opencl_attention.MAX_HEAD_DIM}",
+                         ops=("attention",))
     x = np.ones((2, cfg.d_model), np.float32)
     try:
         if need("attn_norm") or need("ffn_norm") or need("output_norm"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +141,10 @@ class ClRuntime:
     timings: dict = field(default_factory=dict)   # kernel name -> [seconds]
     _programs: dict = field(default_factory=dict)
     _kernels: dict = field(default_factory=dict)
+    # launch's set_args + enqueue as one: the runtime (its cached kernel objects) is shared by
+    # every engine of the process, and two threads setting one kernel's arguments at once
+    # crashed PoCL or ran a kernel on the other thread's buffers
+    _launch_lock: object = field(default_factory=threading.Lock)
 
     @classmethod
     def create(cls, platform_hint: str | None = None, device_hint: str | None = None,
@@ -273,8 +278,9 @@ class ClRuntime:
     def launch(self, kernel, global_size, local_size, *args, name: str | None = None):
         """Set args, enqueue; with profiling on, the event's kernel time is recorded."""
         cl = _import_cl()
-        kernel.set_args(*args)
-        ev = cl.enqueue_nd_range_kernel(self.queue, kernel, global_size, local_size)
+        with self._launch_lock:
+            kernel.set_args(*args)
+            ev = cl.enqueue_nd_range_kernel(self.queue, kernel, global_size, local_size)
         if self.profiling:
             ev.wait()
             self.timings.setdefault(name or kernel.function_name, []).append(
