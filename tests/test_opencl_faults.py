@@ -153,3 +153,17 @@ def test_a_head_dim_above_the_attention_kernels_bound_moves_attention_alone(home
     assert {ph["attention"] for ph in eng.runner.placement.values()} == {"reference"}
     ref = edgellm.load(tm.path, n_ctx=64, units=["reference"])
     assert eng.generate("hello", max_tokens=6, temperature=0) == ref.generate("hello", max_tokens=6, temperature=0)
+
+
+def test_profile_notes_say_why_the_opencl_unit_was_skipped(home, monkeypatch):
+    """`edgellm profile` said "its probe found no such unit on this machine" whatever the cause;
+    its note now carries the unit's reason."""
+    from edgellm.device.probes import _unavailable_reason
+
+    monkeypatch.setenv("EDGELLM_OPENCL_PLATFORM", "zzz")
+    opencl.reset()
+    why = _unavailable_reason("opencl")
+    assert why is not None and "platform matching 'zzz'" in why
+    monkeypatch.delenv("EDGELLM_OPENCL_PLATFORM")
+    opencl.reset()
+    assert _unavailable_reason("opencl") is None

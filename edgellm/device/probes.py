@@ -445,6 +445,21 @@ register_probe("opencl", _probe_opencl)
 
 # ---- the whole run -------------------------------------------------------------------------------
 
+def _unavailable_reason(name: str) -> str | None:
+    """Why a unit's probe found nothing: the unit's own reason (a kernel that does not build, no
+    platform matching EDGELLM_OPENCL_PLATFORM, ...), when it gives one."""
+    from .. import backends
+
+    try:
+        mod, why = backends.get(name)
+        if mod is None:
+            return why
+        ok, why = mod.available()
+        return None if ok else why
+    except Exception:   # noqa: BLE001 - only a better note is lost
+        return None
+
+
 def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
                  progress: Progress | None = None, *, sizes: ProbeSizes | None = None) -> HostMeasurement:
     """Measure this machine and write the `host` profile to out_path (default:
@@ -508,7 +523,8 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
             with _on_cores(big, f"unit {name}", notes, must_pin=False):
                 got = fn(quick, len(big), sub)
             if got is None:
-                notes.append(f"unit {name}: skipped (its probe found no such unit on this machine)")
+                why = _unavailable_reason(name) or "its probe found no such unit on this machine"
+                notes.append(f"unit {name}: skipped ({why})")
             elif not isinstance(got, UnitMeasurement):
                 notes.append(f"unit {name}: skipped (its probe returned {type(got).__name__}, "
                              f"expected UnitMeasurement or None)")
