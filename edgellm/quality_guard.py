@@ -12,6 +12,7 @@ quality weights would be a second resident copy of the model).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -59,15 +60,23 @@ def uncertainty(logits: np.ndarray) -> tuple[float, float]:
     return ent, float(p.max())
 
 
+@functools.lru_cache(maxsize=8)
+def _quality_table(n_layers: int):
+    """The quality plan's compute table, one per layer count: the runner caches its per-layer
+    kwargs by table, so a fresh table per generation added a cache entry (~23 KB) per generation
+    for good, and parsed the preset again (~7 ms)."""
+    from .precision_runtime import all_fp32
+
+    return all_fp32(n_layers)
+
+
 class GuardState:
     """One generation's guard: observe() each decode step's logits; it sets and clears the
     runner's decode override and counts the switches."""
 
     def __init__(self, guard: QualityGuard, runner):
-        from .precision_runtime import all_fp32
-
         self.guard, self.runner = guard, runner
-        self.quality = all_fp32(runner.cfg.n_layers)
+        self.quality = _quality_table(runner.cfg.n_layers)
         self.left = 0          # steps still to run at the quality precision
         self.switches = 0
         self.steps = 0         # decode steps observed

@@ -207,6 +207,20 @@ def test_guard_in_the_engine_runs_decode_at_the_quality_precision(home, tiny):
     assert np.abs(_decode_logits(guarded, ids) - lq).max() < 1e-5
 
 
+def test_guarded_generations_do_not_grow_the_runners_kwargs_cache(home, tiny):
+    """Each generation's guard built its own quality table, and the runner caches per-layer
+    kwargs by table: an entry (~23 KB) per guarded generation, for good (+25 MB per 1000)."""
+    always = QualityGuard(max_entropy=1e-9, min_top1=0.0, hold_steps=1)
+    eng = edgellm.load(tiny.path, n_ctx=128, units=["neon"], precision=parse_plan(DECODE_INT8, name="d8"),
+                       quality_guard=always)
+    sizes = []
+    for i in range(6):
+        eng.generate(f"hello {i}", max_tokens=4, temperature=0, ignore_eos=True)
+        assert eng.last_stats.guard_switches == 1
+        sizes.append(len(eng.runner._kw_cache))
+    assert sizes[-1] == sizes[1], sizes
+
+
 def _decode_logits(eng, ids):
     from edgellm.precision_search import teacher_forced_logits
 
