@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from typing import Iterator, Sequence
 
 from .engine import CancelToken
@@ -92,6 +93,11 @@ class Request:
 
 
 class Scheduler:
+    """Requests from any thread, one worker thread stepping them (see the module docstring).
+    close() it, or use it as a context manager; one dropped without close() stops its worker
+    when it is garbage-collected (cancelling what is left), so the worker does not keep the
+    engine (and its mapped model) alive."""
+
     def __init__(self, engine, *, chunk: int = 128, policy: str = "interleave"):
         if policy not in ("interleave", "fifo"):
             raise ConfigError(f"policy must be 'interleave' or 'fifo', got {policy!r}")
@@ -100,13 +106,13 @@ class Scheduler:
         self.engine = engine
         self.chunk = chunk
         self.policy = policy
-        self._cv = threading.Condition()
-        self._incoming: list[Request] = []
-        self._active: list[Request] = []
         self._ids = itertools.count(1)
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="edgellm-scheduler", daemon=True)
+        # the worker holds no reference to this handle: a dropped handle is collected, and the
+        # finaliser stops the worker
+        self._worker = _Worker(engine, chunk, policy)
+        self._thread = threading.Thread(target=self._worker.run, name="edgellm-scheduler", daemon=True)
         self._thread.start()
+        weakref.finalize(self, self._worker.stop, True)
 
     def submit(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, priority: int = 0,
                **kwargs) -> Request:
@@ -124,21 +130,12 @@ class Scheduler:
             check_text(prompt, "prompt")
         cfg = generation_config(**kwargs)
         req = Request(next(self._ids), priority, prompt if prompt is not None else messages, messages is not None, cfg)
-        with self._cv:
-            if self._closed:
-                raise ConfigError("the scheduler is closed")
-            self._incoming.append(req)
-            self._cv.notify()
+        self._worker.add(req)
         return req
 
     def close(self, cancel: bool = True) -> None:
         """Stop the worker (cancelling what is left, unless cancel=False: then finish it first)."""
-        with self._cv:
-            self._closed = True
-            if cancel:
-                for r in self._incoming + self._active:
-                    r.cancel()
-            self._cv.notify()
+        self._worker.stop(cancel)
         self._thread.join()
 
     def __enter__(self) -> "Scheduler":
@@ -147,8 +144,34 @@ class Scheduler:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- the worker ----------------------------------------------------------------------------
-    def _run(self) -> None:
+
+class _Worker:
+    """The worker thread's state and loop: each iteration gives every decoding request one step,
+    then one prefill chunk to one request still in prefill."""
+
+    def __init__(self, engine, chunk: int, policy: str):
+        self.engine, self.chunk, self.policy = engine, chunk, policy
+        self._cv = threading.Condition()
+        self._incoming: list[Request] = []
+        self._active: list[Request] = []
+        self._closed = False
+
+    def add(self, req: Request) -> None:
+        with self._cv:
+            if self._closed:
+                raise ConfigError("the scheduler is closed")
+            self._incoming.append(req)
+            self._cv.notify()
+
+    def stop(self, cancel: bool) -> None:
+        with self._cv:
+            self._closed = True
+            if cancel:
+                for r in self._incoming + self._active:
+                    r.cancel()
+            self._cv.notify()
+
+    def run(self) -> None:
         while True:
             with self._cv:
                 while not self._incoming and not self._active and not self._closed:
