@@ -85,6 +85,9 @@ class ModelRunner:
                 self._fused_mod, self._fused_unit = mods[unit], unit
             if unit == self._fused_unit:
                 self._fused_phases.add(ph)
+        if "prefill" in self._fused_phases and not self._fused.chunk_fits(min(prefill_chunk, max_positions)):
+            raise ConfigError(f"prefill_chunk {prefill_chunk}: the {self._fused_unit} unit's native step cannot "
+                              f"take chunks that long for this model (d_ff {cfg.d_ff}); give a smaller one")
         # phases whose output norm and head the plan put on the fused unit too: they run in the
         # step's own call on the chunk's last row (DecodeStep.run_logits)
         self._fused_tail = {ph for ph in self._fused_phases

@@ -39,3 +39,22 @@ def test_a_head_dim_above_neons_attention_bound_runs_attention_elsewhere(tmp_pat
 
 def test_the_native_steps_refusals_are_typed():
     assert issubclass(DecodeStepError, EdgeLLMError)   # the CLI prints it as one line
+
+
+def test_a_prefill_chunk_the_native_step_cannot_take_is_refused_at_load(tmp_path, monkeypatch):
+    """A chunk past the native step's int32 buffer sizes (T * 2 ff >= 2^31: SmolLM2-like d_ff
+    needs ~700k tokens, a 262k-wide FFN 4096) failed mid-request; it is a ConfigError at load."""
+    import ctypes
+
+    from edgellm.backends import neon_fused, neon_lib
+    from edgellm.errors import ConfigError
+
+    dims = neon_fused.ElModelDims(32, 2, 1, 16, 262144, 16, 0, 1e-5)
+    lib = neon_lib.load()
+    assert lib.el_chunk_scratch(ctypes.addressof(dims), 2048) != 0
+    assert lib.el_chunk_scratch(ctypes.addressof(dims), 4096) == 0          # the native limit itself
+    tm = write_tiny_model(tmp_path / "t.gguf", tensor_type=QT.Q4_0, seed=7)   # (F32 tiny: not fused)
+    monkeypatch.setattr(neon_fused.DecodeStep, "chunk_fits", lambda self, T: T <= 16)
+    assert edgellm.load(tm.path, n_ctx=64, threads=1, prefill_chunk=16).generate("hello", **GREEDY)
+    with pytest.raises(ConfigError, match="prefill_chunk 32: the neon unit's native step cannot take chunks"):
+        edgellm.load(tm.path, n_ctx=64, threads=1, prefill_chunk=32)

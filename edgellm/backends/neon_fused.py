@@ -352,6 +352,11 @@ class DecodeStep:
         self._fit_chunk(T)
         return self._chunk_x[:T]
 
+    def chunk_fits(self, T: int) -> bool:
+        """Whether the native step takes chunks of T tokens of this model (its buffers' int32
+        sizes: T * max(2 ff, qkv width) < 2^31)."""
+        return self._lib.el_chunk_scratch(self._dims_p, T) != 0
+
     def _fit_chunk(self, T: int) -> None:
         """The chunk buffers, grown when T rows need more."""
         need = self._chunk_need.get(T)
