@@ -178,7 +178,7 @@ class Engine:
         t0 = time.perf_counter()
         cfg = generation_config(config, **kwargs)
         ChatTemplate.check_messages(messages)
-        return self._stream(lambda: self.render_chat(messages), t0, cfg, self._cancel_token(cancel))
+        return self._stream(lambda: self.render_chat(messages), t0, cfg, self._cancel_token(cancel), chat=True)
 
     def _cancel_token(self, cancel: CancelToken | None) -> CancelToken:
         """The request's token: the caller's as it is (one cancelled before the request starts
@@ -191,9 +191,20 @@ class Engine:
             raise ConfigError(f"cancel: expected an edgellm.engine.CancelToken, found {type(cancel).__name__}")
         return cancel
 
-    def _stream(self, text_fn, t0: float, cfg: GenerationConfig, cancel: CancelToken) -> Iterator[str]:
-        ids = self.tokenize(text_fn())
+    def _stream(self, text_fn, t0: float, cfg: GenerationConfig, cancel: CancelToken,
+                chat: bool = False) -> Iterator[str]:
+        text = text_fn()
+        ids = self.tokenize(text, add_bos=False if chat and self._renders_bos(text) else None)
         yield from self._generate_ids(ids, cfg, cancel, t0, time.perf_counter())
+
+    def _renders_bos(self, text: str) -> bool:
+        """A template that writes {{ bos_token }} itself starts the prompt with BOS: the model's own
+        add_bos would make it two (llama.cpp strips the rendered one, to the same ids)."""
+        tok = self.tokenizer
+        if not tok.add_bos or tok.bos_id is None:
+            return False
+        bos = tok.token_text(tok.bos_id)
+        return bool(bos) and text.startswith(bos)
 
     def chat(self, messages: Sequence[dict], **kwargs) -> str:
         return "".join(self.chat_stream(messages, **kwargs))

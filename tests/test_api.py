@@ -247,3 +247,28 @@ def test_load_refuses_a_model_the_available_memory_cannot_hold(tmp_path, monkeyp
     monkeypatch.setattr("edgellm.api.available_bytes", lambda: 4096)
     with pytest.raises(ConfigError, match="not enough memory"):
         edgellm.load(tm.path, n_ctx=128, threads=1)
+
+
+def test_a_template_that_writes_bos_gets_one_bos_not_two(tmp_path):
+    """add_bos_token true and a template starting with {{ bos_token }} (Llama-2/3, Mistral): chat
+    prompts started with BOS twice; llama.cpp strips the rendered one. Plain prompts keep the
+    model's add_bos."""
+    from edgellm.scheduler import Scheduler
+
+    tmpl = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tm = write_tiny_model(tmp_path / "bos.gguf", seed=2, extra_metadata={
+        "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.bos_token_id": 0, "tokenizer.chat_template": tmpl})
+    eng = edgellm.load(tm.path, n_ctx=128, threads=1)
+    msgs = [{"role": "user", "content": "hi"}]
+    text = eng.render_chat(msgs)
+    assert text.startswith(eng.tokenizer.token_text(0))
+    want = eng.tokenize(text, add_bos=False)
+    assert want[0] == 0 and want[1] != 0
+    eng.chat(msgs, max_tokens=2, temperature=0)
+    assert eng.last_stats.prompt_tokens == len(want)
+    with Scheduler(eng) as s:
+        r = s.submit(messages=msgs, max_tokens=2, temperature=0)
+        r.result(timeout=30)
+    assert r.stats.prompt_tokens == len(want)
+    assert eng.tokenize("hi")[0] == 0 and eng.tokenize("hi")[1] != 0      # a plain prompt: one BOS added
