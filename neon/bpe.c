@@ -8,8 +8,10 @@
  *
  * Semantics (those of llama.cpp's llm_tokenizer_bpe and HF's BPE model): a piece starts as one
  * symbol per character; the adjacent pair with the lowest merge rank is merged, the leftmost such
- * pair first, until no adjacent pair has a merge. A character that is not a token is dropped (no
- * unknown token: byte-level vocabularies hold all 256 byte characters). ignore_merges (llama3):
+ * pair first, until no adjacent pair has a merge. A character that is not a token (a vocabulary
+ * may lack some of the 256 byte characters: SmolLM2 lacks 0x04, 0x13, 0xc0, ...) stays a symbol
+ * that no pair merges across, and yields no id: llama.cpp's order. Dropping it before the merges
+ * joined its neighbours (".\x13." gave one id for "..", llama.cpp two). ignore_merges (llama3):
  * a piece that is a whole token is that token. A pair listed twice keeps its first rank, as
  * llama.cpp does. Plain C: no SIMD, the same on every target (it is its own generic twin).
  *
@@ -249,7 +251,7 @@ typedef struct {
 static void el_bpe_pair(const el_bpe *b, const el_bpe_sym *s, int left, el_bpe_cand *h, int *nh) {
     if (left < 0) return;
     const int right = s[left].next;
-    if (right < 0) return;
+    if (right < 0 || s[left].id < 0 || s[right].id < 0) return;   /* a character that is not a token */
     el_bpe_cand c = {.left = left, .right = right, .a = s[left].id, .c = s[right].id};
     int32_t rank;
     if (el_bpe_merge_find(b, c.a, c.c, &rank, &c.merged)) {
@@ -270,9 +272,7 @@ static void el_bpe_piece(const el_bpe *b, const uint32_t *p, int n, el_bpe_sym *
     }
     int first = -1, last = -1;
     for (int i = 0; i < n; i++) {
-        const int32_t id = el_bpe_find(b, p + i, 1);
-        s[i].id = id;
-        if (id < 0) continue;                 /* not a token: dropped */
+        s[i].id = el_bpe_find(b, p + i, 1);   /* -1: not a token, a barrier to merges */
         s[i].prev = last;
         s[i].next = -1;
         if (last >= 0) s[last].next = i;
@@ -292,7 +292,8 @@ static void el_bpe_piece(const el_bpe *b, const uint32_t *p, int n, el_bpe_sym *
         el_bpe_pair(b, s, s[c.left].prev, h, &nh);
         el_bpe_pair(b, s, c.left, h, &nh);
     }
-    for (int i = first; i >= 0; i = s[i].next) out[(*n_out)++] = s[i].id;
+    for (int i = first; i >= 0; i = s[i].next)
+        if (s[i].id >= 0) out[(*n_out)++] = s[i].id;
 }
 
 int el_bpe_encode(const el_bpe *b, const uint32_t *cp, const int32_t *piece_start, int n_pieces, int32_t *out,

@@ -34,8 +34,9 @@ def hf_reference(tokens, merges, pre_family: str):
     for m in merges:
         i = m.find(" ", 1)
         pairs.append((m[:i], m[i + 1:]))
-    hf = HFTokenizer(hf_models.BPE(dict(zip(tokens, range(len(tokens)))), pairs, ignore_merges=pre.ignore_merges))
-    hf.pre_tokenizer = T._pre_tokenizer(pre)
+    vocab = dict(zip(tokens, range(len(tokens))))
+    hf = HFTokenizer(hf_models.BPE(vocab, pairs, ignore_merges=pre.ignore_merges))
+    hf.pre_tokenizer = T._pre_tokenizer(pre, T.missing_byte_chars(vocab.__contains__))
     return lambda text: hf.encode(text, add_special_tokens=False).ids
 
 
@@ -185,13 +186,18 @@ def test_create_refuses_bad_arguments():
         assert not lib.el_bpe_create(cp.ctypes.data, starts.ctypes.data, n, None, None, 0, 0, None, None)
 
 
-def test_characters_missing_from_the_vocabulary_are_dropped_as_hf_drops_them():
-    # a byte-level vocabulary without some byte characters ('z', and 'Ġ' = the space byte)
+def test_characters_missing_from_the_vocabulary_are_barriers_then_dropped():
+    """A byte-level vocabulary without some byte characters ('z', and 'Ġ' = the space byte):
+    such a character joins no merge and yields no id, as in llama.cpp ("hze" is h, e, not he;
+    they used to be dropped first, as HF's BPE model does). The HF fallback cuts its pieces at
+    them to the same ids."""
     chars = [c for c in T.bytes_to_unicode().values() if c not in "zĠ"]
     tokens = chars + ["he"]
     native = NativeBPE(tokens, ["h e"], T._pre_tokenizer(T._PRE_FAMILIES["gpt2"]), False)
     ref = hf_reference(tokens, ["h e"], "gpt2")
-    for text in ["hez", "zz he z", "a b", "zhe", "z", " "] + random_texts(100, seed=3):
+    h, e, he = tokens.index("h"), tokens.index("e"), tokens.index("he")
+    assert native("hze") == ref("hze") == [h, e] and native("he") == [he]
+    for text in ["hez", "zz he z", "a b", "zhe", "z", " ", "h z e"] + random_texts(100, seed=3):
         assert native(text) == ref(text)
 
 

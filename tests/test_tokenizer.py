@@ -304,3 +304,13 @@ def test_bad_metadata_is_a_typed_error(make, change, field, exc):
 def test_unknown_pre_tokenizer_is_named():
     with pytest.raises(UnsupportedModelError, match="klingon-bpe"):
         Tokenizer.from_metadata({**_tiny_gpt2(), "tokenizer.ggml.pre": "klingon-bpe"}, "bad.gguf")
+
+
+@pytest.mark.parametrize("text, ids", [
+    # ids from llama.cpp (llama-cpp-python 0.3 vocab_only, tokenize(add_bos=False, special=True),
+    # on this GGUF, 2026-11-27): SmolLM2's vocabulary lacks the byte characters of 0x13 and 0x06
+    (".\x13.", [30, 30]), (" \x13=", [216, 45]), (" \x06\u065c", [216, 164, 246]),
+])
+def test_a_byte_the_vocabulary_lacks_is_a_barrier_to_merges_as_in_llama_cpp(smol, text, ids):
+    """(It was dropped before the merges: ".\\x13." became the one token "..".)"""
+    assert smol.encode(text, add_bos=False) == ids

@@ -472,15 +472,26 @@ def _hf_encoder(hf) -> Callable[[str], list[int]]:
     return lambda fragment: hf.encode(fragment, add_special_tokens=False).ids
 
 
-def _pre_tokenizer(pre: _PreTokenizer):
+def _pre_tokenizer(pre: _PreTokenizer, missing: str = ""):
     """HF's pre-tokenizer for a family: the fallback without the native library, and the
-    reference tests/test_bpe_native.py checks pretok.c against."""
+    reference tests/test_bpe_native.py checks pretok.c against. missing: byte characters the
+    vocabulary lacks; each cuts its piece there and is removed, so no merge joins its neighbours
+    (llama.cpp's BPE, and bpe.c; HF's BPE model drops them first and merges across)."""
     from tokenizers import Regex
     from tokenizers import pre_tokenizers as hf_pre
 
     steps = [hf_pre.Split(Regex(r), "isolated") for r in pre.regexes]
     steps.append(hf_pre.ByteLevel(add_prefix_space=False, use_regex=pre.gpt2_regex_last))
+    if missing:
+        steps.append(hf_pre.Split(Regex("[" + "".join(f"\\x{{{ord(c):X}}}" for c in missing) + "]"), "removed"))
     return hf_pre.Sequence(steps) if len(steps) > 1 else steps[0]
+
+
+def missing_byte_chars(has: Callable[[str], bool]) -> str:
+    """The byte-level characters (GPT-2's printable map of the 256 bytes) a vocabulary lacks."""
+    from tokenizers import pre_tokenizers as hf_pre
+
+    return "".join(sorted(c for c in hf_pre.ByteLevel.alphabet() if not has(c)))
 
 
 def _has_empty(tokens: Sequence[str]) -> bool:
@@ -542,7 +553,7 @@ def _build_bpe(source: str, tokens: Sequence[str], md: dict, n: int,
     except Exception as e:  # tokenizers raises a plain Exception naming the bad merge
         raise ModelFormatError(source, key, f"merges inconsistent with tokenizer.ggml.tokens: {e}") from None
     hf = HFTokenizer(bpe)
-    hf.pre_tokenizer = _pre_tokenizer(pre)
+    hf.pre_tokenizer = _pre_tokenizer(pre, missing_byte_chars(vocab.__contains__))
     return _hf_encoder(hf), vocab.get
 
 
