@@ -739,6 +739,10 @@ def precision_plan(
 
     if objective not in ("ttft", "decode"):
         raise ConfigError(f"--objective must be ttft or decode, got {objective!r}")
+    if not (math.isfinite(budget_kl) and budget_kl > 0):   # (checked again by search, after minutes of analysis)
+        raise ConfigError(f"--budget-kl must be a positive number of nats, got {budget_kl}")
+    if prompt_tokens < 1:
+        raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     check_out_path(out, "--out", (".yaml", ".yml"))
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     text = load_calibration(calib)

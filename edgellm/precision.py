@@ -396,6 +396,10 @@ class _Reader:
     def string(self, v: Any, path: str) -> str:
         if not isinstance(v, str):
             self.fail(path, f"expected a string, got {_describe(v)}")
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:   # a lone surrogate escape ("\ud800"): printing it fails later
+            self.fail(path, f"character {e.start} is a lone surrogate, not text")
         return v
 
 
@@ -461,7 +465,7 @@ def _plan_from_doc(doc: Any, file: str, name: str, source: str) -> PrecisionPlan
     r = _Reader(file)
     r.mapping(doc, "", ("schema", "kv_cache"), ("description", "defaults", "depth", "sequence", "layers"))
     schema = doc["schema"]
-    if isinstance(schema, bool) or schema != SCHEMA_VERSION:
+    if isinstance(schema, bool) or not isinstance(schema, int) or schema != SCHEMA_VERSION:
         r.fail("schema", f"expected schema version {SCHEMA_VERSION}, got {_describe(schema)}")
     kv = r.choice(doc["kv_cache"], "kv_cache", KV_PRECISIONS, "KV cache precision")
     description = r.string(doc.get("description", ""), "description")
@@ -571,7 +575,7 @@ def _parse_yaml(text: str, file: str) -> Any:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())   # (one line: a ReaderError)
         raise PrecisionPlanError(file, "", f"{where}YAML error: {problem}") from None
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
         # PyYAML's safe constructors leak these for explicit tags on bad text ("!!int neon")

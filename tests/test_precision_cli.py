@@ -29,3 +29,20 @@ def test_precision_analyze_bad_format(tmp_path):
     tm = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.F32, n_layers=2, seed=1)
     res = CliRunner().invoke(app, ["precision", "analyze", "--model", tm.path, "--formats", "q3_x"])
     assert res.exit_code == 1 and "q3_x" in res.output
+
+
+def test_precision_refuses_bad_values_before_any_analysis(tmp_path, monkeypatch):
+    """--budget-kl and --prompt-tokens were checked after the whole sensitivity analysis (minutes
+    at the default settings); --calib naming a device or pipe read without end or hung."""
+    import os
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    tiny = write_tiny_model(tmp_path / "t.gguf", tensor_type=QT.Q8_0, seed=1).path
+    fifo = tmp_path / "calib.txt"
+    os.mkfifo(fifo)
+    for args, needle in ((["plan", "--budget-kl", "-1"], "--budget-kl must be a positive number of nats"),
+                         (["plan", "--prompt-tokens", "0"], "--prompt-tokens must be >= 1, got 0"),
+                         (["analyze", "--calib", str(fifo)], "calibration text must be a regular file")):
+        r = CliRunner().invoke(app, ["precision", *args, "--model", tiny])
+        assert r.exit_code == 1 and needle in r.stderr, r.output
+        assert not (tmp_path / "home" / "cache").exists()          # nothing was measured

@@ -488,3 +488,19 @@ def test_fuzz_mutated_text(edits):
         text = text[:i] + insert + text[i + cut:]
     _check(text)
 
+
+
+@pytest.mark.parametrize("text, message", [
+    ('schema: 1\nkv_cache: f16\ndescription: "\\ud800"\n', "description: character 0 is a lone surrogate"),
+    ("schema: 1.0\nkv_cache: f16\n", "schema: expected schema version 1, got float 1.0"),
+])
+def test_plan_strings_must_be_text_and_the_schema_an_integer(text, message):
+    """(A surrogate escape passed, then `edgellm plan` died printing it; a float schema passed.)"""
+    with pytest.raises(PrecisionPlanError, match=re.escape(message)):
+        parse_plan(text, "p.yaml")
+
+
+def test_a_control_character_is_a_one_line_yaml_error():
+    with pytest.raises(PrecisionPlanError) as e:
+        parse_plan("schema: 1\nkv_cache: f16\ndescription: a\x07b\n", "p.yaml")
+    assert "unacceptable character #x0007" in str(e.value) and "\n" not in str(e.value)

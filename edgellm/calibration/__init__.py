@@ -26,6 +26,8 @@ def load_calibration(name_or_path: str | os.PathLike = BUILTIN) -> str:
     else:
         path = Path(name_or_path)
     try:
+        if path.exists() and not path.is_file():   # a device or pipe: stat says 0 bytes, reading never ends
+            raise ConfigError(f"{path}: calibration text must be a regular file")
         size = path.stat().st_size
         if size > MAX_CALIBRATION_BYTES:
             raise ConfigError(f"{path}: calibration text is {size} bytes; expected at most "
