@@ -91,7 +91,8 @@ class ModelRunner:
         # phases whose output norm and head the plan put on the fused unit too: they run in the
         # step's own call on the chunk's last row (DecodeStep.run_logits)
         self._fused_tail = {ph for ph in self._fused_phases
-                            if self.placement[ph]["output_norm"] == self.placement[ph]["lm_head"] == self._fused_unit}
+                            if self.placement[ph]["output_norm"] == self.placement[ph]["lm_head"] == self._fused_unit
+                            and self._steady(ph, "lm_head")}
         # ... and whose embedding lookup it put there: the step starts from the token ids, in the
         # same call (DecodeStep.run_ids)
         self._fused_lead = {ph for ph in self._fused_phases if self.placement[ph]["embedding"] == self._fused_unit}
@@ -146,7 +147,7 @@ class ModelRunner:
                     else self._layers(seq, part, cancel, phase, out_rows=out_rows)
                 seq.commit(seq.n_tokens + len(part), part)
                 if out_rows:
-                    outs.append(self._head(h, phase))
+                    outs.append(self._head(h, phase, seq.n_tokens))
         except Cancelled:
             seq.truncate(seq.n_tokens)  # drop the pending chunk: always exact
             # earlier chunks of this call: a pool drops them; a ring that already evicted for them
@@ -338,10 +339,11 @@ class ModelRunner:
         """Whether the fused step's head keeps its input row in fp32 (the plan's ask for lm_head)."""
         return self._precision_kwargs(phase, 0)["lm_head"][0].get("precision", "fp32") == "fp32"
 
-    def _head(self, x: np.ndarray, phase: str) -> np.ndarray:
+    def _head(self, x: np.ndarray, phase: str, tokens: int) -> np.ndarray:
+        """tokens: the sequence's length after the step (a precision plan's sequence policies)."""
         P = self._ops[phase]
         (mn, wn), (mh, wh) = P["output_norm"], P["lm_head"]
-        kw = self._precision_kwargs(phase, 0)["lm_head"][0]
+        kw = self._precision_kwargs(phase, tokens)["lm_head"][0]
         return mh.lm_head(mn.rmsnorm(x, wn.output_norm, self.cfg.norm_eps), wh.lm_head, **kw)
 
     def _table(self, phase: str):
@@ -374,14 +376,27 @@ class ModelRunner:
         return out
 
     def _native(self, mod, phase: str) -> bool:
-        """Whether the plan lets `mod`'s fused step (int8 activations in every layer matmul) run."""
+        """Whether the plan lets `mod`'s fused step (int8 activations in every layer matmul) run,
+        at every sequence length: a sequence policy that raises a matmul past some length (its
+        asks at 0 tokens said int8) kept the fused step at int8 there."""
         from .precision_runtime import effective
 
         choices = getattr(mod, "QUANT_COMPUTE", None)
         if self.compute is None or choices is None:
             return True
         return all(effective(a, choices) == choices[0] for op in _MATMUL_OPS if op != "lm_head"
-                   for a in self.compute.asked(self._plan_phase(phase), op))
+                   for t in self._thresholds() for a in self.compute.asked(self._plan_phase(phase), op, t))
+
+    def _thresholds(self) -> tuple[int, ...]:
+        """The sequence lengths where the plan's asks can change: 0 and each policy's min_tokens."""
+        return (0, *(s.min_tokens for s in self.compute.plan.sequence)) if self.compute is not None else (0,)
+
+    def _steady(self, phase: str, op: str) -> bool:
+        """Whether the plan asks the same of `op` at every sequence length (the fused step's head
+        takes one precision for the whole call)."""
+        if self.compute is None:
+            return True
+        return len({self.compute.asked(self._plan_phase(phase), op, t) for t in self._thresholds()}) == 1
 
 
 # the engine's op sequence; the names are ops.layer_ops / ops.model_ops names

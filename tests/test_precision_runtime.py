@@ -269,3 +269,39 @@ def test_int8_kv_keeps_the_fused_decode_step(tiny):
     p = fast.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
     assert all("fused decode step" not in x.reason for x in p.decode.placements)
     assert any("fused layer step cannot read a 1-byte KV cache" in w for w in p.warnings)
+
+
+_INT8_MATMULS = """
+schema: 1
+kv_cache: f16
+defaults:
+  qkv: {compute: int8}
+  attn_out: {compute: int8}
+  ffn_gate_up: {compute: int8}
+  ffn_down: {compute: int8}
+"""
+_RAISED_AT_8 = """
+sequence:
+  - min_tokens: 8
+    with:
+      qkv: {compute: fp32}
+      attn_out: {compute: fp32}
+      ffn_gate_up: {compute: fp32}
+      ffn_down: {compute: fp32}
+"""
+_HEAD_INT8 = "schema: 1\nkv_cache: f16\ndefaults:\n  lm_head: {compute: int8}\n"
+_HEAD_RAISED_AT_8 = "sequence:\n  - min_tokens: 8\n    with:\n      lm_head: {compute: fp32}\n"
+
+
+@pytest.mark.parametrize("base, raised", [(_INT8_MATMULS, _RAISED_AT_8), (_HEAD_INT8, _HEAD_RAISED_AT_8)])
+def test_a_sequence_policy_that_raises_compute_is_honoured(home, tiny, base, raised):
+    """A plan whose matmuls (or head) are int8 until the sequence reaches 8 tokens, fp32 from
+    there: past 8 tokens the logits are the fp32 plan's. The fused step (and its head) took the
+    asks at 0 tokens and ran int8 throughout; the base plan alone still differs, so the check can
+    fail."""
+    ids = list(range(5, 21))                    # 16 tokens: one prefill step ending past 8
+    fp32 = edgellm.load(tiny.path, n_ctx=64, units=["neon"], precision="quality").logits(ids)
+    plain = edgellm.load(tiny.path, n_ctx=64, units=["neon"], precision=parse_plan(base, name="b")).logits(ids)
+    eng = edgellm.load(tiny.path, n_ctx=64, units=["neon"], precision=parse_plan(base + raised, name="r"))
+    assert np.abs(plain - fp32).max() > 1e-4
+    assert np.abs(eng.logits(ids) - fp32).max() < 1e-5
