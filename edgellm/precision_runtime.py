@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from .errors import ConfigError, EdgeLLMError
-from .hashing import sha256
+from .fileio import write_atomic
+from .hashing import bulk_sha256, sha256
 from .precision import LAYER_OPS as PLAN_LAYER_OPS
 from .precision import PrecisionPlan
 
@@ -134,21 +135,49 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     if path.exists():
         try:
             cached = open_model(path)
-            if _matches(cached, formats):
+            fp = _fingerprint_file(path)
+            recorded = fp.read_text() if fp.exists() else None
+            if not _matches(cached, formats):
+                why = "its tensor types differ from the plan's"
+            elif recorded != _fingerprint(path):
+                why = ("no checksum was recorded for it" if recorded is None
+                       else "its bytes differ from those written (sampled checksum)")
+            else:
                 return cached, (f"precision plan {plan.name!r}: {len(formats)} tensors requantized "
                                 f"(cached: {path})")
-            why = "its tensor types differ from the plan's"
-        except EdgeLLMError as e:
+        except (EdgeLLMError, OSError) as e:
             why = str(e)
         log.warning("requantized model cache %s is unusable (%s); writing it again", path, why)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         report = requantize_gguf(mf.path, path, formats, progress=progress)
+        write_atomic(_fingerprint_file(path), _fingerprint(path).encode())
     except OSError as e:
         raise ConfigError(f"precision plan {plan.name!r}: cannot write the requantized model to {path}: {e}") from e
     log.info("precision plan %r: %d tensors requantized into %s (%d -> %d bytes of tensor data)",
              plan.name, len(formats), path, report.bytes_before, report.bytes_after)
     return open_model(path), f"precision plan {plan.name!r}: {len(formats)} tensors requantized (written: {path})"
+
+
+_SAMPLES, _SAMPLE_BYTES = 64, 65536
+
+
+def _fingerprint(path: Path) -> str:
+    """The size and a sha256 of 64 evenly spread 64 KiB samples of a cache file: a check of a
+    few milliseconds at every load (the whole file, ~75 ms for SmolLM2's, would double a load),
+    which sees a file damaged or replaced in any stretch longer than the spacing (1.5 MB for
+    SmolLM2), not every flipped bit."""
+    size = path.stat().st_size
+    h = bulk_sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for i in range(_SAMPLES):
+            f.seek(i * max(0, size - _SAMPLE_BYTES) // (_SAMPLES - 1))
+            h.update(f.read(_SAMPLE_BYTES))
+    return f"{size}:{h.hexdigest()}"
+
+
+def _fingerprint_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sample-sha256")
 
 
 def planned_formats(mf, plan: PrecisionPlan) -> dict[str, str]:

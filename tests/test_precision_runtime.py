@@ -118,6 +118,30 @@ def test_plan_model_requantizes_once_and_rebuilds_a_damaged_cache(home, tiny, ca
     assert open_model(fixed.path).tensor_type("blk.1.ffn_down.weight") == fixed.tensor_type("blk.1.ffn_down.weight")
 
 
+def test_plan_model_rebuilds_a_cache_whose_tensor_data_was_damaged(home, tiny, caplog):
+    """Zeros written over tensor data, the mtime kept: the header still parses and the types
+    match, and the damaged weights were used without a word. The sampled checksum written beside
+    the cache sees it, and the cache is written again; a cache without a checksum (older) too."""
+    mf, plan = open_model(tiny.path), load_plan("fast")
+    got, _ = plan_model(mf, plan)
+    clean = open(got.path, "rb").read()
+    st = os.stat(got.path)
+    with open(got.path, "r+b") as f:
+        f.seek(len(clean) // 2)
+        f.write(bytes(len(clean) // 4))
+    os.utime(got.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        fixed, note = plan_model(mf, plan)
+    assert "its bytes differ from those written" in caplog.text and "written" in note
+    assert open(fixed.path, "rb").read() == clean
+    os.remove(fixed.path + ".sample-sha256")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        plan_model(mf, plan)
+    assert "no checksum was recorded for it" in caplog.text
+    assert "cached" in plan_model(mf, plan)[1]
+
+
 def _plan_with_q4_0_middle(n_layers: int):
     return parse_plan("schema: 1\nkv_cache: f16\nlayers:\n  1: {ffn_down: {weights: q4_0}}\n", name="mid")
 
