@@ -193,18 +193,16 @@ class Engine:
 
     def _stream(self, text_fn, t0: float, cfg: GenerationConfig, cancel: CancelToken,
                 chat: bool = False) -> Iterator[str]:
-        text = text_fn()
-        ids = self.tokenize(text, add_bos=False if chat and self._renders_bos(text) else None)
+        ids = self._prompt_ids(text_fn(), chat)
         yield from self._generate_ids(ids, cfg, cancel, t0, time.perf_counter())
 
-    def _renders_bos(self, text: str) -> bool:
-        """A template that writes {{ bos_token }} itself starts the prompt with BOS: the model's own
-        add_bos would make it two (llama.cpp strips the rendered one, to the same ids)."""
+    def _prompt_ids(self, text: str, chat: bool) -> list[int]:
+        """A request's prompt ids (the API's and the Scheduler's). A chat template that writes
+        {{ bos_token }} itself starts the prompt with BOS: the model's own add_bos would make it
+        two (llama.cpp strips the rendered one, to the same ids)."""
         tok = self.tokenizer
-        if not tok.add_bos or tok.bos_id is None:
-            return False
-        bos = tok.token_text(tok.bos_id)
-        return bool(bos) and text.startswith(bos)
+        bos = tok.token_text(tok.bos_id) if chat and tok.add_bos and tok.bos_id is not None else ""
+        return self.tokenize(text, add_bos=False if bos and text.startswith(bos) else None)
 
     def chat(self, messages: Sequence[dict], **kwargs) -> str:
         return "".join(self.chat_stream(messages, **kwargs))

@@ -187,7 +187,7 @@ class _Worker:
         try:
             t_start = time.perf_counter()
             text = self.engine.render_chat(req.prompt) if req.chat else req.prompt
-            ids = self.engine.tokenize(text, add_bos=False if req.chat and self.engine._renders_bos(text) else None)
+            ids = self.engine._prompt_ids(text, req.chat)
             t_tok = time.perf_counter()
             # TTFT runs from submit(), queueing included; tokenize_ms is the tokenizer's own time
             req.gen = Generation(self.engine, ids, req.config, req.cancel_token, req.submitted, t_tok,

@@ -489,9 +489,7 @@ def _pre_tokenizer(pre: _PreTokenizer, missing: str = ""):
 
 def missing_byte_chars(has: Callable[[str], bool]) -> str:
     """The byte-level characters (GPT-2's printable map of the 256 bytes) a vocabulary lacks."""
-    from tokenizers import pre_tokenizers as hf_pre
-
-    return "".join(sorted(c for c in hf_pre.ByteLevel.alphabet() if not has(c)))
+    return "".join(sorted(c for c in bytes_to_unicode().values() if not has(c)))
 
 
 def _has_empty(tokens: Sequence[str]) -> bool:
