@@ -49,3 +49,16 @@ def test_bench_records_rss_after_load_and_its_bound(tiny, tmp_path, extra):
     if not extra:   # the cold start: load, then the engine's first request (before the warm runs)
         assert rec["first_request_ttft_ms"] > 0 and rec["first_request_tokens"] == rec["prompt_tokens"]
         assert f"first request's TTFT {rec['first_request_ttft_ms']:.0f} ms" in r.stdout
+
+
+def test_p95_is_numpys_without_numpy():
+    """The bench's p95 (numpy.percentile's linear rule, computed without numpy so its code pages
+    stay out of the peak RSS the bench reports)."""
+    import numpy as np
+
+    from edgellm.bench import percentile
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 5, 8, 13):
+        xs = list(rng.uniform(5, 500, n))
+        for q in (0, 50, 95, 100):
+            assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), abs=1e-9)
