@@ -38,6 +38,9 @@ def _bad(name: str, allowed: str, value: object) -> ConfigError:
     return ConfigError(f"sampling.{name}: expected {allowed}, found {value!r}")
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _is_real(v: object) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
@@ -111,7 +114,8 @@ class Sampler:
         # standard library's Mersenne Twister, not numpy.random: a draw is one uniform, and
         # numpy.random would add ~2 MB of modules to the process's resident memory.
         if self._rng_now is None:
-            self._rng_now = random.Random(self._seed)
+            # int(): random.Random refuses numpy integers, which validate() accepts as seeds
+            self._rng_now = random.Random(None if self._seed is None else int(self._seed))
         return self._rng_now
 
     def reset(self, seed: int | None = None) -> None:
@@ -218,8 +222,12 @@ def draw_numpy(cfg: SamplingConfig, x: np.ndarray, m, u: float) -> int:
     if idx is not None:
         idx = np.sort(idx)
     v = x if idx is None else x[idx]
-    # temperature last; exp(0) = 1 at the max, so the weights never all underflow
-    j = _pick(np.exp((v - m) * (1.0 / cfg.temperature)), u)
+    # temperature last; exp(0) = 1 at the max, so the weights never all underflow. 1/t is
+    # capped at the float32 maximum as el_sample caps it: past it (t < ~2.9e-39) the maximum's
+    # weight would be 0 * inf = NaN; at it every other weight underflows to 0, the argmax
+    inv_t = np.float32(min(1.0 / cfg.temperature, _F32_MAX))
+    with np.errstate(over="ignore"):   # (v - m) * inv_t below -FLT_MAX: -inf, a weight of 0
+        j = _pick(np.exp((v - m) * inv_t), u)
     return int(idx[j]) if idx is not None else j
 
 

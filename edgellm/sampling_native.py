@@ -12,6 +12,8 @@ from .errors import EdgeLLMError
 
 log = logging.getLogger("edgellm.sampling")
 
+_INT_MAX = 2**31 - 1
+
 
 class NativeChain:
     """One sampling config's parameters as an el_sampling, and the scratch of its draws. A
@@ -22,8 +24,11 @@ class NativeChain:
         from .backends.neon_lib import ElSampling
         self._lib = lib
         self.greedy = cfg.greedy
-        self.params = ElSampling(cfg.top_k, cfg.top_p, cfg.min_p, 0.0 if cfg.greedy else cfg.temperature,
-                                 cfg.repeat_penalty, cfg.repeat_last_n)
+        # top_k and repeat_last_n are C ints: ctypes would wrap 2**32 + 1 to 1 (greedy) without a
+        # word; any value past the vocabulary or the history means the same as INT_MAX there
+        self.params = ElSampling(min(cfg.top_k, _INT_MAX), cfg.top_p, cfg.min_p,
+                                 0.0 if cfg.greedy else cfg.temperature, cfg.repeat_penalty,
+                                 min(cfg.repeat_last_n, _INT_MAX))
         self.params_p = ctypes.addressof(self.params)
         self._scratch = np.empty(0, np.uint8)
         self._need: dict[int, int] = {}   # n_vocab -> a draw's scratch bytes

@@ -20,6 +20,7 @@
  * pairwise, which moves a pick only when u falls within ~1e-7 of a boundary. */
 #include "el_common.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -226,7 +227,10 @@ int el_sample(const float *x, int n, const el_sampling *s, double u, void *scrat
     if (nan || !isfinite(m)) return EL_ENONFINITE;
     int32_t *c = scratch;
     float *w = (float *)(c + n);
-    const float inv_t = (float)(1.0 / s->temperature);
+    /* a temperature below 1/FLT_MAX (~2.9e-39) would make 1/t infinite, and (m - m) * inf a NaN
+     * weight at the maximum: at FLT_MAX every other weight still underflows to 0, the argmax */
+    const double inv_td = 1.0 / s->temperature;
+    const float inv_t = inv_td < (double)FLT_MAX ? (float)inv_td : FLT_MAX;
     /* min-p: p_i >= min_p p_max <=> x_i >= m + log(min_p), in float32 as numpy adds them; the
      * maximum always stays */
     const float thr = s->min_p > 0.0 ? m + (float)log(s->min_p) : -INFINITY;

@@ -233,3 +233,34 @@ def test_a_nucleus_whose_bucketed_mass_falls_short_keeps_every_id():
         assert [chain.draw(x, u) for u in us] == want
     finally:
         lib.el_use_generic(0)
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 2.9e-39, 1e-300, 5e-324])
+def test_a_temperature_too_small_for_float_draws_the_argmax(temperature):
+    """1/t past FLT_MAX made the maximum's weight (m - m) * inf = NaN and every draw EL_EINVAL
+    (a refused request after its prefill); both twins pick the argmax there."""
+    x = np.random.default_rng(1).standard_normal(500).astype(np.float32)
+    cfg = SamplingConfig(temperature=temperature)
+    for u in (0.0, 0.5, 0.999):
+        assert _native(cfg).draw(x, u) == int(np.argmax(x))
+        assert draw_numpy(cfg, x, x.max(), u) == int(np.argmax(x))
+
+
+@pytest.mark.parametrize("field,value", [("top_k", 2**32 + 1), ("top_k", 2**31), ("repeat_last_n", 2**32 + 1)])
+def test_c_int_fields_past_int_max_mean_the_same_as_int_max(field, value):
+    """top_k and repeat_last_n are C ints in el_sampling: ctypes wrapped 2**32 + 1 to 1, so a
+    top_k that wide sampled greedily without a word (2**31: EL_EINVAL)."""
+    x = np.random.default_rng(2).standard_normal(300).astype(np.float32)
+    wide = SamplingConfig(temperature=1.0, **{field: value})
+    off = SamplingConfig(temperature=1.0, **{field: 0 if field == "top_k" else -1})
+    for u in np.linspace(0.0, 0.99, 25):
+        assert _native(wide).draw(x, float(u)) == _native(off).draw(x, float(u)) == draw_numpy(wide, x, x.max(), float(u))
+
+
+def test_a_numpy_integer_seed_seeds_as_its_int():
+    """validate() accepts numpy integers as seeds; random.Random refused them at the first draw
+    (an untyped TypeError from inside a stream)."""
+    x = np.random.default_rng(3).standard_normal(300).astype(np.float32)
+    a = Sampler(SamplingConfig(temperature=1.0, seed=np.int64(5)))
+    b = Sampler(SamplingConfig(temperature=1.0, seed=5))
+    assert [a.sample(x, []) for _ in range(20)] == [b.sample(x, []) for _ in range(20)]
