@@ -457,7 +457,8 @@ def bench(
 def plan(
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
-    prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length the TTFT prediction is for"),
+    prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", help="Prompt length the TTFT prediction "
+                                                "is for (default: 512, or the model's trained context if shorter)"),
     ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens"),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
     kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8; "
@@ -492,9 +493,20 @@ def plan(
     if pplan is not None:
         pplan.check_model(mf.config.n_layers)
         formats, compute = planned_formats(mf, pplan), ComputeTable(pplan, mf.config.n_layers)
-    n_ctx = max(ctx, prompt_tokens)
+    if prompt_tokens is None:
+        prompt_tokens = min(512, mf.config.context_length)
     if prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    if ctx < 1:
+        raise ConfigError(f"--ctx must be >= 1, got {ctx}")
+    n_ctx = max(ctx, prompt_tokens)
+    if n_ctx > mf.config.context_length:   # as load() caps it, so the plan is the one `run` gets
+        if prompt_tokens > mf.config.context_length:
+            raise ConfigError(f"--prompt-tokens {prompt_tokens} is above {mf.config.name}'s trained context "
+                              f"of {mf.config.context_length} tokens")
+        typer.echo(f"edgellm: warning: --ctx {n_ctx} is above {mf.config.name}'s trained context: using "
+                   f"{mf.config.context_length}", err=True)
+        n_ctx = mf.config.context_length
     disp = Dispatcher(profile, mf.config, formats, probe=device in (None, "host"),
                       override=_units(units), kv_bytes=kv_cfg.bytes_per_elem, compute=compute)
     # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves

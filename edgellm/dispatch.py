@@ -159,8 +159,14 @@ def build_units(profile: DeviceProfile, *, probe: bool, threads: int | None = No
     return tuple(out)
 
 
+# CPU features of an x86 profile (`edgellm profile` on an x86 machine writes these): the neon
+# library builds there through SIMDe, as it does for the host, so `plan` with that profile shows
+# what `run` with it does
+_X86_SIMD = frozenset({"avx2", "avx512f", "fma", "f16c"})
+
+
 def _assumed(u: Unit, profile: DeviceProfile) -> tuple[bool, str]:
-    if u.name == "neon" and not all("neon" in c.features for c in profile.clusters):
+    if u.name == "neon" and not all("neon" in c.features or c.features & _X86_SIMD for c in profile.clusters):
         return False, f"{profile.name}'s CPU has no NEON"
     return True, f"assumed from the {profile.name} profile (not probed on this machine)"
 

@@ -104,6 +104,8 @@ ELEMENTWISE_FLOPS = {"rmsnorm": 4.0,   # square, sum, scale, weight
                      "rope": 3.0,      # a rotation per pair: 4 mul + 2 add per 2 elements
                      "add": 1.0,
                      "swiglu": 5.0}    # silu(g) * u: exp, add, divide, multiply
+# every op kind a unit may take (a profile's npu.supported_ops names some of them)
+OP_KINDS = frozenset({*MATMUL_KINDS, "attention", "embedding", *ELEMENTWISE_FLOPS})
 
 
 def elementwise_flops(kind: str, T: int, width: int) -> float:

@@ -63,6 +63,12 @@ def test_parse_quantity_to_si(text, kind, value):
     ("2 ghz", "frequency", "unknown unit 'ghz'"),
     ("-1 GB/s", "bandwidth", "must be > 0"),
     ("0 GHz", "frequency", "must be > 0"),
+    ("1e-999 GB/s", "bandwidth", "must be at least 1 B/s"),      # rounded to 0.0: a ZeroDivisionError in the plan
+    ("1e-300 B/s", "bandwidth", "must be at least 1 B/s"),       # TTFT inf, 'Infinity' in plan --json
+    ("1e-999 GFLOPS", "compute", "must be at least 1 FLOPS"),
+    ("1e-999 GHz", "frequency", "must be at least 1 Hz"),
+    ("0.4 B", "size", "must be at least 1 B"),                   # 0 whole bytes
+    ("1e-999 s", "time", "must be at least 0.001 ns"),
     ("fast", "bandwidth", "'fast'"),
     (True, "size", "a boolean"),
     (None, "time", "nothing (null)"),
@@ -256,29 +262,36 @@ BAD = [
                                   "clusters": {"huge": {"fp32": "1 GFLOPS"}}}),
      "measured.clusters.huge", "unknown key 'huge'; allowed here: little, big"),
     (lambda d: d.update(measured={"date": "2026-11-21", "tool": "t", "memory_read_bandwidth": "10 GB/s",
-                                  "clusters": {}, "units": {"ref": {"threads": 0, "call_overhead": "1 us",
+                                  "clusters": {}, "units": {"reference": {"threads": 0, "call_overhead": "1 us",
                                                                     "precision_flops": {"fp32": "1 GFLOPS"},
                                                                     "gemm": []}}}),
-     "measured.units.ref.threads", "expected an integer in [1,"),
+     "measured.units.reference.threads", "expected an integer in [1,"),
     (lambda d: d.update(measured={"date": "2026-11-21", "tool": "t", "memory_read_bandwidth": "10 GB/s",
-                                  "clusters": {}, "units": {"ref": {"threads": 1, "call_overhead": "1 us",
+                                  "clusters": {}, "units": {"reference": {"threads": 1, "call_overhead": "1 us",
                                                                     "precision_flops": {"fp32": "1 GFLOPS"},
                                                                     "gemm": [{"m": 1, "k": 2, "n": 3}]}}}),
-     "measured.units.ref.gemm[0]", "missing required field 'flops'"),
+     "measured.units.reference.gemm[0]", "missing required field 'flops'"),
     (lambda d: d.update(measured={"date": "2026-11-21", "tool": "t", "memory_read_bandwidth": "10 GB/s",
-                                  "clusters": {}, "units": {"ref": {"threads": 1, "call_overhead": "1 us",
+                                  "clusters": {}, "units": {"reference": {"threads": 1, "call_overhead": "1 us",
                                                                     "precision_flops": {"fp32": "1 GFLOPS"},
                                                                     "gemm": [], "attention": [
                                                                         {"tokens": 0, "context": 5,
                                                                          "flops": "1 GFLOPS"}]}}}),
-     "measured.units.ref.attention[0].tokens", "expected an integer in [1,"),
+     "measured.units.reference.attention[0].tokens", "expected an integer in [1,"),
     (lambda d: d.update(measured={"date": "2026-11-21", "tool": "t", "memory_read_bandwidth": "10 GB/s",
-                                  "clusters": {}, "units": {"ref": {"threads": 1, "call_overhead": "1 us",
+                                  "clusters": {}, "units": {"reference": {"threads": 1, "call_overhead": "1 us",
                                                                     "precision_flops": {"fp32": "1 GFLOPS"},
                                                                     "gemm": [], "elementwise": [
                                                                         {"op": "softmax", "tokens": 5,
                                                                          "flops": "1 GFLOPS"}]}}}),
-     "measured.units.ref.elementwise[0].op", "expected one of rmsnorm, rope, add, swiglu"),
+     "measured.units.reference.elementwise[0].op", "expected one of rmsnorm, rope, add, swiglu"),
+    # typos that were read without a word: the entry ignored, or the NPU available and never placed
+    (lambda d: d.update(measured={"date": "2026-11-21", "tool": "t", "memory_read_bandwidth": "10 GB/s",
+                                  "clusters": {}, "units": {"neonn": {"threads": 1, "call_overhead": "1 us",
+                                                                      "precision_flops": {"fp32": "1 GFLOPS"},
+                                                                      "gemm": []}}}),
+     "measured.units.neonn", "expected a unit name (neon, opencl, npu, reference)"),
+    (lambda d: d["npu"].update(supported_ops=["matmull"]), "npu.supported_ops[0]", "expected an op kind"),
 ]
 
 
@@ -484,3 +497,11 @@ def test_fuzz_mutated_profile(edits):
         assert str(e).startswith("fuzz.yaml: ")
     else:
         assert isinstance(p, DeviceProfile) and p.clusters
+
+
+@pytest.mark.parametrize("bad", [123, b"rk3588", ["rk3588"]])
+def test_a_device_that_is_not_a_name_or_path_is_a_config_error(bad):
+    """load(device=123) was a TypeError, device=b'rk3588' "a bytes-like object is required"."""
+    from edgellm.api import device_profile
+    with pytest.raises(ConfigError, match="device: expected a profile name or a path"):
+        device_profile(bad)

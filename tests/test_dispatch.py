@@ -432,3 +432,16 @@ def test_units_that_are_not_a_list_of_names_are_a_config_error(units):
     """(A TypeError while the error message itself was formatted.)"""
     with pytest.raises(ConfigError, match="units: expected a list of unit names"):
         Dispatcher(soc(), CFG, Q41, probe=False, override=units)
+
+
+@pytest.mark.parametrize("feats, ok", [({"avx2", "fma", "avx512f", "f16c"}, True), ({"avx2"}, True),
+                                       ({"neon", "dotprod"}, True), (set(), False), ({"i8mm"}, False)])
+def test_an_unprobed_profile_assumes_neon_on_arm_and_on_x86(feats, ok):
+    """`edgellm plan --device FILE` does not probe: a profile `edgellm profile` wrote on an x86
+    machine (avx2, fma...) had neon 'unavailable: no NEON' there, while `run` with the same file
+    probes and runs every op on neon (SIMDe builds it for x86)."""
+    from dataclasses import replace
+    p = cpu_only()
+    p = replace(p, clusters=tuple(replace(c, features=frozenset(feats)) for c in p.clusters))
+    u = {u.name: u for u in build_units(p, probe=False)}["neon"]
+    assert u.available is ok, u.reason

@@ -80,12 +80,26 @@ def test_plan_plot_writes_a_png(tiny, tmp_path):
     (["plan", "--device", "no-such-soc"], "no-such-soc"),
     (["plan", "--units", "tpu"], "unknown unit"),
     (["plan", "--prompt-tokens", "0"], "prompt-tokens"),
+    (["plan", "--ctx", "0"], "--ctx must be >= 1"),            # accepted before (n_ctx = max(ctx, prompt))
+    (["plan", "--ctx", "-5"], "--ctx must be >= 1"),
+    (["plan", "--prompt-tokens", "300"], "above tiny"),        # past the trained context (256)
     (["run", "hi", "--units", "gpu9"], "unknown unit"),
 ])
 def test_plan_and_run_errors_are_one_line(tiny, args, needle):
     r = runner.invoke(app, [*args, "--model", tiny])
     assert r.exit_code == 1
     assert needle in r.stderr and "Traceback" not in r.output
+
+
+def test_plan_caps_ctx_at_the_trained_context_as_run_does(tiny):
+    """plan predicted for a context the model was not trained for, while load() caps it."""
+    r = runner.invoke(app, ["plan", "--model", tiny, "--ctx", "9000", "--prompt-tokens", "100", "--device", "rk3588",
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    assert "trained context: using 256" in r.stderr
+    capped = runner.invoke(app, ["plan", "--model", tiny, "--ctx", "256", "--prompt-tokens", "100", "--device",
+                                 "rk3588", "--json"])
+    assert json.loads(r.stdout) == json.loads(capped.stdout)
 
 
 def test_run_with_units_and_device(tiny):

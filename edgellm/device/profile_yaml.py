@@ -21,7 +21,8 @@ from edgellm.device.profile import (
     UnitMeasurement,
 )
 from edgellm.errors import ConfigError
-from edgellm.ops import ELEMENTWISE_FLOPS
+from edgellm.backends import KNOWN as UNIT_NAMES
+from edgellm.ops import ELEMENTWISE_FLOPS, OP_KINDS
 from edgellm.fileio import write_atomic
 
 __all__ = ["parse_quantity", "format_quantity", "load_profile", "list_profiles", "dump_profile",
@@ -46,6 +47,10 @@ _UNITS: dict[str, dict[str, float]] = {
 _EXAMPLE = {"size": "a size such as '64 KiB'", "bandwidth": "a bandwidth such as '51.2 GB/s'",
             "frequency": "a frequency such as '2.84 GHz'", "time": "a time such as '20 us'",
             "compute": "a compute rate such as '38.4 GFLOPS'"}
+# the smallest non-zero figure of each kind that is not a typo: below it a float rounds to 0
+# ('1e-999 GB/s') or a whole-byte size does ('0.4 B'), or the roofline's times overflow to inf
+_SMALLEST = {"size": ("1 B", 1.0), "bandwidth": ("1 B/s", 1.0), "frequency": ("1 Hz", 1.0),
+             "time": ("0.001 ns", 1e-12), "compute": ("1 FLOPS", 1.0)}
 _QUANTITY = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3})?)\s*(\S+)\s*")
 
 
@@ -70,9 +75,13 @@ def parse_quantity(text: Any, kind: str, where: str, *, allow_zero: bool = False
     if number < 0 or (number == 0 and not allow_zero):
         raise ConfigError(f"{expected}, got {text!r} (must be {'>= 0' if allow_zero else '> 0'})")
     # Decimal keeps '0.5 ms' at exactly 5e-4 and '2.171 TFLOPS' at 2.171e12 (float would not)
-    value = float(number * Decimal(str(_UNITS[kind][unit])))
+    exact = number * Decimal(str(_UNITS[kind][unit]))
+    value = float(exact)
     if not math.isfinite(value):
         raise ConfigError(f"{expected}, got {text!r} (too large)")
+    smallest, least = _SMALLEST[kind]
+    if number != 0 and exact < Decimal(str(least)):
+        raise ConfigError(f"{expected}, got {text!r} (a non-zero figure must be at least {smallest})")
     return value
 
 
@@ -320,9 +329,19 @@ def _npu(r: _Reader, v: Any, p: str) -> Npu:
         tflite_delegate=None if delegate is None else r.string(delegate, f"{p}.tflite_delegate"),
         static_shapes=r.boolean(v["static_shapes"], f"{p}.static_shapes"),
         chunk_buckets=tuple(buckets),
-        supported_ops=frozenset(r.items(v["supported_ops"], f"{p}.supported_ops", r.string)),
+        supported_ops=frozenset(r.items(v["supported_ops"], f"{p}.supported_ops", _op_kind(r))),
         **_overheads(r, v, p),
     )
+
+
+def _op_kind(r: _Reader) -> Callable[[Any, str], str]:
+    # a typo ('matmull') left the NPU available and never placed, without a word
+    def read(x: Any, q: str) -> str:
+        kind = r.string(x, q)
+        if kind not in OP_KINDS:
+            r.fail(q, f"expected an op kind ({', '.join(sorted(OP_KINDS))}), got {kind!r}")
+        return kind
+    return read
 
 
 def _overheads(r: _Reader, v: dict, p: str) -> dict[str, float]:
@@ -345,8 +364,16 @@ def _measured(r: _Reader, v: Any, clusters: tuple[CpuCluster, ...]) -> Measured:
         memory_read_bandwidth=r.qty(v["memory_read_bandwidth"], f"{p}.memory_read_bandwidth",
                                     "bandwidth"),
         clusters={n: r.precisions(f, f"{p}.clusters.{n}") for n, f in per_cluster.items()},
-        units={r.string(n, f"{p}.units"): _unit(r, u, f"{p}.units.{n}") for n, u in units.items()},
+        units={_unit_name(r, n, f"{p}.units"): _unit(r, u, f"{p}.units.{n}") for n, u in units.items()},
     )
+
+
+def _unit_name(r: _Reader, n: Any, p: str) -> str:
+    # a renamed entry ('neonn') was ignored: the unit fell back to nominal peaks
+    name = r.string(n, p)
+    if name not in UNIT_NAMES:
+        r.fail(f"{p}.{name}", f"expected a unit name ({', '.join(UNIT_NAMES)})")
+    return name
 
 
 def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
@@ -421,7 +448,11 @@ def _resolve(name: str) -> Path:
 
 def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
     """A profile by name ($EDGELLM_HOME/profiles first, then the shipped ones) or by path."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ConfigError(f"device: expected a profile name or a path, found {type(name_or_path).__name__}")
     s = os.fspath(name_or_path)
+    if not isinstance(s, str):   # a PathLike of bytes
+        raise ConfigError(f"device: expected a profile name or a path as text, found {type(s).__name__}")
     is_path = (isinstance(name_or_path, os.PathLike) or s.endswith((".yaml", ".yml"))
                or os.sep in s or "/" in s)
     path = Path(s).expanduser() if is_path else _resolve(s)
