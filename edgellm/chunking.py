@@ -121,7 +121,11 @@ def choose_chunk(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], *, n_
             b = max(below) if below else unit.buckets[0]
         else:
             b = min(above) if above else unit.buckets[-1]
-        lines.append(f"buckets: {unit.name} runs static shapes {list(unit.buckets)}: {T} -> {b}")
-        T = b
+        if b > n_ctx:   # a chunk past the context: T stays, and the unit pads it to its bucket
+            lines.append(f"buckets: {unit.name} runs static shapes {list(unit.buckets)}: {b} is past "
+                         f"n_ctx = {n_ctx}, so {T} stays (padded to {b} there)")
+        else:
+            lines.append(f"buckets: {unit.name} runs static shapes {list(unit.buckets)}: {T} -> {b}")
+            T = b
     lines.append(f"chunk = {T} tokens")
     return ChunkChoice(T, unit.name, roof, tuple(lines))

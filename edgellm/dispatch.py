@@ -504,11 +504,25 @@ class Dispatcher:
         if prompt_tokens < 1 or prompt_tokens > n_ctx:
             raise ConfigError(f"prompt_tokens must be in 1..n_ctx ({n_ctx}), got {prompt_tokens}")
         if chunk is None:
-            probe_t = min(512, n_ctx)
-            nominal = self.place("prefill", probe_t, 0)
-            gemm_unit = max(nominal.placements, key=lambda p: p.flops if p.kind in MATMUL_KINDS else -1).unit
-            choice = choose_chunk(self.unit(gemm_unit), self.cfg, self.formats, n_ctx=n_ctx,
-                                  memory_budget=memory_budget, kv_bytes=self.kv_bytes)
+            def gemm_unit_at(t: int) -> str:   # the unit of the largest GEMM at a chunk of t tokens
+                placed = self.place("prefill", t, 0).placements
+                return max(placed, key=lambda p: p.flops if p.kind in MATMUL_KINDS else -1).unit
+
+            def sized_by(unit: str) -> ChunkChoice:
+                return choose_chunk(self.unit(unit), self.cfg, self.formats, n_ctx=n_ctx,
+                                    memory_budget=memory_budget, kv_bytes=self.kv_bytes)
+
+            sizer = gemm_unit_at(min(512, n_ctx))
+            choice = sized_by(sizer)
+            runner = gemm_unit_at(choice.tokens)
+            if runner != sizer:
+                # the sizer's chunk (an NPU bucket, say) hands the GEMMs to another unit: size the
+                # chunk for the unit that runs them, when it keeps them at its own chunk
+                again = sized_by(runner)
+                if gemm_unit_at(again.tokens) == runner:
+                    choice = replace(again, derivation=(
+                        f"{sizer} sized {choice.tokens} tokens, where {runner} runs the GEMMs: sized for "
+                        f"{runner}", *again.derivation))
         else:
             if chunk < 1:
                 raise ConfigError(f"prefill chunk must be >= 1, got {chunk}")

@@ -445,3 +445,29 @@ def test_an_unprobed_profile_assumes_neon_on_arm_and_on_x86(feats, ok):
     p = replace(p, clusters=tuple(replace(c, features=frozenset(feats)) for c in p.clusters))
     u = {u.name: u for u in build_units(p, probe=False)}["neon"]
     assert u.available is ok, u.reason
+
+
+def test_a_bucket_the_npu_sizes_but_does_not_run_does_not_set_the_chunk():
+    """An NPU whose GEMMs win at 512 tokens sized the chunk to its bucket (1 token) though at 1
+    token every GEMM runs on neon: a 1-token chunk (helper: TTFT 1467 ms predicted vs 264). The
+    chunk is sized for the unit that runs the GEMMs at it, as without the NPU."""
+    p = soc(npu_int8=60e12, buckets=(1,))
+    plan = _plan(p)
+    at_chunk = {x.unit for x in plan.prefill.placements if x.kind == "matmul"}
+    assert "npu" not in at_chunk
+    without = Dispatcher(replace_npu_off(p), CFG, Q41, probe=False).plan(prompt_tokens=512, n_ctx=2048,
+                                                                          memory_budget=512 * 2**20)
+    assert plan.chunk.tokens == without.chunk.tokens > 1
+    assert "sized for neon" in plan.chunk.derivation[0]
+
+
+def replace_npu_off(p):
+    from dataclasses import replace
+    return replace(p, npu=None)
+
+
+def test_a_bucket_past_the_context_keeps_the_chunk_within_it():
+    """n_ctx 16 under 32-token buckets: the chunk was rounded up to 32, past the context."""
+    from edgellm.costmodel import npu_unit
+    c = choose_chunk(npu_unit(soc(buckets=(32, 64))), CFG, Q41, n_ctx=16, memory_budget=2**30)
+    assert c.tokens == 16 and "past n_ctx = 16" in c.derivation[-2]
