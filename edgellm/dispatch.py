@@ -488,6 +488,12 @@ class Dispatcher:
         else:
             reason = (f"{fastest} alone would take {ok[fastest].ms:.3f} ms, but handing data across units "
                       f"costs more than the {est.ms - ok[fastest].ms:.3f} ms it saves; {u} {est.ms:.3f} ms")
+        if not self.override and len(ok) > 1:
+            # an available unit passed over because it cannot run the op says why (a profile
+            # without its int8 figure, say); an unavailable one says so in the units list
+            passed = [f"{n}: {w}" for n, w in no.items() if self.unit(n).available]
+            if passed:
+                reason = f"{reason.rstrip('; ')}; {'; '.join(passed)}"
         if self.compute is not None:
             asked = "+".join(a for a, _ in self._asks(op, phase, tokens))
             if asked != est.precision:

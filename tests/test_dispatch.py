@@ -471,3 +471,14 @@ def test_a_bucket_past_the_context_keeps_the_chunk_within_it():
     from edgellm.costmodel import npu_unit
     c = choose_chunk(npu_unit(soc(buckets=(32, 64))), CFG, Q41, n_ctx=16, memory_budget=2**30)
     assert c.tokens == 16 and "past n_ctx = 16" in c.derivation[-2]
+
+
+def test_an_available_unit_passed_over_says_why_in_the_reason():
+    """neon without an int8 figure lost qkv to another unit, and the text plan's reason named
+    only the units that could run it: why neon could not was in --json's alternatives alone."""
+    from dataclasses import replace
+    p = soc(npu=False)
+    p = replace(p, clusters=tuple(replace(c, peak_per_core={k: v for k, v in c.peak_per_core.items() if k != "int8"})
+                                  for c in p.clusters))
+    qkv = next(x for x in _plan(p).prefill.placements if x.op == "qkv")
+    assert qkv.unit != "neon" and "neon: " in qkv.reason and "int8" in qkv.reason.split("neon: ")[1]
