@@ -583,9 +583,10 @@ def build(
     libedgellm_neon_{base,dotprod}.so, selftest_{base,dotprod}, selftest_cases.bin and bundle.json
     (target, CPU features, compiler and version, source hash). On the device, run
     `./selftest_dotprod selftest_cases.bin`, then point EDGELLM_NEON_LIB at the library."""
-    from .toolchain import build_bundle
+    from .toolchain import build_bundle, stop_on_sigterm
 
-    path = build_bundle(target, cpu, out, api=api, progress=lambda msg: typer.echo(msg, err=True))
+    with stop_on_sigterm():
+        path = build_bundle(target, cpu, out, api=api, progress=lambda msg: typer.echo(msg, err=True))
     typer.echo(str(path))
 
 

@@ -11,13 +11,18 @@ A bundle is a folder to copy onto the phone or board:
     bundle.json                  target, cpu, compiler, flags and features per variant, source hash
 
 On the device: `./selftest_dotprod selftest_cases.bin` prints PASS/FAIL per case and exits 0 iff
-all pass; then point EDGELLM_NEON_LIB at the library the self-test vouched for.
+all pass (exit 3, before any case, on a CPU without dot products or fp16 arithmetic: run
+selftest_base there); then point EDGELLM_NEON_LIB at the library the self-test vouched for.
+bundle.json records per variant the ISA features the flags enable and the newest glibc symbol
+version the library needs (min_glibc; the self-tests are static and do not tell). With --cpu
+naming an Armv8.0 core (Cortex-A53, A72) only the base variant is built.
 
 Compilers, by target: aarch64-linux-gnu uses aarch64-linux-gnu-gcc when it is on PATH, else zig
 (`pip install ziglang`); aarch64-linux-android[API] uses the NDK's clang from $ANDROID_NDK_HOME.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -25,9 +30,11 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +54,10 @@ ZIG_FLAGS = {"base": ["-mcpu=generic"], "dotprod": ["-mcpu=generic+v8_2a+dotprod
 COMMON_FLAGS = ["-O3", "-std=gnu11", "-fvisibility=hidden", "-pthread"]
 # predefined macro -> feature name recorded in bundle.json
 FEATURE_MACROS = {"__ARM_NEON": "neon", "__ARM_FEATURE_DOTPROD": "dotprod",
-                  "__ARM_FEATURE_FP16_VECTOR_ARITHMETIC": "fp16"}
+                  "__ARM_FEATURE_FP16_VECTOR_ARITHMETIC": "fp16", "__ARM_FEATURE_MATMUL_INT8": "i8mm",
+                  "__ARM_FEATURE_BF16_VECTOR_ARITHMETIC": "bf16", "__ARM_FEATURE_SVE": "sve",
+                  "__ARM_FEATURE_SVE2": "sve2"}
+MIN_ANDROID_API = 21          # the first with 64-bit Arm
 CPU_EXAMPLES = "cortex-a55, cortex-a76 (Raspberry Pi 5), cortex-a78, cortex-x1, cortex-a72 (Raspberry Pi 4)"
 LIB_NAME = "libedgellm_neon_{}.so"
 SELFTEST_NAME = "selftest_{}"
@@ -154,6 +164,8 @@ def find_toolchain(target: str = "aarch64-linux-gnu", api: int | None = None,
     """The compiler for `target`, looked up in env (default os.environ: PATH, ANDROID_NDK_HOME)."""
     env = os.environ if env is None else env
     target, t_api = parse_target(target)
+    if target == "aarch64-linux-gnu" and api is not None:
+        raise ToolchainError(f"--api {api} is an Android API level: it applies to aarch64-linux-android only")
     if target == "aarch64-linux-gnu":
         gcc = shutil.which("aarch64-linux-gnu-gcc", path=env.get("PATH", ""))
         if gcc:
@@ -170,7 +182,11 @@ def find_toolchain(target: str = "aarch64-linux-gnu", api: int | None = None,
             "no C compiler for aarch64-linux-gnu: aarch64-linux-gnu-gcc is not on PATH and the ziglang "
             "package is not installed. Install one: `sudo apt-get install gcc-aarch64-linux-gnu` "
             "(Debian/Ubuntu; Fedora: gcc-aarch64-linux-gnu) or `pip install ziglang`")
-    api = api or t_api or DEFAULT_ANDROID_API
+    if api is not None and t_api is not None and api != t_api:
+        raise ToolchainError(f"the target names Android API {t_api} and --api says {api}: give one")
+    api = api if api is not None else t_api if t_api is not None else DEFAULT_ANDROID_API
+    if api < MIN_ANDROID_API:
+        raise ToolchainError(f"Android API {api}: 64-bit Arm starts at API {MIN_ANDROID_API}")
     ndk = env.get("ANDROID_NDK_HOME") or env.get("ANDROID_NDK_ROOT")
     hint = ("install the Android NDK (Android Studio's SDK Manager, `sdkmanager \"ndk;27.2.12479018\"`, or "
             "https://developer.android.com/ndk/downloads) and set ANDROID_NDK_HOME to its folder")
@@ -204,37 +220,117 @@ def variant_flags(variant: str, cpu: str | None = None, kind: str = "gcc") -> li
         return [f"-mcpu={cpu.replace('-', '_')}+dotprod+fullfp16"]
     if cpu is None:
         return list(ARM_FLAGS[variant])
-    return ["-march=armv8-a", f"-mtune={cpu}"] if variant == "base" else [f"-mcpu={cpu}+dotprod+fp16"]
+    # +nosve: a core with SVE (Cortex-X2, A710...) would let gcc auto-vectorize with it, and the
+    # loader picks this library on the dotprod and fp16 HWCAPs alone (phones' firmware may hide
+    # SVE): the library must not need more than its name says
+    return ["-march=armv8-a", f"-mtune={cpu}"] if variant == "base" else [f"-mcpu={cpu}+dotprod+fp16+nosve"]
+
+
+def core_flags(cpu: str, kind: str = "gcc") -> list[str]:
+    """The flags of the core alone (its own ISA): what it can run."""
+    return [f"-mcpu={cpu.replace('-', '_')}"] if kind == "zig" else [f"-mcpu={cpu}"]
 
 
 def compile_flags(variant: str, src_dir: Path, cpu: str | None = None, kind: str = "gcc") -> list[str]:
     return [*COMMON_FLAGS, f"-DEL_VARIANT={variant}", f"-I{src_dir}", *variant_flags(variant, cpu, kind)]
 
 
-def probe_features(tc: Toolchain, flags: Sequence[str]) -> list[str]:
+def probe_features(tc: Toolchain, flags: Sequence[str], cpu: str | None = None) -> list[str]:
     """Features the flags enable, read from the compiler's predefined macros. Also where a bad
-    --cpu is rejected, with the compiler's own message."""
+    --cpu is rejected, with the first line of the compiler's own message (gcc follows it with
+    every CPU name it knows)."""
     cmd = [*tc.cc, *flags, "-dM", "-E", "-x", "c", os.devnull]
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as e:
         raise ToolchainError(f"cannot run {tc.path}: {e}") from None
     if r.returncode != 0:
-        raise ToolchainError(f"{tc.path} rejects the flags {' '.join(flags)} (a CPU name it does not know? "
-                             f"e.g. {CPU_EXAMPLES}):\n{r.stderr.strip()}")
+        said = next((ln.strip() for ln in r.stderr.splitlines() if ln.strip()), f"exit {r.returncode}")
+        hint = f" (is {cpu!r} a CPU name it knows? e.g. {CPU_EXAMPLES})" if cpu else ""
+        raise ToolchainError(f"{tc.path} rejects the flags {' '.join(flags)}{hint}: {said}")
     defined = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define ")}
     return [name for macro, name in FEATURE_MACROS.items() if macro in defined]
 
 
 # ---- the bundle ------------------------------------------------------------------------------
 
-def _run(what: str, cmd: Sequence[str]) -> None:
+class _Compilers:
+    """The compiler processes of one build, so that an abort (Ctrl-C to Python alone, SIGTERM, a
+    failed job) kills them instead of waiting for them (~15 s)."""
+
+    def __init__(self):
+        self._procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def run(self, what: str, cmd: Sequence[str]) -> None:
+        with self._lock:
+            if self._stopped:
+                raise BuildError(what, cmd, "the build was stopped")
+            try:
+                p = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            except OSError as e:
+                raise BuildError(what, cmd, str(e)) from None
+            self._procs.append(p)
+        try:
+            out, _ = p.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise BuildError(what, cmd, "no result after 600 s") from None
+        if p.returncode != 0:
+            raise BuildError(what, cmd, out)
+
+    def kill(self) -> None:
+        with self._lock:
+            self._stopped = True
+            for p in self._procs:
+                if p.poll() is None:
+                    p.kill()
+
+
+def glibc_needed(lib: Path) -> str | None:
+    """The newest GLIBC_2.x symbol version a shared library asks for (its .dynstr names each
+    one it needs), e.g. "2.34": the oldest glibc it loads on. None: it asks for none."""
+    found = [int(m) for m in re.findall(rb"GLIBC_2\.(\d+)(?![\d.])", lib.read_bytes())]
+    return f"2.{max(found)}" if found else None
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """SIGTERM (a CI timeout, `kill`) raises SystemExit(143) in the main thread while a build
+    runs, so build_bundle kills its compilers and removes its temporary folder, as on Ctrl-C;
+    the default action ended the process and left both behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
     try:
-        r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise BuildError(what, cmd, str(e)) from None
-    if r.returncode != 0:
-        raise BuildError(what, cmd, r.stdout + r.stderr)
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _is_bundle(out: Path) -> bool:
+    """An empty folder, or one whose bundle.json is edgellm's (its format, target, variants and
+    files) and that holds no folders: a project folder with a bundle.json of its own is neither."""
+    if not out.is_dir():
+        return False
+    entries = list(out.iterdir())
+    if not entries:
+        return True
+    if any(p.is_dir() for p in entries):
+        return False
+    try:
+        meta = json.loads((out / "bundle.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (isinstance(meta, dict) and meta.get("format") == 1 and isinstance(meta.get("files"), dict)
+            and isinstance(meta.get("variants"), dict) and meta.get("target") in TARGETS)
 
 
 def _sha256(path: Path) -> str:
@@ -265,21 +361,44 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
     if not (src / "selftest.c").is_file() or not library_sources(src):
         raise ToolchainError(f"{src} lacks the library sources or selftest.c")
     name = tc.target + (str(tc.api) if tc.api and tc.target.endswith("android") else "")
-    out = Path(out) if out is not None else Path.cwd() / f"edgellm-bundle-{name}"
-    if out.exists() and not (out.is_dir() and ((out / "bundle.json").is_file() or not any(out.iterdir()))):
-        raise ToolchainError(f"{out} exists and is not an edgellm bundle (no bundle.json): choose another --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    # resolved first: "." or "" has no name to put the temporary folder beside
+    out = Path(os.path.expanduser(out)).resolve() if out is not None else Path.cwd() / f"edgellm-bundle-{name}"
+    if out.exists() and not _is_bundle(out):
+        raise ToolchainError(f"{out} exists and is not an edgellm bundle (no edgellm bundle.json, or it holds "
+                             f"folders): choose another --out")
+    if cpu is not None and "dotprod" in variants:
+        # a core without dot products or fp16 arithmetic (Cortex-A53, A72: Armv8.0) cannot run
+        # the dotprod variant: gcc fails on it after the whole build, and such a library would
+        # die with SIGILL on the very core it was built for
+        own = probe_features(tc, core_flags(cpu, tc.kind), cpu)
+        if not {"dotprod", "fp16"} <= set(own):
+            if variants == ["dotprod"]:
+                raise ToolchainError(f"{cpu} has no dot product or fp16 arithmetic instructions (features: "
+                                     f"{', '.join(own)}): it runs the base variant only")
+            say(f"{cpu} has no dot product or fp16 arithmetic instructions: building the base variant only")
+            variants = [v for v in variants if v != "dotprod"]
 
     version = tc.version()
     say(f"compiler: {tc.path} ({version})")
-    lib_srcs = [str(p) for p in library_sources(src)]
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    jobs_run = _Compilers()
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        raise ToolchainError(f"cannot write the bundle at {out}: {e.strerror or e}") from None
+    snap = None
+    try:
+        # the sources as they are now, compiled and hashed from one copy: an edit during the
+        # build would otherwise give a hash of sources other than those compiled
+        snap = Path(tempfile.mkdtemp(prefix="edgellm-src-"))
+        for f in source_files(src):
+            shutil.copy2(f, snap / f.name)
+        lib_srcs = [str(p) for p in library_sources(snap)]
         meta_variants = {}
         jobs = []          # (what, command), run concurrently: each is one compiler process
         for v in variants:
-            flags = compile_flags(v, src, cpu, tc.kind)
-            features = probe_features(tc, flags)
+            flags = compile_flags(v, snap, cpu, tc.kind)
+            features = probe_features(tc, flags, cpu)
             # the loader relies on these: base runs on any Armv8.0 core, dotprod has what its name says
             if v == "base" and ({"dotprod", "fp16"} & set(features)):
                 raise ToolchainError(f"the base variant's flags enable {features}; it must stay Armv8.0")
@@ -290,17 +409,29 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
             jobs.append((f"{lib} ({isa})",
                          [*tc.cc, *flags, "-shared", "-fPIC", "-o", str(tmp / lib), *lib_srcs, "-lm"]))
             jobs.append((f"{exe} ({isa}, static)", [*tc.exe_cc, *flags, "-static", "-o", str(tmp / exe), *lib_srcs,
-                                                    str(src / "selftest.c"), "-lm"]))
+                                                    str(snap / "selftest.c"), "-lm"]))
             meta_variants[v] = {"flags": [f for f in flags if not f.startswith("-I")], "features": features,
                                 "library": lib, "selftest": exe}
         for what, _ in jobs:
             say(f"compiling {what} ...")
         with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-            futures = [pool.submit(_run, f"compiling {what}", cmd) for what, cmd in jobs]
-            say(f"writing {CASES_NAME} ...")
-            n_cases = write_cases(tmp / CASES_NAME, seed)      # numpy, while the compilers run
-            for f in futures:
-                f.result()           # the first failure, in job order, with the compiler's output
+            try:
+                futures = [pool.submit(jobs_run.run, f"compiling {what}", cmd) for what, cmd in jobs]
+                say(f"writing {CASES_NAME} ...")
+                n_cases = write_cases(tmp / CASES_NAME, seed)      # numpy, while the compilers run
+                for f in futures:
+                    f.result()           # the first failure, in job order, with the compiler's output
+            except BaseException:
+                jobs_run.kill()          # before the pool's exit waits for its jobs
+                raise
+        for v in variants:
+            glibc = glibc_needed(tmp / LIB_NAME.format(v)) if tc.target == "aarch64-linux-gnu" else None
+            if glibc:
+                meta_variants[v]["min_glibc"] = glibc
+        needs = sorted({m["min_glibc"] for m in meta_variants.values() if "min_glibc" in m},
+                       key=lambda g: int(g.split(".")[1]))
+        if needs:
+            say(f"the libraries need glibc {needs[-1]} or later on the device (the self-tests are static)")
         meta = {
             "format": 1,
             "target": tc.target,
@@ -308,8 +439,8 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
             "cpu": cpu,
             "variants": meta_variants,
             "compiler": {"kind": tc.kind, "path": tc.path, "command": list(tc.cc), "version": version},
-            "source_sha256": source_hash(src),
-            "sources": [p.name for p in source_files(src)],
+            "source_sha256": source_hash(snap),
+            "sources": [p.name for p in source_files(snap)],
             "selftest_cases": {"file": CASES_NAME, "count": n_cases, "seed": seed},
             "edgellm_version": _edgellm_version(),
             "build_date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -333,5 +464,8 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if snap is not None:
+            shutil.rmtree(snap, ignore_errors=True)
     say(f"bundle: {out}")
     return out

@@ -57,6 +57,10 @@
 
 #include "edgellm_neon.h"
 #include "el_ranges.h"
+#include "el_common.h"
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the cases file is little-endian; this reader assumes a little-endian host"
@@ -647,14 +651,35 @@ static uint8_t *read_file(const char *path, uint64_t *size) {
 }
 
 static void usage(void) {
-    fprintf(stderr, "usage: selftest [-t THREADS] [-k SUBSTRING] CASES_FILE\n");
+    fprintf(stderr, "usage: selftest [-t THREADS] [-k SUBSTRING] [-f] CASES_FILE\n"
+                    "  -f  run even where the CPU lacks the instructions this build uses\n");
     exit(2);
 }
 
+/* A dotprod build on a core without dot products or fp16 arithmetic dies with SIGILL at its
+ * first such instruction, which reads like a broken kernel; say what it is instead (exit 3).
+ * Linux HWCAP bits: FPHP 9, ASIMDHP 10, ASIMDDP 20. Checked first, before any kernel runs. */
+static void check_cpu(void) {
+#if defined(__aarch64__) && defined(__linux__)
+    const unsigned long hw = getauxval(AT_HWCAP);
+    const int dot = (hw >> 20) & 1, fp16 = ((hw >> 9) & 1) && ((hw >> 10) & 1);
+    if ((EL_DOTPROD && !dot) || (EL_FP16 && !fp16)) {
+        fprintf(stderr, "selftest: this build (%s) needs dot product and fp16 arithmetic instructions, which "
+                        "this CPU lacks (HWCAP dotprod=%d fp16=%d): run selftest_base, whose library is the "
+                        "one for this CPU\n", el_build_info(), dot, fp16);
+        exit(3);
+    }
+#endif
+}
+
 int main(int argc, char **argv) {
-    int threads = 2;
+    int threads = 2, force = 0;
     const char *filter = NULL, *path = NULL;
     for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "-f")) {
+            force = 1;
+            continue;
+        }
         if (!strcmp(argv[i], "-t") && i + 1 < argc) {
             char *end;
             long t = strtol(argv[++i], &end, 10);
@@ -669,6 +694,7 @@ int main(int argc, char **argv) {
         }
     }
     if (!path) usage();
+    if (!force) check_cpu();
     g_path = path;
     /* line by line even into a pipe or file: if a kernel crashes, the last line names the case before */
     setvbuf(stdout, NULL, _IOLBF, 0);

@@ -131,10 +131,17 @@ def test_qemu_selftest(bundle, qemu, cases, variant, cpu):
 
 
 def test_dotprod_build_faults_on_armv80(bundle, qemu):
-    """The A53 model really rejects instructions past Armv8.0 (the dotprod build dies on it), so
-    the base build's clean run on that model means something."""
-    r = _run([qemu, "-cpu", "cortex-a53", bundle / "selftest_dotprod", bundle / tc.CASES_NAME])
+    """The A53 model really rejects instructions past Armv8.0 (the dotprod build dies on it when
+    forced past its CPU check, -f), so the base build's clean run on that model means something."""
+    r = _run([qemu, "-cpu", "cortex-a53", bundle / "selftest_dotprod", "-f", bundle / tc.CASES_NAME])
     assert r.returncode == -signal.SIGILL, f"expected SIGILL, got exit {r.returncode}\n{r.stdout[-1000:]}"
+
+
+def test_dotprod_selftest_names_a_cpu_without_dotprod(bundle, qemu):
+    """Unforced it reads the CPU's HWCAPs first: on an Armv8.0 core it said nothing and died with
+    SIGILL (exit 132) after its first case, like a broken kernel."""
+    r = _run([qemu, "-cpu", "cortex-a72", bundle / "selftest_dotprod", bundle / tc.CASES_NAME])
+    assert r.returncode == 3 and "run selftest_base" in r.stderr and "PASS" not in r.stdout
 
 
 def _objdump() -> str:
@@ -182,6 +189,8 @@ def test_bundle_metadata(bundle, cases):
     assert meta["compiler"]["kind"] in ("gcc", "zig")
     assert meta["compiler"]["version"] and "\n" not in meta["compiler"]["version"]
     assert meta["source_sha256"] == tc.source_hash(NEON)
+    for v in tc.VARIANTS:   # the libraries' glibc symbol versions (2.34 with Debian 12's cross gcc)
+        assert re.fullmatch(r"2\.\d+", meta["variants"][v]["min_glibc"])
     assert "selftest.c" in meta["sources"] and "edgellm_neon.h" in meta["sources"]
     assert meta["selftest_cases"]["count"] == len(cases)
     from edgellm import __version__
@@ -428,12 +437,21 @@ def test_android_ndk_errors_and_lookup(tmp_path):
     assert (t.kind, t.api, t.target) == ("ndk-clang", 30, "aarch64-linux-android")
     t = tc.find_toolchain("aarch64-linux-android", api=30, env={"ANDROID_NDK_ROOT": str(tmp_path)})
     assert t.path.endswith("aarch64-linux-android30-clang")
+    # API levels that were silently replaced: 0 built API 28, a target's and --api's disagreeing took --api's,
+    # --api with the gnu target was ignored
+    env = {"ANDROID_NDK_HOME": str(tmp_path)}
+    for target, api, says in (("aarch64-linux-android0", None, "starts at API 21"),
+                              ("aarch64-linux-android", 0, "starts at API 21"),
+                              ("aarch64-linux-android30", 21, "names Android API 30 and --api says 21"),
+                              ("aarch64-linux-gnu", 21, "applies to aarch64-linux-android only")):
+        with pytest.raises(tc.ToolchainError, match=says):
+            tc.find_toolchain(target, api=api, env=env)
 
 
 def test_cpu_flags_and_validation():
     assert tc.variant_flags("base") == ["-march=armv8-a"]
     assert tc.variant_flags("base", "cortex-a78") == ["-march=armv8-a", "-mtune=cortex-a78"]
-    assert tc.variant_flags("dotprod", "cortex-a78") == ["-mcpu=cortex-a78+dotprod+fp16"]
+    assert tc.variant_flags("dotprod", "cortex-a78") == ["-mcpu=cortex-a78+dotprod+fp16+nosve"]
     for bad in ("cortex-a78 -fplugin=x", "-O0", "Cortex_A78", ""):
         with pytest.raises(tc.ToolchainError, match="not a CPU name"):
             tc.variant_flags("dotprod", bad)
@@ -442,6 +460,48 @@ def test_cpu_flags_and_validation():
     assert tc.variant_flags("dotprod", "cortex-a78", "zig") == ["-mcpu=cortex_a78+dotprod+fullfp16"]
     with pytest.raises(tc.ToolchainError, match="unknown variant"):
         tc.variant_flags("sve", None)
+
+
+def _tiny_src(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "edgellm_neon.h").write_text("int el_one(void);\n")
+    (src / "one.c").write_text('#include "edgellm_neon.h"\nint el_one(void) { return 1; }\n')
+    (src / "selftest.c").write_text("int main(void) { return 0; }\n")
+    return src
+
+
+def test_cpu_without_dotprod_builds_base_only(tmp_path):
+    """--cpu cortex-a72 (one of the tool's own examples) compiled everything and then failed in
+    gcc on the dotprod variant; such a library could not run on that core anyway."""
+    src, said = _tiny_src(tmp_path), []
+    out = tc.build_bundle(out=tmp_path / "a72", cpu="cortex-a72", src_dir=src, progress=said.append)
+    meta = json.loads((out / "bundle.json").read_text())
+    assert set(meta["variants"]) == {"base"} and meta["run"].startswith("./selftest_base")
+    assert any("base variant only" in m for m in said)
+    with pytest.raises(tc.ToolchainError, match="runs the base variant only"):
+        tc.build_bundle(out=tmp_path / "d", cpu="cortex-a53", variants=["dotprod"], src_dir=src, progress=None)
+    # a core with SVE: the dotprod library must not need it (the loader checks dotprod and fp16 only)
+    out = tc.build_bundle(out=tmp_path / "x2", cpu="cortex-x2", src_dir=src, progress=None)
+    feats = json.loads((out / "bundle.json").read_text())["variants"]["dotprod"]["features"]
+    assert {"dotprod", "fp16"} <= set(feats) and "sve" not in feats
+
+
+def test_out_that_is_no_bundle_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A project folder with a bundle.json of its own was replaced whole (its sources gone); '.'
+    failed after the whole compile with a traceback (ValueError: empty name)."""
+    src = _tiny_src(tmp_path)
+    proj = tmp_path / "proj"
+    (proj / "src").mkdir(parents=True)
+    (proj / "src" / "main.c").write_text("int main(void) { return 0; }\n")
+    (proj / "bundle.json").write_text('{"name": "my-app"}')
+    with pytest.raises(tc.ToolchainError, match="not an edgellm bundle"):
+        tc.build_bundle(out=proj, src_dir=src, progress=None)
+    assert (proj / "src" / "main.c").is_file() and (proj / "bundle.json").read_text() == '{"name": "my-app"}'
+    monkeypatch.chdir(proj)
+    for out in (".", ""):
+        with pytest.raises(tc.ToolchainError, match="not an edgellm bundle"):
+            tc.build_bundle(out=out, src_dir=src, progress=None)
 
 
 def test_cpu_features_from_the_compiler():
@@ -477,4 +537,7 @@ def test_neon_sources_are_packaged():
 
 def test_cross_build_cli_reports_errors(tmp_path):
     r = _run([sys.executable, ROOT / "tools" / "cross_build.py", "--target", "mips-linux-gnu", "--out", tmp_path / "x"])
-    assert r.returncode == 2 and "unknown target 'mips-linux-gnu'" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1 and "unknown target 'mips-linux-gnu'" in r.stderr and "Traceback" not in r.stderr
+    # an OSError (an --out it cannot write beside) is one line too; it was a traceback
+    r = _run([sys.executable, ROOT / "tools" / "cross_build.py", "--out", "/proc/x", "--variant", "base"])
+    assert r.returncode == 1 and "cannot write the bundle at /proc/x" in r.stderr and "Traceback" not in r.stderr

@@ -25,10 +25,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="build only this variant (repeatable; default both)")
     a = ap.parse_args(argv)
     try:
-        toolchain.build_bundle(a.target, a.cpu, a.out, a.variant or toolchain.VARIANTS)
-    except toolchain.ToolchainError as e:
+        with toolchain.stop_on_sigterm():
+            toolchain.build_bundle(a.target, a.cpu, a.out, a.variant or toolchain.VARIANTS)
+    except (toolchain.ToolchainError, OSError) as e:   # (OSError: an unwritable --out, a full disk)
         print(f"cross_build: error: {e}", file=sys.stderr)
-        return 2
+        return 1
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 
