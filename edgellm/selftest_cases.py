@@ -13,7 +13,8 @@ import numpy as np
 
 
 (OP_MATMUL, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED,
- OP_KV_QUANT, OP_SAMPLE) = range(1, 12)
+ OP_KV_QUANT, OP_SAMPLE, OP_STEP) = range(1, 13)
+STEP_CHUNK, STEP_DECODE, STEP_GREEDY = 0, 1, 2   # OP_STEP modes (neon/selftest.c)
 CASES_MAGIC, CASES_VERSION = b"ELSTCASE", 1
 KIND_F32, KIND_RAW = 1, 2
 BOUND_ELEMENTWISE = 1e-7     # NMSE bounds of DESIGN.md's correctness discipline
@@ -358,12 +359,83 @@ def _embed_cases(rng: np.random.Generator) -> list[Case]:
     return cases
 
 
+# The fused step against a numpy forward in fp32: its 5 matmuls a layer take int8 activations
+# (each ~1e-5 NMSE against fp32 here, BOUND_MATMUL's regime), K/V go through fp16 as the pool
+# stores them (the reference rounds them too). Two layers and the head compound that to ~1e-4;
+# a wrong kernel anywhere in the step gives ~1 (a wrong argmax, a swapped row, a stale K).
+BOUND_STEP = 2e-3
+
+
+def _step_forward(layers, out_norm, head, x, cos, sin, H, KVH, hd, eps) -> np.ndarray:
+    """The chunk's last-row logits by the reference ops: per layer rmsnorm, QKV, RoPE ('norm'
+    pairs), K/V rounded to fp16, causal GQA attention, output projection + residual, rmsnorm,
+    gate|up, SwiGLU, down + residual; then rmsnorm and the head."""
+    from .backends import reference
+
+    T = x.shape[0]
+    for attn_norm, wqkv, wo, ffn_norm, wgu, wdown in layers:
+        qkv = reference.matmul(reference.rmsnorm(x, attn_norm, eps), wqkv)
+        q = reference.rope(qkv[:, : H * hd].reshape(T, H, hd), cos, sin, "norm")
+        k = reference.rope(qkv[:, H * hd : (H + KVH) * hd].reshape(T, KVH, hd), cos, sin, "norm")
+        v = qkv[:, (H + KVH) * hd :].reshape(T, KVH, hd)
+        k16, v16 = (_f32(a.astype(np.float16)).transpose(1, 0, 2).copy() for a in (k, v))
+        x = x + reference.matmul(reference.attention(q, k16, v16, 0), wo)
+        x = x + reference.matmul(reference.swiglu(reference.matmul(reference.rmsnorm(x, ffn_norm, eps), wgu)), wdown)
+    return reference.matmul(reference.rmsnorm(x[-1:], out_norm, eps), head)[0]
+
+
+def _step_cases(rng: np.random.Generator) -> list[Case]:
+    """The fused layer step (decode_step.c), which every prefill chunk and decode token of the
+    neon unit runs: a 2-layer model with random weights, GQA 4:2, through el_chunk_logits (one
+    chunk), el_chunk_step + a one-token el_chunk_logits (the decode path: GEMVs, the decode
+    attention), and el_chunk_step + el_decode_greedy (the embedding lookup from an id and the
+    argmax, against the reference's argmax, chosen with a wide margin)."""
+    from . import quant
+
+    L, d, H, KVH, hd, ff, n_vocab, eps = 2, 64, 4, 2, 16, 128, 96, 1e-5
+    cases = []
+    for mode, tname, qt, T, bt in ((STEP_CHUNK, "q4_0", quant.T.Q4_0, 40, 16), (STEP_DECODE, "q4_1", quant.T.Q4_1, 40, 16),
+                                   (STEP_GREEDY, "q8_0", quant.T.Q8_0, 9, 4), (STEP_CHUNK, "q8_0", quant.T.Q8_0, 1, 4)):
+        def matrix(rows: int, cols: int):
+            w = _f32(rng.standard_normal((rows, cols)) / np.sqrt(cols))
+            raw = quant.quantize(w, qt).reshape(-1)
+            return raw, quant.dequantize(raw, qt, (rows, cols))
+
+        arrays, layers = [], []
+        for _ in range(L):
+            an, fn = _f32(1.0 + 0.1 * rng.standard_normal(d)), _f32(1.0 + 0.1 * rng.standard_normal(d))
+            (rq, dq), (ro, do), (rg, dg), (rd, dd) = (matrix((H + 2 * KVH) * hd, d), matrix(d, H * hd),
+                                                      matrix(2 * ff, d), matrix(d, ff))
+            arrays += [an, rq, ro, fn, rg, rd]
+            layers.append((an, dq, do, fn, dg, dd))
+        out_norm = _f32(1.0 + 0.1 * rng.standard_normal(d))
+        head_raw = quant.quantize(_f32(rng.standard_normal((n_vocab, d))), quant.T.Q8_0).reshape(-1)
+        head = quant.dequantize(head_raw, quant.T.Q8_0, (n_vocab, d))   # tied: also the embedding table
+        inv = 10000.0 ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+        ang = np.arange(T, dtype=np.float64)[:, None] * inv[None, :]
+        cos, sin = _f32(np.cos(ang)), _f32(np.sin(ang))
+        for _ in range(100):
+            ids = rng.integers(0, n_vocab, T).astype(np.int32)
+            x = _f32(head[ids])
+            logits = _step_forward(layers, out_norm, head, x, cos, sin, H, KVH, hd, eps)
+            top2 = np.sort(logits)[-2:]
+            if mode != STEP_GREEDY or top2[1] - top2[0] > 0.25 * logits.std():
+                break
+        want = _f32([np.argmax(logits)]) if mode == STEP_GREEDY else _f32(logits)
+        name = f"step/{['chunk', 'decode', 'greedy'][mode]}/{tname}_t{T}_bt{bt}"
+        cases.append(Case(OP_STEP, name, BOUND_EXACT if mode == STEP_GREEDY else BOUND_STEP,
+                          (L, d, H, KVH, hd, ff, hd, 0, EL_Q4_0 if tname == "q4_0" else EL_Q4_1 if tname == "q4_1"
+                           else EL_Q8_0, EL_Q8_0, n_vocab, T, bt, mode), (eps,),
+                          (*arrays, out_norm, head_raw, x, cos, sin, ids, want)))
+    return cases
+
+
 def make_cases(seed: int = 20240531) -> list[Case]:
     """Every kernel, awkward shapes included (tails of 1, 7, 33; M = 1, 3, 17; GQA 9:3; fused
     segments; shuffled KV blocks), with expected outputs from the numpy reference."""
     rng = np.random.default_rng(seed)
     return [*_matmul_cases(rng), *_elementwise_cases(rng), *_attention_cases(rng), *_embed_cases(rng),
-            *_kv_quant_cases(rng), *_sample_cases(rng)]
+            *_kv_quant_cases(rng), *_sample_cases(rng), *_step_cases(rng)]
 
 
 def write_cases(path: str | os.PathLike, seed: int = 20240531) -> int:

@@ -45,6 +45,16 @@
  *                floats, then the rows' scales (el_kv_quantize_i8)
  *  11 sample     n top_k n_u; top_p min_p temperature; x f32 (n), u f32 (n_u), expected f32 (n_u):
  *                the id el_sample draws with each u, as a float
+ *  12 step       n_layers (1..9) d H KVH hd ff rope_dim neox wtype head_wtype n_vocab T block_tokens
+ *                mode; eps; per layer: attn_norm f32 (d), qkv raw ((H+2KVH)hd rows of d), attn_out
+ *                raw (d rows of H*hd), ffn_norm f32 (d), gate_up raw (2ff rows of d), down raw (d
+ *                rows of ff); then out_norm f32 (d), head raw (n_vocab rows of d, head_wtype: also
+ *                the embedding table), x f32 (T*d: the ids' embeddings), cos, sin f32
+ *                (T*rope_dim/2), ids raw (int32 x T), expected. The fused step over an fp16 pool
+ *                whose block table runs backwards. mode 0: el_chunk_logits of the T rows,
+ *                expected f32 (n_vocab) the last row's logits; 1: el_chunk_step of T-1 rows, then
+ *                el_chunk_logits of the last one (the decode path), same expected; 2: el_chunk_step
+ *                of T-1 rows, then el_decode_greedy from ids[T-1], expected f32 (1): the argmax id
  * Besides the file's cases, a few built-in checks run: the pool's thread count, el_parallel_for
  * running each task once, and bad arguments answered with a negative code (never an abort).
  */
@@ -67,7 +77,8 @@
 #endif
 
 enum { OP_MATMUL = 1, OP_RMSNORM, OP_ROPE, OP_SWIGLU, OP_SOFTMAX, OP_ADD, OP_ATTN_DENSE, OP_ATTN_POOL, OP_EMBED,
-       OP_KV_QUANT, OP_SAMPLE };
+       OP_KV_QUANT, OP_SAMPLE, OP_STEP };
+enum { STEP_CHUNK, STEP_DECODE, STEP_GREEDY, STEP_MAX_LAYERS = 9 };
 enum { KIND_F32 = 1, KIND_RAW = 2 };
 enum { MAX_NAME = 127, MAX_INT = 64, MAX_FLOAT = 16, MAX_ARR = 64, MAX_CASES = 100000 };
 #define MAX_FILE_BYTES ((uint64_t)1 << 30)
@@ -358,6 +369,47 @@ static void validate(const case_t *k) {
         need_array(2, KIND_F32, n_u, "expected");
         break;
     }
+    case OP_STEP: {
+        need_counts(14, 1, k->n_arr);
+        if (k->n_int != 14) BAD("case %s: %u ints", k->name, k->n_int);
+        const int64_t L = dim(0, "n_layers", 1), d = dim(1, "d", 32), H = dim(2, "H", 1), KVH = dim(3, "KVH", 1);
+        const int64_t hd = dim(4, "hd", 2), ff = dim(5, "ff", 32), rd = dim(6, "rope_dim", 2);
+        dim(7, "neox", 0);
+        const int wt = k->ints[8], hwt = k->ints[9];
+        const int64_t nv = dim(10, "n_vocab", 2), T = dim(11, "T", 1), bt = dim(12, "block_tokens", 1);
+        const int64_t mode = dim(13, "mode", 0);
+        if (L > STEP_MAX_LAYERS || k->n_arr != 6 * L + 7)
+            BAD("case %s: %lld layers and %u arrays (at most %d layers, 6 arrays each, and 7 more)", k->name,
+                (long long)L, k->n_arr, STEP_MAX_LAYERS);
+        if (H % KVH || rd > hd || rd % 2 || k->ints[7] > 1 || mode > STEP_GREEDY || (mode && T < 2))
+            BAD("case %s: inconsistent step shapes", k->name);
+        if ((wt != EL_Q4_0 && wt != EL_Q4_1 && wt != EL_Q8_0) || d % 32 || ff % 32 || (H * hd) % 32)
+            BAD("case %s: weight type %d with widths d %lld, ff %lld, H*hd %lld", k->name, wt, (long long)d,
+                (long long)ff, (long long)(H * hd));
+        if (row_bytes(hwt, d) <= 0) BAD("case %s: head weight type %d", k->name, hwt);
+        const int64_t qkv = (H + 2 * KVH) * hd;
+        for (int64_t l = 0; l < L; l++) {
+            const int a = (int)(6 * l);
+            need_array(a, KIND_F32, d, "attn_norm");
+            need_array(a + 1, KIND_RAW, prod(qkv, row_bytes(wt, d)), "qkv");
+            need_array(a + 2, KIND_RAW, prod(d, row_bytes(wt, H * hd)), "attn_out");
+            need_array(a + 3, KIND_F32, d, "ffn_norm");
+            need_array(a + 4, KIND_RAW, prod(2 * ff, row_bytes(wt, d)), "gate_up");
+            need_array(a + 5, KIND_RAW, prod(d, row_bytes(wt, ff)), "down");
+        }
+        const int t = (int)(6 * L);
+        need_array(t, KIND_F32, d, "out_norm");
+        need_array(t + 1, KIND_RAW, prod(nv, row_bytes(hwt, d)), "head");
+        need_array(t + 2, KIND_F32, prod(T, d), "x");
+        need_array(t + 3, KIND_F32, prod(T, rd / 2), "cos");
+        need_array(t + 4, KIND_F32, prod(T, rd / 2), "sin");
+        need_array(t + 5, KIND_RAW, prod(T, 4), "ids");
+        const int32_t *ids = k->arr[t + 5].data;
+        for (int64_t i = 0; i < T; i++)
+            if (ids[i] < 0 || ids[i] >= nv) BAD("case %s: id %d of %lld", k->name, ids[i], (long long)nv);
+        need_array(t + 6, KIND_F32, mode == STEP_GREEDY ? 1 : nv, "expected");
+        break;
+    }
     default:
         BAD("case %s: unknown op %u", k->name, k->op);
     }
@@ -409,6 +461,75 @@ static void compare(const case_t *k, const char *path, int rc, const float *y, i
     else if (!guard) reason = "(wrote past the end of a buffer)";
     else if (!finite) reason = "(non-finite output)";
     report(k->name, path, reason == NULL && nmse <= k->bound, nmse, k->bound, reason);
+}
+
+/* OP_STEP: the fused step through the public API, over a zeroed fp16 pool (block table backwards) */
+static int run_step(const case_t *k, float *y, int *guard) {
+    const int32_t *p = k->ints;
+    const array_t *a = k->arr;
+    const int L = p[0], wt = p[8], hwt = p[9], nv = p[10], T = p[11], bt = p[12], mode = p[13];
+    const el_model_dims dims = {.d = p[1], .H = p[2], .KVH = p[3], .hd = p[4], .ff = p[5], .rope_dim = p[6],
+                                .neox = p[7], .eps = k->floats[0]};
+    const int d = dims.d, half = dims.rope_dim / 2;
+    el_layer layers[STEP_MAX_LAYERS];
+    const void *ptr[STEP_MAX_LAYERS][4];
+    int rows[STEP_MAX_LAYERS][4];
+    for (int l = 0; l < L; l++) {
+        const array_t *w = a + 6 * l;
+        const int r[4] = {(dims.H + 2 * dims.KVH) * dims.hd, d, 2 * dims.ff, d}, src[4] = {1, 2, 4, 5};
+        for (int j = 0; j < 4; j++) ptr[l][j] = w[src[j]].data, rows[l][j] = r[j];
+        layers[l] = (el_layer){.attn_norm = w[0].data, .ffn_norm = w[3].data, .bqkv = NULL,
+                               .qkv = {wt, 1, &ptr[l][0], &rows[l][0]}, .attn_out = {wt, 1, &ptr[l][1], &rows[l][1]},
+                               .gate_up = {wt, 1, &ptr[l][2], &rows[l][2]}, .down = {wt, 1, &ptr[l][3], &rows[l][3]}};
+    }
+    const array_t *t = a + 6 * L;
+    const float *out_norm = t[0].data, *cos = t[3].data, *sin = t[4].data;
+    const int32_t *ids = t[5].data;
+    const void *hptr[1] = {t[1].data};
+    const int hrows[1] = {nv};
+    const el_matrix head = {hwt, 1, hptr, hrows};
+    const int n_blocks = (T + bt - 1) / bt;
+    int32_t *table = xalloc(4ull * n_blocks);
+    for (int i = 0; i < n_blocks; i++) table[i] = n_blocks - 1 - i;
+    const size_t kv_elems = (size_t)n_blocks * L * bt * dims.KVH * dims.hd;
+    uint16_t *kp = xalloc(2 * kv_elems), *vp = xalloc(2 * kv_elems);
+    memset(kp, 0, 2 * kv_elems);
+    memset(vp, 0, 2 * kv_elems);
+    float *x = xalloc(4ull * T * d);
+    memcpy(x, t[2].data, 4ull * T * d);
+    const size_t ss = el_chunk_scratch(&dims, T);
+    uint8_t *scratch = xalloc(ss + 4 * GUARD);
+    memset(scratch + ss, 0xA5, 4 * GUARD);
+    int rc;
+    if (mode == STEP_CHUNK) {
+        rc = el_chunk_logits(g_pool, layers, L, &dims, x, T, 0, cos, sin, kp, vp, EL_F16, table, n_blocks, bt,
+                             n_blocks, scratch, ss, out_norm, &head, nv, 1, y);
+    } else {
+        rc = el_chunk_step(g_pool, layers, L, &dims, x, T - 1, 0, cos, sin, kp, vp, EL_F16, table, n_blocks, bt,
+                           n_blocks, scratch, ss);
+        const size_t o = (size_t)(T - 1) * half;
+        if (rc == 0 && mode == STEP_DECODE) {
+            rc = el_chunk_logits(g_pool, layers, L, &dims, x + (size_t)(T - 1) * d, 1, T - 1, cos + o, sin + o, kp, vp,
+                                 EL_F16, table, n_blocks, bt, n_blocks, scratch, ss, out_norm, &head, nv, 1, y);
+        } else if (rc == 0) {
+            const el_embedding emb = {.wtype = hwt, .row_len = d, .n_rows = nv, .table = t[1].data};
+            float *logits = xalloc(4ull * nv);
+            int32_t id = -1;
+            const int n = el_decode_greedy(g_pool, layers, L, &dims, &emb, ids[T - 1], x + (size_t)(T - 1) * d, T - 1,
+                                           1, cos + o, sin + o, kp, vp, EL_F16, table, n_blocks, bt, n_blocks, scratch,
+                                           ss, out_norm, &head, nv, 1, logits, NULL, 0, &id);
+            rc = n < 0 ? n : n == 1 ? 0 : -100;   /* (-100: no token produced) */
+            y[0] = (float)id;
+            free(logits);
+        }
+    }
+    for (size_t i = ss; i < ss + 4 * GUARD; i++) if (scratch[i] != 0xA5) *guard = 0;
+    free(scratch);
+    free(x);
+    free(kp);
+    free(vp);
+    free(table);
+    return rc;
 }
 
 static void run_case(const case_t *k, const char *path) {
@@ -508,6 +629,9 @@ static void run_case(const case_t *k, const char *path) {
         rc = el_embed_rows(&emb, a[1].data, p[1], y);
         break;
     }
+    case OP_STEP:
+        rc = run_step(k, y, &guard);
+        break;
     }
     compare(k, path, rc, y, n_out, guard && guard_ok(y, n_out));
     free(y);

@@ -243,7 +243,9 @@ def test_rebuild_replaces_a_bundle_and_refuses_other_folders(tmp_path):
 
 def test_cases_cover_every_op_and_are_deterministic(cases):
     ops = {c.op for c in cases}
-    assert ops == set(range(1, 12))
+    assert ops == set(range(1, 13))
+    # the fused step in each of its modes: a chunk, the decode path, greedy from an id
+    assert {c.ints[13] for c in cases if c.op == sc.OP_STEP} == {sc.STEP_CHUNK, sc.STEP_DECODE, sc.STEP_GREEDY}
     names = [c.name for c in cases]
     assert len(set(names)) == len(names) and all(re.fullmatch(r"[!-~]{1,127}", n) for n in names)
     wtypes = {c.ints[0] for c in cases if c.op == sc.OP_MATMUL}
@@ -253,6 +255,32 @@ def test_cases_cover_every_op_and_are_deterministic(cases):
     assert {c.ints[5] for c in pool} == {sc.EL_F16, sc.EL_F32, sc.EL_KV_I8}
     assert any(c.ints[1] == 9 and c.ints[2] == 3 and c.ints[0] == 1 and c.ints[4] > 0 for c in pool)
     assert {c.ints[0] for c in cases if c.op == sc.OP_EMBED} == wtypes
+
+
+def test_step_cases_catch_a_wrong_step():
+    """The fused step's expected logits come from the reference forward: the bound passes the
+    step's int8-activation rounding (measured ~5e-5 to 1e-4) and fails a step that drops a layer's
+    FFN, which the helper's sabotage of a kernel stands for here. A self-test that never ran the
+    fused step (the path every token takes) passed a library whose greedy argmax was off by one."""
+    from edgellm import quant
+
+    rng = np.random.default_rng(3)
+    L, d, H, KVH, hd, ff = 1, 64, 4, 2, 16, 128
+
+    def m(r, c):
+        w = (rng.standard_normal((r, c)) / np.sqrt(c)).astype(np.float32)
+        return quant.dequantize(quant.quantize(w, quant.T.Q4_0).reshape(-1), quant.T.Q4_0, (r, c))
+
+    layer = (np.ones(d, np.float32), m((H + 2 * KVH) * hd, d), m(d, H * hd), np.ones(d, np.float32), m(2 * ff, d),
+             m(d, ff))
+    head, x = m(96, d), rng.standard_normal((5, d)).astype(np.float32)
+    ang = np.arange(5)[:, None] * 10000.0 ** (-np.arange(0, hd, 2) / hd)
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    full = sc._step_forward([layer], np.ones(d, np.float32), head, x, cos, sin, H, KVH, hd, 1e-5)
+    no_ffn = sc._step_forward([(*layer[:5], np.zeros((d, ff), np.float32))], np.ones(d, np.float32), head, x, cos,
+                              sin, H, KVH, hd, 1e-5)
+    err = float(np.sum((full - no_ffn) ** 2) / np.sum(full ** 2))
+    assert err > 50 * sc.BOUND_STEP
 
 
 def test_quantized_matmul_cases_are_fair(cases):
