@@ -128,6 +128,29 @@ UNITS_HELP = ("Restrict placement to these units, in preference order, e.g. open
               "npu, reference); an op none of them runs goes to reference with a warning")
 
 
+def _conversation_only(path: Path, chat: bool) -> dict:
+    """The conversation a session file holds when its KV cannot be used here (another KV
+    precision or layout, model or context; the warning said which): its chat messages or text,
+    from the header, to be prefilled again. A run that ignored them saved over the file and the
+    conversation was lost. {} when the header cannot be read or holds none."""
+    from .errors import ConfigError
+    from .kv.session_file import SessionFileError, read_header
+    from .model.chat_template import ChatTemplate
+
+    try:
+        h = read_header(path)
+    except SessionFileError:
+        return {}
+    meta = h.meta if h is not None else {}
+    if "messages" in meta:
+        try:
+            ChatTemplate.check_messages(meta["messages"])
+        except ConfigError:
+            return {}
+        return {"messages": list(meta["messages"])}
+    return {"text": meta["text"]} if isinstance(meta.get("text"), str) else {}
+
+
 def _session_path(eng, name: str) -> Path:
     """A bare name is an entry of the on-disk cache (per model); anything path-like is a file."""
     from .kv import disk_cache
@@ -185,6 +208,8 @@ def run(
 
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
+    if session is not None and kv == "ring":   # (refused at save time before: after the whole answer)
+        raise ConfigError("--session needs --kv pool: the ring buffer keeps no sessions")
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units,  # after validating the options
                 precision, quality_guard)
     # a session file carries the conversation so far (chat messages or plain text) beside its KV
@@ -194,13 +219,17 @@ def run(
         why = foreign_file(session)
         if why is not None:   # (a user's document given by mistake: never overwritten)
             raise ConfigError(f"--session {session}: {why}")
-    saved = eng.session_meta if session is not None and eng.load_session(session) else {}
+    saved = {}
+    if session is not None:
+        saved = eng.session_meta if eng.load_session(session) else _conversation_only(session, chat)
     if "messages" in saved and not chat:
         raise ConfigError(f"--session {session} holds a chat: continue it with --chat")
     if "text" in saved and chat:
         raise ConfigError(f"--session {session} holds plain text: continue it without --chat")
-    if saved:
-        typer.echo(f"[session: continuing {saved.get('n_tokens', 0)} cached tokens from {session}]", err=True)
+    if saved.get("n_tokens"):
+        typer.echo(f"[session: continuing {saved['n_tokens']} cached tokens from {session}]", err=True)
+    elif saved:
+        typer.echo(f"[session: continuing the conversation in {session}; its KV is recomputed]", err=True)
     if chat:
         messages = list(saved.get("messages", [])) + [{"role": "user", "content": prompt}]
         text = eng.render_chat(messages)

@@ -169,6 +169,30 @@ def test_session_never_overwrites_a_file_that_is_not_a_session(tiny, tmp_path, m
                            f"the folder {tmp_path / 'no'} does not exist")
 
 
+def test_a_session_whose_kv_does_not_fit_keeps_its_conversation(tiny, tmp_path, monkeypatch):
+    """A session saved with f16 KV and continued with --kv-precision int8 is a cache miss (one
+    warning naming the layout); the run used to start from nothing and save over the file, and
+    the conversation was gone. It now continues the saved messages, their KV recomputed."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    f = str(tmp_path / "c.edgesess")
+    base = ["run", "--model", tiny, "-n", "3", "--temperature", "0", "--chat", "--session", f]
+    assert runner.invoke(app, base + ["my name is Ada"]).exit_code == 0
+    r = runner.invoke(app, base + ["what is my name?", "--kv-precision", "int8"])
+    assert r.exit_code == 0, r.output
+    assert "its KV is recomputed" in r.stderr
+    from edgellm.kv.session_file import read_header
+    msgs = read_header(f).meta["messages"]
+    assert [m["content"] for m in msgs if m["role"] == "user"] == ["my name is Ada", "what is my name?"]
+    assert len(msgs) == 4
+
+
+def test_ring_sessions_are_refused_before_the_work(tiny, tmp_path, monkeypatch):
+    """(The ring has no sessions: it said so at save time, after the whole answer.)"""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    _assert_one_line_error(["run", "x", "--model", tiny, "-n", "2", "--kv", "ring", "--session", "talk"],
+                           "--session needs --kv pool")
+
+
 def test_a_chat_session_continues_only_as_a_chat(tiny, tmp_path, monkeypatch):
     """A session keeps its mode: continuing a --chat session as plain text (or the other way
     round) dropped the saved conversation and overwrote it."""

@@ -258,6 +258,9 @@ def test_identity_mismatches(valid, caplog) -> None:
     _miss(caplog, p, None, "model sha256 differs", model_sha256="0" * 64)
     _miss(caplog, p, None, "config hash differs", config_hash="cfg-2")
     _miss(caplog, p, None, "kv layout differs", kv_layout="contiguous/int8")
+    # an engine whose KV precision differs has another layout and, with it, another config hash:
+    # the warning names the layout (it said "config hash differs")
+    _miss(caplog, p, None, "kv layout differs", kv_layout="contiguous/int8", config_hash="cfg-2")
     _miss(caplog, p, None, "more than the capacity of 4", max_tokens=4)
     _miss(caplog, p, None, "over the cap", max_bytes=len(p.read_bytes()) - 1)
     assert _read(p, max_tokens=len(TOKENS), max_bytes=len(p.read_bytes())) is not None

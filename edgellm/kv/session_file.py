@@ -451,9 +451,10 @@ def _load(path: Path, model_sha256, config_hash, kv_layout, max_tokens, max_byte
             raise SessionFileError(path, f"file is {size} bytes, over the cap of {max_bytes}")
         h = bulk_sha256()
         hd = _read_head(f, path, size, h)
+        # the layout first: it is part of the config hash too, and "kv layout differs" says why
         for what, got, want in (("model sha256", hd.model_sha256, model_sha256),
-                                ("config hash", hd.config_hash, config_hash),
-                                ("kv layout", hd.kv_layout, kv_layout)):
+                                ("kv layout", hd.kv_layout, kv_layout),
+                                ("config hash", hd.config_hash, config_hash)):
             if got != want:
                 raise SessionFileError(path, f"{what} differs: file has {_short(got, 24)}, "
                                              f"expected {_short(want, 24)}")
