@@ -175,6 +175,26 @@ def test_ring_below_window_equals_pool(tiny_path):
     assert ring.generate(p, max_tokens=20, **GREEDY) == pool.generate(p, max_tokens=20, **GREEDY)
 
 
+def test_ring_keeps_the_prefix_a_new_prompt_shares_with_its_history(tiny_path):
+    """A warmed system prompt the message does not extend token for token (its last pre-token
+    is merged with the message's first word, an edited last turn) reused nothing on the ring
+    (the pool reused all but a block). The ring keeps the shared prefix while nothing has been
+    evicted, and the text stays what a fresh ring gives."""
+    kw = dict(kv="ring", kv_precision="f32", window=256, sinks=4)
+    system = text_of(load(tiny_path), 60, seed=4)
+    first, prompt = system + "\nzeta zeta zeta", system + "\nkappa mu " + text_of(load(tiny_path), 10, seed=5)
+    fresh = load(tiny_path, **kw).generate(prompt, max_tokens=12, **GREEDY)
+    e = load(tiny_path, **kw)
+    e.warm(first)
+    shared = next(i for i, (a, b) in enumerate(zip(e.tokenize(first), e.tokenize(prompt))) if a != b)
+    assert 0 < shared < len(e.tokenize(first))                 # the prompt does not extend the warmed ids
+    assert e.generate(prompt, max_tokens=12, **GREEDY) == fresh
+    assert e.last_stats.cached_tokens == shared
+    # a new prompt that shares nothing still starts over
+    other = text_of(e, 20, seed=6)
+    assert e.generate(other, max_tokens=5, **GREEDY) == load(tiny_path, **kw).generate(other, max_tokens=5, **GREEDY)
+
+
 @pytest.mark.parametrize("precision, tol", [("f32", 2e-4), ("int8", 2e-2)])
 def test_ring_past_its_window_fused_equals_per_op(tiny_path, precision, tol):
     """Past the window, with sinks rotated on: the fused native step (one call a chunk, RoPE rows

@@ -180,6 +180,18 @@ class RingStore:
         n = len(self.history)
         if 0 < n < len(ids) and self.history == list(ids[:n]):
             return self.ring, n
+        # a prompt that shares only a prefix with the history (a warmed system prompt whose last
+        # pre-token the message extends, an edited last turn): the ring keeps that prefix where
+        # it still holds it exactly (nothing evicted), instead of starting over
+        c = 0
+        for a, b in zip(self.history, ids[: len(ids) - 1]):
+            if a != int(b):
+                break
+            c += 1
+        if c and self.ring.n_tokens == n and self.ring.can_truncate(c):
+            self.ring.truncate(c)
+            self.history = self.history[:c]
+            return self.ring, c
         self.ring.free()
         self.history = []
         return self.ring, 0
