@@ -10,6 +10,17 @@ compares against).
 Requests come from any thread; only the worker steps them. The engine's own calls from other
 threads (generate, stream, warm) take turns with the worker a step at a time (Engine.turn), outside
 its priorities.
+
+Admission: a request starts (opens its KV sequence) only when the pool has room for its prompt
+plus max_tokens beside what the running requests may still take, counted in blocks as if nothing
+were shared; otherwise it waits, in priority order, for one to finish. Started all at once,
+requests that each fit alone ran each other out of room: the oldest stopped mid-answer with
+stop_reason "context_full" and a later one raised ContextFull. One that does not fit even alone
+runs alone, as it would on the engine.
+
+A request whose every handle the app drops (its Request and the iterators of its stream()) is
+cancelled, as Engine.stream ends a stream the app stops reading; it ran on to max_tokens, holding
+its KV.
 """
 from __future__ import annotations
 
@@ -26,8 +37,8 @@ from .model.chat_template import ChatTemplate
 from .model.tokenizer import check_text
 
 
-class Request:
-    """A handle to one submitted request: stream() its text, result(), cancel(), stats."""
+class _Job:
+    """A submitted request as the worker sees it; the app holds it through a Request handle."""
 
     def __init__(self, rid: int, priority: int, prompt: str, chat: bool, config):
         self.id = rid
@@ -46,13 +57,11 @@ class Request:
         self._cv = threading.Condition()
         self._done = threading.Event()
         self.gen: Generation | None = None
+        self.ids: list[int] | None = None   # the prompt's ids, once tokenized
+        self.blocks = 0                     # KV blocks it may take: prompt + max_tokens (admission)
 
     def cancel(self) -> None:
         self.cancel_token.cancel()
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
 
     def stream(self) -> Iterator[str]:
         """Text pieces as the worker produces them, from the first (each call streams them all);
@@ -92,6 +101,42 @@ class Request:
             self._cv.notify_all()
 
 
+class Request:
+    """A handle to one submitted request: stream() its text, result(), cancel(), stats. When the
+    app drops every handle (this object and its stream() iterators), the request is cancelled."""
+
+    def __init__(self, job: _Job):
+        self._job = job
+        weakref.finalize(self, job.cancel)
+
+    id = property(lambda self: self._job.id)
+    priority = property(lambda self: self._job.priority)
+    prompt = property(lambda self: self._job.prompt)
+    config = property(lambda self: self._job.config)
+    submitted = property(lambda self: self._job.submitted)
+    cancel_token = property(lambda self: self._job.cancel_token)
+    stats = property(lambda self: self._job.stats)
+    error = property(lambda self: self._job.error)
+    gen = property(lambda self: self._job.gen)
+
+    def cancel(self) -> None:
+        self._job.cancel()
+
+    @property
+    def done(self) -> bool:
+        return self._job._done.is_set()
+
+    def stream(self) -> Iterator[str]:
+        """Text pieces as the worker produces them, from the first (each call streams them all);
+        raises the request's error, if any."""
+        handle = self    # (held while the app iterates: a live stream keeps the request going)
+        yield from handle._job.stream()
+
+    def result(self, timeout: float | None = None) -> str:
+        """The whole text (again on each call); TimeoutError when not finished within timeout."""
+        return self._job.result(timeout)
+
+
 class Scheduler:
     """Requests from any thread, one worker thread stepping them (see the module docstring).
     close() it, or use it as a context manager; one dropped without close() stops its worker
@@ -129,9 +174,11 @@ class Scheduler:
         else:
             check_text(prompt, "prompt")
         cfg = generation_config(**kwargs)
-        req = Request(next(self._ids), priority, prompt if prompt is not None else messages, messages is not None, cfg)
-        self._worker.add(req)
-        return req
+        if messages is not None:
+            messages = [dict(m) for m in messages]   # (the caller's list may change while it waits)
+        job = _Job(next(self._ids), priority, prompt if prompt is not None else messages, messages is not None, cfg)
+        self._worker.add(job)
+        return Request(job)
 
     def close(self, cancel: bool = True) -> None:
         """Stop the worker (cancelling what is left, unless cancel=False: then finish it first)."""
@@ -152,11 +199,12 @@ class _Worker:
     def __init__(self, engine, chunk: int, policy: str):
         self.engine, self.chunk, self.policy = engine, chunk, policy
         self._cv = threading.Condition()
-        self._incoming: list[Request] = []
-        self._active: list[Request] = []
+        self._incoming: list[_Job] = []
+        self._waiting: list[_Job] = []    # tokenized, waiting for KV room (admission)
+        self._active: list[_Job] = []
         self._closed = False
 
-    def add(self, req: Request) -> None:
+    def add(self, req: _Job) -> None:
         with self._cv:
             if self._closed:
                 raise ConfigError("the scheduler is closed")
@@ -167,32 +215,67 @@ class _Worker:
         with self._cv:
             self._closed = True
             if cancel:
-                for r in self._incoming + self._active:
+                for r in self._incoming + self._waiting + self._active:
                     r.cancel()
             self._cv.notify()
 
     def run(self) -> None:
         while True:
             with self._cv:
-                while not self._incoming and not self._active and not self._closed:
+                while not self._incoming and not self._active and not self._waiting and not self._closed:
                     self._cv.wait()
-                if self._closed and not self._incoming and not self._active:
+                if self._closed and not self._incoming and not self._active and not self._waiting:
                     return
                 new, self._incoming = self._incoming, []
             for req in new:
-                self._start(req)
+                self._tokenize(req)
+            self._admit()
             self._tick()
+            # (a cancelled waiting request ends here, without a sequence)
+            for req in [r for r in self._waiting if r.cancel_token.cancelled]:
+                self._waiting.remove(req)
+                req.stats.stop_reason = "cancelled"
+                req._finish()
 
-    def _start(self, req: Request) -> None:
+    def _tokenize(self, req: _Job) -> None:
         try:
             t_start = time.perf_counter()
             text = self.engine.render_chat(req.prompt) if req.chat else req.prompt
-            ids = self.engine._prompt_ids(text, req.chat)
-            t_tok = time.perf_counter()
+            req.ids = self.engine._prompt_ids(text, req.chat)
+            req.t_tok = time.perf_counter()
+            req.tokenize_ms = (req.t_tok - t_start) * 1e3
+            req.blocks = self._blocks(len(req.ids) + req.config.max_tokens)
+            self._waiting.append(req)
+        except EdgeLLMError as e:
+            req._finish(e)
+
+    def _blocks(self, tokens: int) -> int:
+        """KV blocks a sequence of this many tokens may take (0: the store has no pool to share)."""
+        pool = getattr(self.engine.kv, "pool", None)
+        if pool is None:
+            return 0
+        return -(-min(tokens, self.engine.n_ctx) // pool.block_tokens)
+
+    def _admit(self) -> None:
+        """Start waiting requests, by priority then age, while the pool has room for each beside
+        the running ones; the first that does not fit stops the rest (no overtaking: a large
+        request is not starved by small ones)."""
+        pool = getattr(self.engine.kv, "pool", None)
+        self._waiting.sort(key=lambda r: (-r.priority, r.id))
+        while self._waiting:
+            req = self._waiting[0]
+            held = sum(r.blocks for r in self._active)
+            if pool is not None and self._active and held + req.blocks > pool.n_blocks:
+                return
+            self._waiting.pop(0)
+            self._start(req)
+
+    def _start(self, req: _Job) -> None:
+        try:
             # TTFT runs from submit(), queueing included; tokenize_ms is the tokenizer's own time
-            req.gen = Generation(self.engine, ids, req.config, req.cancel_token, req.submitted, t_tok,
+            req.gen = Generation(self.engine, req.ids, req.config, req.cancel_token, req.submitted, req.t_tok,
                                  chunk=self.chunk)
-            req.gen.stats.tokenize_ms = (t_tok - t_start) * 1e3
+            req.gen.stats.tokenize_ms = req.tokenize_ms
             self._active.append(req)
         except EdgeLLMError as e:
             req._finish(e)

@@ -208,3 +208,63 @@ def test_a_scheduler_dropped_without_close_stops_its_worker_and_lets_the_engine_
     assert not thread.is_alive()
     gc.collect()
     assert gone() is None
+
+
+def test_requests_that_fit_alone_wait_for_room_instead_of_cutting_each_other_short(tmp_path_factory):
+    """Admission: four requests of ~60 prompt + 40 new tokens on a 256-token pool each fit alone
+    but not together. All started at once, the oldest stopped mid-answer ("context_full", no
+    error) and later ones raised ContextFull; now each waits for room and gives its alone text."""
+    tm = write_tiny_model(tmp_path_factory.mktemp("admit") / "tiny.gguf", tensor_type=QT.F32, seed=6,
+                          context_length=1024)
+    e = edgellm.load(tm.path, n_ctx=256, threads=1)
+    kw = dict(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [long_prompt(e, 60 + i) for i in range(4)]
+    alone = [e.generate(p, **kw) for p in prompts]
+    with Scheduler(e, chunk=16) as s:
+        reqs = [s.submit(p, **kw) for p in prompts]
+        got = [r.result(timeout=60) for r in reqs]
+    assert [r.stats.stop_reason for r in reqs] == ["max_tokens"] * 4
+    assert got == alone
+    # one that does not fit even alone runs alone, and ends as it would on the engine
+    big = long_prompt(e, 200)
+    with Scheduler(e, chunk=16) as s:
+        r1, r2 = s.submit(big, **{**kw, "max_tokens": 100}), s.submit(prompts[0], **kw)
+        assert r2.result(timeout=60) == alone[0] and r1.result(timeout=60) == e.generate(big, **{**kw, "max_tokens": 100})
+    assert r1.stats.stop_reason == "context_full"
+
+
+def test_a_request_whose_handles_are_all_dropped_is_cancelled(engine):
+    """A stream the app stopped reading, its Request dropped: the worker ran it on to max_tokens
+    (a helper watched one reach 439 of 1500 tokens in 4.5 s), holding its KV."""
+    import gc
+    with Scheduler(engine, chunk=8) as s:
+        req = s.submit(long_prompt(engine, 30), temperature=0, max_tokens=100000 // 100, ignore_eos=True)
+        job = req._job
+        it = req.stream()
+        next(it)
+        it.close()
+        del it, req
+        gc.collect()
+        assert job._done.wait(10)
+        assert job.stats.stop_reason == "cancelled" and job.stats.generated_tokens < 1000
+        # a request still held goes on (a closed stream alone does not cancel it: it may have other readers)
+        keep = s.submit("hello", **GREEDY)
+        it = keep.stream()
+        next(it)
+        it.close()
+        del it
+        gc.collect()
+        assert keep.result(timeout=30) and keep.stats.stop_reason == "max_tokens"
+
+
+def test_submitted_messages_are_copied(engine):
+    """The caller's messages list changed while the request waited changed its prompt."""
+    msgs = [{"role": "user", "content": "hello"}]
+    with Scheduler(engine, chunk=4) as s:
+        want = engine.chat(msgs, **GREEDY)
+        n_prompt = engine.last_stats.prompt_tokens
+        with s._worker._cv:     # (the worker cannot take the request before the caller changes its list)
+            r = s.submit(messages=msgs, **GREEDY)
+            msgs[0]["content"] = "something else entirely"
+            msgs.append({"role": "assistant", "content": "x"})
+        assert r.result(timeout=30) == want and r.stats.prompt_tokens == n_prompt
