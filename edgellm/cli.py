@@ -488,7 +488,8 @@ def plan(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=MODEL_HELP),
     prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", help="Prompt length the TTFT prediction "
                                                 "is for (default: 512, or the model's trained context if shorter)"),
-    ctx: int = typer.Option(2048, "--ctx", help="Context size in tokens"),
+    ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size in tokens (default 2048, or the model's "
+                                      "trained context when shorter)"),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
     kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8; "
                                                "default: the precision plan's, else f16"),
@@ -502,7 +503,7 @@ def plan(
     For the host (the default) units are probed; for another device the units its profile
     describes are assumed present, so the plan is a prediction for that device."""
     from . import plan_report
-    from .api import device_profile, memory_needed
+    from .api import DEFAULT_CTX, device_profile, memory_needed
     from .dispatch import Dispatcher
     from .errors import ConfigError
     from .kv.store import KVConfig
@@ -526,9 +527,9 @@ def plan(
         prompt_tokens = min(512, mf.config.context_length)
     if prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    if ctx < 1:
+    if ctx is not None and ctx < 1:
         raise ConfigError(f"--ctx must be >= 1, got {ctx}")
-    n_ctx = max(ctx, prompt_tokens)
+    n_ctx = max(ctx if ctx is not None else min(DEFAULT_CTX, mf.config.context_length), prompt_tokens)
     if n_ctx > mf.config.context_length:   # as load() caps it, so the plan is the one `run` gets
         if prompt_tokens > mf.config.context_length:
             raise ConfigError(f"--prompt-tokens {prompt_tokens} is above {mf.config.name}'s trained context "

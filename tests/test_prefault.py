@@ -106,7 +106,8 @@ def test_load_leaves_the_mapping_alone_when_told_or_when_no_unit_maps_it(tiny, m
     assert edgellm.load(tiny, n_ctx=64, units=["reference"]).prefault is None   # it copies the weights
     monkeypatch.setenv("EDGELLM_PREFAULT", "0")
     eng = edgellm.load(tiny, n_ctx=64, units=["neon"])
-    assert eng.prefault is None and eng.wait_loaded(0)
+    # (the KV pool's background commit may still run on a loaded machine: wait_loaded(0) was flaky)
+    assert eng.prefault is None and eng.wait_loaded(30)
 
 
 # ---- committing an anonymous array (the KV pool's arena) ------------------------------------------
