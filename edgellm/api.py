@@ -478,7 +478,11 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         raise ConfigError(f"not enough memory: the model needs {need / 2**20:.0f} MiB at n_ctx={n_ctx} "
                           f"(units {','.join(plan.units_used())}) but {avail / 2**20:.0f} MiB are available; "
                           f"lower n_ctx or use a smaller model")
-    pinning = pin_threads(big)
+    from .backends import neon as _neon_unit
+    pinning = pin_threads(big, skip=_neon_unit.worker_tids())
+    if threads > len(big):
+        log.warning("threads=%d but this process may run on %d big core(s) %s: threads share cores, which slows "
+                    "every parallel op", threads, len(big), sorted(big))
     if not pinning.ok:
         log.warning("threads not pinned to the big cores: %s", pinning.reason)
     _limit_blas_threads(threads)

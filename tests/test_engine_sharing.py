@@ -117,3 +117,29 @@ def test_a_generation_dropped_inside_a_turn_ends_at_the_next_one(engine):
         pass
     assert gen.done and gen.stats.stop_reason == "cancelled"
     assert gen.seq not in engine.kv.pool._live
+
+
+def test_loading_an_engine_with_other_threads_leaves_a_running_engine_its_pool(tmp_path_factory):
+    """Engines share the neon module: a load configured it for its own thread count and destroyed
+    the one native pool, under another engine's step running on it, which then waited forever
+    (a helper: 5 hangs in 5 runs of 20 loads beside a generating engine). Each engine's fused step
+    now holds the pool it was loaded with; a pool is freed only when nothing holds it."""
+    from edgellm.backends import neon
+    tm = write_tiny_model(tmp_path_factory.mktemp("pools") / "tiny.gguf", tensor_type=QT.Q4_0, n_layers=4, d_model=128,
+                          n_heads=4, n_kv_heads=2, d_ff=256, seed=3, context_length=4096)
+    kw = dict(max_tokens=300, temperature=0, ignore_eos=True)
+    a = edgellm.load(tm.path, n_ctx=2048, threads=2)
+    want = a.generate("hello there", **kw)
+    out = []
+    t = threading.Thread(target=lambda: out.extend(a.generate("hello there", **kw) for _ in range(6)), daemon=True)
+    t.start()
+    for i in range(24):
+        edgellm.load(tm.path, n_ctx=64, threads=1 + i % 2, prefault=False)
+    t.join(120)
+    assert not t.is_alive(), "engine A hung while other engines were loaded"
+    assert out == [want] * 6
+    # A keeps its two threads after a one-thread engine's load, and its workers their cores
+    step = next(v for v in vars(a.runner).values() if hasattr(v, "_npool"))
+    before = neon.pool_affinity(step._npool)
+    edgellm.load(tm.path, n_ctx=64, threads=1, prefault=False)
+    assert neon.pool_affinity(step._npool) == before and len(before) == 2

@@ -505,5 +505,4 @@ def test_neon_lm_head_keeps_x_fp32(lib, monkeypatch):
         assert nmse(neon.lm_head(x, w), ref) < NMSE_FLOAT
         assert nmse(neon.matmul(x, w), ref) > 1e-7       # int8 rounding of x: ~2e-5
     finally:
-        if neon._state["pool"]:
-            lib.el_pool_destroy(neon._state["pool"])
+        neon._state["pool"] = None   # (the variant's pool, freed by its own library once dropped)

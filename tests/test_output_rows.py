@@ -42,7 +42,8 @@ def test_step_out_rows_leave_the_last_layers_input_and_every_kv_row(name, tmp_pa
         seq.reserve(T)
         x = x0.copy()
         table = np.asarray(seq.block_table, np.int32)
-        rc = lib.el_chunk_step_out(neon._pool(), step._layers_p, n_layers, step._dims_p, x.ctypes.data, T, 0,
+        tp = neon.thread_pool()
+        rc = lib.el_chunk_step_out(tp.ptr, step._layers_p, n_layers, step._dims_p, x.ctypes.data, T, 0,
                                    cos.ctypes.data, sin.ctypes.data, seq.pool.k.ctypes.data, seq.pool.v.ctypes.data,
                                    neon_lib.EL_F16, table.ctypes.data, len(table), BT, seq.pool.n_blocks,
                                    scratch.ctypes.data, scratch.nbytes, out_rows)

@@ -347,3 +347,22 @@ def test_pin_without_affinity_api(monkeypatch):
     result = pin_threads({0})
     assert not result.ok and "no sched_setaffinity" in result.reason
     assert result.threads == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to pin a thread to one of them")
+def test_current_affinity_is_the_process_not_the_calling_thread():
+    """An app that loads from a worker thread it pinned to one core gave the engine that core
+    alone (and pin_threads then moved every thread of the process onto it)."""
+    import threading
+    from edgellm.device.topology import current_affinity
+    whole, got = frozenset(os.sched_getaffinity(0)), []
+
+    def worker():
+        os.sched_setaffinity(0, {min(whole)})
+        got.append(current_affinity())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert got == [whole]

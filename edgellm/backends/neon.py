@@ -8,7 +8,9 @@ one native call on a persistent thread pool pinned to the big cores.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,37 +42,69 @@ def _lib():
     return _state["lib"]
 
 
+class NativePool:
+    """A native thread pool (el_pool_create), destroyed when its last holder drops it. An engine's
+    fused step holds the pool it was loaded with, and every call holds its pool while it runs:
+    configure() for another engine (another thread count) used to destroy the module's one pool
+    under a step running on it, which then waited forever on the freed pool."""
+
+    def __init__(self, threads: int, cores: tuple[int, ...]):
+        lib = _lib()
+        before = _thread_ids()
+        arr = (ctypes.c_int * max(1, len(cores)))(*cores)
+        self.ptr = lib.el_pool_create(threads, arr if cores else None, len(cores))
+        if not self.ptr:
+            raise RuntimeError("el_pool_create failed")
+        self.threads, self.cores = threads, cores
+        # its workers' thread ids (pin_threads leaves them on the cores they were given)
+        self.worker_tids = frozenset(_thread_ids() - before)
+        weakref.finalize(self, lib.el_pool_destroy, self.ptr)
+        _live_pools.add(self)
+
+
+_live_pools: "weakref.WeakSet[NativePool]" = weakref.WeakSet()
+
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except (OSError, ValueError):
+        return set()
+
+
+def worker_tids() -> frozenset[int]:
+    """Thread ids of every live pool's workers."""
+    return frozenset().union(*(p.worker_tids for p in list(_live_pools)))
+
+
 def configure(threads: int | None = None, cores=None) -> None:
-    """Thread count and the cores its workers are pinned to (the big cores); the pool is
-    (re)created on the next op."""
+    """Thread count and the cores its workers are pinned to (the big cores): the pool of the
+    next op and of the next engine's fused step. A pool in use stays until its holders drop it."""
     with _lock:
         if (threads, tuple(cores or ())) != (_state["threads"], _state["cores"]):
-            if _state["pool"]:
-                _lib().el_pool_destroy(_state["pool"])
             _state.update(pool=None, threads=threads, cores=tuple(cores or ()))
 
 
-def _pool():
+def thread_pool() -> NativePool:
+    """The configured pool, created on first use. Hold the object while a call runs on its ptr."""
     p = _state["pool"]
-    if p is None:
-        lib = _lib()
-        n = _state["threads"] or 1
-        cores = _state["cores"] or ()
-        arr = (ctypes.c_int * max(1, len(cores)))(*cores)
-        p = lib.el_pool_create(n, arr if cores else None, len(cores))
-        if not p:
-            raise RuntimeError("el_pool_create failed")
-        _state["pool"] = p
-    return p
+    if p is not None:        # (a dict read: no lock on the path of every op)
+        return p
+    with _lock:
+        p = _state["pool"]
+        if p is None:
+            p = _state["pool"] = NativePool(_state["threads"] or 1, _state["cores"] or ())
+        return p
 
 
-def pool_affinity() -> list[list[int]]:
-    """Cores each pool thread may run on, read back from the kernel (thread 0 = the caller)."""
-    lib, p = _lib(), _pool()
+def pool_affinity(p: NativePool | None = None) -> list[list[int]]:
+    """Cores each pool thread may run on, read back from the kernel (thread 0 = the caller);
+    p: the configured pool when None."""
+    lib, p = _lib(), p or thread_pool()
     out = []
-    for t in range(lib.el_pool_threads(p)):
+    for t in range(lib.el_pool_threads(p.ptr)):
         buf = (ctypes.c_int * 1024)()
-        n = lib.el_pool_affinity(p, t, buf, 1024)
+        n = lib.el_pool_affinity(p.ptr, t, buf, 1024)
         out.append(sorted(buf[:n]) if n >= 0 else [])
     return out
 
@@ -292,7 +326,8 @@ def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None, precision: st
     T, K = x.shape
     y = np.empty((T, w.n), dtype=np.float32)
     if precision == "fp32":
-        _check(lib.el_matmul_f32act(_pool(), w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K,
+        p = thread_pool()
+        _check(lib.el_matmul_f32act(p.ptr, w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K,
                                     fptr(_f32(b)) if b is not None else None), "matmul")
         return y
     if precision != "int8":
@@ -302,7 +337,8 @@ def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None, precision: st
         need = _scratch["sizes"][(T, K)] = lib.el_matmul_scratch(T, K)
     if _scratch["buf"].nbytes < need:
         _scratch["buf"] = np.empty(need, np.uint8)
-    rc = lib.el_matmul(_pool(), w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K,
+    p = thread_pool()
+    rc = lib.el_matmul(p.ptr, w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K,
                        fptr(b) if b is not None else None, _scratch["buf"].ctypes.data)
     _check(rc, "matmul")
     return y
@@ -322,7 +358,8 @@ def lm_head(x: np.ndarray, w: QMatrix, precision: str = "fp32") -> np.ndarray:
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     x = _f32(x)
     y = np.empty_like(x)
-    _check(_lib().el_rmsnorm(_pool(), fptr(x), fptr(_f32(w)), fptr(y), x.shape[0], x.shape[1], eps), "rmsnorm")
+    p = thread_pool()
+    _check(_lib().el_rmsnorm(p.ptr, fptr(x), fptr(_f32(w)), fptr(y), x.shape[0], x.shape[1], eps), "rmsnorm")
     return y
 
 
@@ -341,7 +378,8 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
     gate_up = _f32(gate_up)
     T, ff2 = gate_up.shape
     y = np.empty((T, ff2 // 2), dtype=np.float32)
-    _check(_lib().el_swiglu(_pool(), fptr(gate_up), fptr(y), T, ff2 // 2), "swiglu")
+    p = thread_pool()
+    _check(_lib().el_swiglu(p.ptr, fptr(gate_up), fptr(y), T, ff2 // 2), "swiglu")
     return y
 
 
@@ -358,7 +396,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     T, H, hd = q.shape
     k, v = _f32(k), _f32(v)
     out = np.empty((T, H * hd), dtype=np.float32)
-    _check(_lib().el_attention_dense(_pool(), fptr(q), fptr(out), T, H, k.shape[0], hd, start,
+    p = thread_pool()
+    _check(_lib().el_attention_dense(p.ptr, fptr(q), fptr(out), T, H, k.shape[0], hd, start,
                                      fptr(k), fptr(v)), "attention")
     return out
 
@@ -402,7 +441,8 @@ def attention_pool(q: np.ndarray, pool, table: np.ndarray, layer: int, start: in
     T, H, hd = q.shape
     out = np.empty((T, H * hd), dtype=np.float32)
     k_arg, v_arg, keep = kv_arena_args(pool)
-    rc = _lib().el_attention_pool(_pool(), fptr(q), fptr(out), T, H, pool.n_kv_heads, hd, start,
+    p_ = thread_pool()
+    rc = _lib().el_attention_pool(p_.ptr, fptr(q), fptr(out), T, H, pool.n_kv_heads, hd, start,
                                   k_arg, v_arg, KV_TYPES[pool.k.dtype],
                                   table.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pool.block_tokens,
                                   pool.k.shape[1], layer)

@@ -118,6 +118,9 @@ class DecodeStep:
         self._ids_p = self._ids.ctypes.data
         self._rope_tabs = (None, None, 0, 0, 0, 0)     # (cos, sin, their addresses, rows, row bytes)
         self._pool = None              # the KVPool bound by _bind (arena addresses below)
+        # the thread pool of the engine this step serves, held: another engine's load may
+        # configure the module for other threads, and must neither change nor free this one
+        self._npool = neon.thread_pool()
         # run_chunk's buffers: (T, d) residual stream, (cos | sin, T, rope_dim/2), scratch
         self._alloc_chunk_buffers(0, 0)
         self._chunk_need: dict[int, int] = {}   # T -> el_chunk_scratch bytes
@@ -165,7 +168,7 @@ class DecodeStep:
         self._x[...] = x
         self._rope[0] = cos_row
         self._rope[1] = sin_row
-        rc = self._fn(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._x_p, pos, self._cos_p,
+        rc = self._fn(self._npool.ptr, self._layers_p, self.cfg.n_layers, self._dims_p, self._x_p, pos, self._cos_p,
                       self._sin_p, self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
                       self._scratch_p, self._scratch_n)
         self._check(rc, "el_decode_step", f"position {pos}", n)
@@ -248,7 +251,7 @@ class DecodeStep:
         n = self._take(pool, table)
         self._fit_chunk(T)
         out = np.empty(self._n_vocab, np.float32) if logits else None
-        rc = self._lib.el_chunk_ids(neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._emb_p,
+        rc = self._lib.el_chunk_ids(self._npool.ptr, self._layers_p, self.cfg.n_layers, self._dims_p, self._emb_p,
                                     self._ids_p, self._chunk_ptrs[0], T, pos, cos_p, sin_p,
                                     self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
                                     self._chunk_scratch_p, self._chunk_scratch.nbytes, out_rows,
@@ -280,7 +283,7 @@ class DecodeStep:
         stop = np.asarray(stop_ids, np.int32)
         out_ids = np.empty(n_max, np.int32)
         logits = np.empty(self._n_vocab, np.float32)
-        args = (neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, self._emb_p, v, self._chunk_ptrs[0], pos,
+        args = (self._npool.ptr, self._layers_p, self.cfg.n_layers, self._dims_p, self._emb_p, v, self._chunk_ptrs[0], pos,
                 n_max, cos_p, sin_p, self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb,
                 self._chunk_scratch_p, self._chunk_scratch.nbytes, self._onorm.ctypes.data, self._head_p,
                 self._n_vocab, int(f32act), logits.ctypes.data, stop.ctypes.data if stop.size else None,
@@ -376,7 +379,7 @@ class DecodeStep:
             xb[...] = x
         rope[0], rope[1] = cos, sin
         x_p, cos_p, sin_p = self._chunk_ptrs     # rows 0..T-1 of the buffers: their first addresses
-        args = (neon._pool(), self._layers_p, self.cfg.n_layers, self._dims_p, x_p, T, pos, cos_p, sin_p,
+        args = (self._npool.ptr, self._layers_p, self.cfg.n_layers, self._dims_p, x_p, T, pos, cos_p, sin_p,
                 self._k_p, self._v_p, self._kv_type, self._tbl_p, n, self._bt, self._nb, self._chunk_scratch_p,
                 self._chunk_scratch.nbytes)
         if logits is None:

@@ -44,9 +44,14 @@ class PinResult:
 
 
 def current_affinity() -> frozenset[int]:
-    """The cores the calling thread may run on (all cores where the OS has no affinity API)."""
+    """The cores this process may run on: its main thread's affinity (all cores where the OS has
+    no affinity API). Not the calling thread's: an app that loads from a worker thread it pinned
+    to one core gave the engine that core alone, and then every thread of the process."""
     if hasattr(os, "sched_getaffinity"):
-        return frozenset(os.sched_getaffinity(0))
+        try:
+            return frozenset(os.sched_getaffinity(os.getpid()))
+        except OSError:
+            return frozenset(os.sched_getaffinity(0))
     return frozenset(range(os.cpu_count() or 1))
 
 
@@ -155,14 +160,17 @@ def _thread_ids() -> list[int]:
         return [0]          # no procfs: only the calling thread can be reached
 
 
-def pin_threads(cores: Iterable[int]) -> PinResult:
-    """Pin every thread of this process to `cores` and read each back; all or nothing.
+def pin_threads(cores: Iterable[int], skip: Iterable[int] = ()) -> PinResult:
+    """Pin every thread of this process to `cores` and read each back; all or nothing. skip:
+    thread ids left alone (the workers of native pools already running, each on its own core:
+    a second engine's load moved another engine's workers onto the whole core set).
 
     Linux affinity is per thread and only new threads inherit it from their creator, so BLAS
     or OpenMP workers started before this call are pinned one by one through /proc/self/task.
     On any failure every thread pinned here is put back where it was.
     """
     requested = frozenset(int(c) for c in cores)
+    skip = frozenset(skip)
     if not hasattr(os, "sched_setaffinity"):
         return PinResult(requested, 0, current_affinity(), 0, False,
                          "this platform has no sched_setaffinity (e.g. macOS): threads not pinned")
@@ -173,7 +181,7 @@ def pin_threads(cores: Iterable[int]) -> PinResult:
     before: dict[int, set[int]] = {}        # tid -> affinity before pinning
     mismatched, error = 0, ""
     for _ in range(3):      # threads started mid-pin by an unpinned thread are caught next pass
-        fresh = [t for t in _thread_ids() if t not in before]
+        fresh = [t for t in _thread_ids() if t not in before and t not in skip]
         for tid in fresh:
             try:
                 old = os.sched_getaffinity(tid)
