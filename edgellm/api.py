@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import numbers
@@ -486,55 +487,58 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     if not pinning.ok:
         log.warning("threads not pinned to the big cores: %s", pinning.reason)
     _limit_blas_threads(threads)
-    store = make_store(mf.config, kv_cfg, n_ctx, background_commit=True)
-    described = {"opencl": profile.gpu is not None, "npu": profile.npu is not None}
-    for u in plan.units:
-        if not u.available and (described.get(u.name, True) or u.name in (units or ())):
-            # a unit the profile (or --units) counts on is missing: the user must see why
-            log.warning("unit %s unavailable: %s; its ops run on other units", u.name, u.reason)
-        else:
-            log.info("unit %s: %s (%s)", u.name, "available" if u.available else "unavailable", u.reason)
-    log.info("plan on %s: units %s, prefill chunk %d (%s); `edgellm plan` shows every op and why",
-             profile.name, ",".join(plan.units_used()), plan.chunk.tokens, "; ".join(plan.chunk.derivation))
-    for name in plan.units_used():
-        mod, _ = backends.get(name)
-        if hasattr(mod, "configure"):      # native units run their own pools on the big cores
-            mod.configure(threads=threads, cores=big)
-        if hasattr(mod, "use_plan"):       # a unit whose weight form follows the precision plan
-            mod.use_plan(pplan)
-    paging = None
-    if (prefault if prefault is not None else enabled_by_env()) and \
-            any(getattr(backends.get(name)[0], "MAPS_WEIGHTS", False) for name in plan.units_used()):
-        paging = start_prefault(file_memmap(mf.gguf), mf.gguf.data_offset, mf.gguf.file_size - mf.gguf.data_offset)
-    exclude: dict[tuple[str, str], str] = {}
-    while True:
-        try:
-            runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement, compute=compute,
-                                 short_max=plan.short_max_tokens,
-                                 progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
-            break
-        except backends.UnitFailed as e:
-            # the unit passed its probe but cannot run (part of) this model: plan again without it
-            units_now = dispatcher.units
-            if e.unit == "reference" or (e.ops and all((e.unit, op) in exclude for op in e.ops)):
-                raise
-            if e.ops:
-                log.warning("%s; these ops move to the next best unit", e)
-                exclude.update({(e.unit, op): e.reason for op in e.ops})
-                note = f"unit {e.unit} rejected {', '.join(e.ops)} at load: {e.reason}"
+    # the allocations: a MemoryError or ENOMEM (a limit the estimate above missed) is the same
+    # typed refusal, not a traceback
+    with _memory_refusal(mf.config.name, n_ctx):
+        store = make_store(mf.config, kv_cfg, n_ctx, background_commit=True)
+        described = {"opencl": profile.gpu is not None, "npu": profile.npu is not None}
+        for u in plan.units:
+            if not u.available and (described.get(u.name, True) or u.name in (units or ())):
+                # a unit the profile (or --units) counts on is missing: the user must see why
+                log.warning("unit %s unavailable: %s; its ops run on other units", u.name, u.reason)
             else:
-                log.warning("%s; its ops move to the next best unit", e)
-                units_now = tuple(replace(u, available=False, reason=f"failed at load: {e.reason}")
-                                  if u.name == e.unit else u for u in units_now)
-                note = f"unit {e.unit} unavailable: failed at load: {e.reason}"
-            dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
-                                    kv_bytes=kv_cfg.bytes_per_elem, threads=threads, units=units_now,
-                                    exclude=exclude, compute=compute)
-            warnings = plan.warnings + (note,)
-            plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
-                                   memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
-            plan = replace(plan, warnings=warnings + tuple(w for w in plan.warnings if w not in warnings))
-            placement = plan.placement()
+                log.info("unit %s: %s (%s)", u.name, "available" if u.available else "unavailable", u.reason)
+        log.info("plan on %s: units %s, prefill chunk %d (%s); `edgellm plan` shows every op and why",
+                 profile.name, ",".join(plan.units_used()), plan.chunk.tokens, "; ".join(plan.chunk.derivation))
+        for name in plan.units_used():
+            mod, _ = backends.get(name)
+            if hasattr(mod, "configure"):      # native units run their own pools on the big cores
+                mod.configure(threads=threads, cores=big)
+            if hasattr(mod, "use_plan"):       # a unit whose weight form follows the precision plan
+                mod.use_plan(pplan)
+        paging = None
+        if (prefault if prefault is not None else enabled_by_env()) and \
+                any(getattr(backends.get(name)[0], "MAPS_WEIGHTS", False) for name in plan.units_used()):
+            paging = start_prefault(file_memmap(mf.gguf), mf.gguf.data_offset, mf.gguf.file_size - mf.gguf.data_offset)
+        exclude: dict[tuple[str, str], str] = {}
+        while True:
+            try:
+                runner = ModelRunner(mf, store.max_positions, plan.chunk.tokens, placement=placement, compute=compute,
+                                     short_max=plan.short_max_tokens,
+                                     progress=(lambda d, t: progress("prepare", d, t)) if progress else None)
+                break
+            except backends.UnitFailed as e:
+                # the unit passed its probe but cannot run (part of) this model: plan again without it
+                units_now = dispatcher.units
+                if e.unit == "reference" or (e.ops and all((e.unit, op) in exclude for op in e.ops)):
+                    raise
+                if e.ops:
+                    log.warning("%s; these ops move to the next best unit", e)
+                    exclude.update({(e.unit, op): e.reason for op in e.ops})
+                    note = f"unit {e.unit} rejected {', '.join(e.ops)} at load: {e.reason}"
+                else:
+                    log.warning("%s; its ops move to the next best unit", e)
+                    units_now = tuple(replace(u, available=False, reason=f"failed at load: {e.reason}")
+                                      if u.name == e.unit else u for u in units_now)
+                    note = f"unit {e.unit} unavailable: failed at load: {e.reason}"
+                dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
+                                        kv_bytes=kv_cfg.bytes_per_elem, threads=threads, units=units_now,
+                                        exclude=exclude, compute=compute)
+                warnings = plan.warnings + (note,)
+                plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
+                                       memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
+                plan = replace(plan, warnings=warnings + tuple(w for w in plan.warnings if w not in warnings))
+                placement = plan.placement()
     release_free_pages()
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.load_rss_mb = peak_rss_mb()
@@ -542,6 +546,20 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
     eng.precision_plan, eng.quality_guard = pplan, guard
     return eng
+
+
+@contextlib.contextmanager
+def _memory_refusal(model_name: str, n_ctx: int):
+    try:
+        yield
+    except MemoryError as e:
+        raise ConfigError(f"not enough memory to load {model_name} at n_ctx={n_ctx} ({e or 'an allocation failed'}); "
+                          f"lower n_ctx, use kv_precision='int8', or a smaller model") from None
+    except OSError as e:
+        if e.errno != errno.ENOMEM:
+            raise
+        raise ConfigError(f"not enough memory to load {model_name} at n_ctx={n_ctx} ({e.strerror}); lower n_ctx, "
+                          f"use kv_precision='int8', or a smaller model") from None
 
 
 def device_profile(device: str | os.PathLike | None):

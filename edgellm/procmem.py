@@ -26,8 +26,58 @@ def file_rss_mb(path: str | os.PathLike) -> float | None:
 
 
 def available_bytes() -> int:
-    """Memory available to new allocations without swapping (MemAvailable)."""
-    return _meminfo(b"MemAvailable:", "available")
+    """Memory new allocations can take: the least of the system's MemAvailable, this process's
+    cgroup headroom (memory.max - memory.current; v1: limit_in_bytes - usage_in_bytes: a
+    container's or an Android app's memcg) and its address-space rlimit headroom (RLIMIT_AS -
+    VmSize: `ulimit -v`). MemAvailable alone let a limited process start a load that then
+    failed with ENOMEM or a MemoryError traceback."""
+    limits = [_meminfo(b"MemAvailable:", "available"), _cgroup_headroom(), _rlimit_headroom()]
+    return max(0, min(x for x in limits if x is not None))
+
+
+def _rlimit_headroom() -> int | None:
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmSize:"):
+                    return soft - int(line.split()[1]) * 1024
+    except (ImportError, OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _cgroup_headroom(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> int | None:
+    """memory.max - memory.current of this process's cgroup (v2), or limit - usage (v1); None
+    when there is no limit or no cgroup to read."""
+    try:
+        with open(proc, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":                                   # v2: "0::/path"
+            files = (f"{root}{path}/memory.max", f"{root}{path}/memory.current")
+        elif "memory" in controllers.split(","):                # v1: "N:memory:/path"
+            files = (f"{root}/memory{path}/memory.limit_in_bytes", f"{root}/memory{path}/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            with open(files[0], encoding="ascii") as f:
+                limit = f.read().strip()
+            with open(files[1], encoding="ascii") as f:
+                used = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:   # (v1 writes a huge number)
+            continue
+        return int(limit) - used
+    return None
 
 
 def total_bytes() -> int:
