@@ -840,6 +840,10 @@ def precision_plan(
 
 
 def main() -> None:
+    # SIGTERM (a service manager, `kill`, a CI timeout) unwinds like Ctrl-C: half-written
+    # outputs (a requantized model's temporary file, a bundle's folder) are removed on the way
+    # out; the default action left them behind
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         app()
     except KeyboardInterrupt:   # Ctrl-C before a command's body (imports, option parsing)

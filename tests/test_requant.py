@@ -428,3 +428,23 @@ def test_real_model_ffn_recipe(real_model_path, tmp_path):
     for t in rep.converted:
         assert (40.0 if t.to_type == "Q8_0" else 19.0) < t.sqnr_db < (50.0 if t.to_type == "Q8_0" else 24.0), t
     assert len(gguf.GGUFReader(rep.dst).tensors) == len(src.gguf.tensors)
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
+    """SIGTERM or the low-memory killer mid-requantize left a ~57 MiB `.NAME.XXXX.tmp` in the
+    precision cache for good. The temporary name carries its writer's pid; the next write
+    removes those whose writer is gone, and leaves a running writer's alone."""
+    import subprocess
+    m = write_tiny_model(tmp_path / "src.gguf", tensor_type=QT.Q8_0, **SMALL)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    orphan = tmp_path / f".dst.gguf.{dead}.abc123.tmp"
+    orphan.write_bytes(b"x" * 1000)
+    live = tmp_path / f".dst.gguf.{os.getppid()}.def456.tmp"
+    live.write_bytes(b"y")
+    other = tmp_path / f".other.gguf.{dead}.abc123.tmp"
+    other.write_bytes(b"z")
+    rep = requantize_gguf(m.path, tmp_path / "dst.gguf", {})
+    assert Path(rep.dst).is_file() and not orphan.exists()
+    assert live.exists() and other.exists()          # a running writer's, another output's
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".dst.gguf.") and p != live]
