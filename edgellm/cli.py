@@ -111,7 +111,21 @@ def _load(model, ctx, threads, kv="pool", kv_precision=None, window=1024, sinks=
                progress=Progress())
     for w in eng.plan.warnings:
         typer.echo(f"edgellm: warning: {w}", err=True)
+    if quality_guard:   # its switches are INFO records, which no handler showed: --quality-guard said nothing
+        _show_log("edgellm.quality_guard")
     return eng
+
+
+def _show_log(name: str) -> None:
+    import logging
+
+    lg = logging.getLogger(name)
+    if not any(getattr(h, "_edgellm_cli", False) for h in lg.handlers):
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("edgellm: %(message)s"))
+        h._edgellm_cli = True
+        lg.addHandler(h)
+        lg.setLevel(logging.INFO)
 
 
 def _units(text: str | None) -> list[str] | None:
@@ -185,7 +199,7 @@ def run(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template"),
     ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size in tokens (KV cache capacity; default "
                                       "2048, or the model's trained context when shorter)"),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads (default: all usable cores)"),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads (default: one per big core this process may use)"),
     stats: bool = typer.Option(True, "--stats/--no-stats", help="Print timing statistics to stderr"),
     session: Optional[str] = typer.Option(None, "--session", help="Continue the conversation saved under this "
                                           "name (in the cache, see `edgellm cache`) or in this file (a path), when "
@@ -342,7 +356,8 @@ def _memory_text(mf, n_ctx: int) -> str:
 
 @app.command()
 @friendly
-def info(model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
+def info(model: Optional[str] = typer.Argument(None, help="GGUF file path or registry name (default: smollm2-135m; "
+                                               "info never downloads: `edgellm pull` does)"),
          ctx: int = typer.Option(2048, "--ctx", help="Context size for the memory estimate")):
     """Architecture, hyperparameters, tensor types, file size and memory needed."""
     from .errors import ConfigError
@@ -496,7 +511,7 @@ def plan(
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object"),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw each unit's roofline with the ops as "
-                                             "points into this PNG (needs matplotlib: edgellm[plot])"),
+                                             "points into this PNG (needs matplotlib: edgellm\\[plot])"),
 ):
     """Show where each op runs per phase, why, and the predicted TTFT and decode speed.
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-log = logging.getLogger("edgellm")
+log = logging.getLogger("edgellm.quality_guard")
 
 
 @dataclass(frozen=True)
