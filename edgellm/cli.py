@@ -718,7 +718,9 @@ def precision_analyze(
         json_out.write_text(res.to_json())
 
 
-cache_app = typer.Typer(help="The on-disk session / prefix cache (EDGELLM_HOME/cache).", no_args_is_help=True)
+cache_app = typer.Typer(help="The on-disk caches in EDGELLM_HOME/cache: saved sessions (list, info, clear), and "
+                        "with info / clear --all the requantized models, sensitivity tables and compiled kernels.",
+                        no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
 
@@ -745,15 +747,36 @@ def cache_info():
 
     for k, v in disk_cache.info().items():
         typer.echo(f"{k:<12} {v}")
+    # the other caches beside the sessions (`cache clear --all` removes them too)
+    for d in _other_caches():
+        files = [f for f in d.rglob("*") if f.is_file()]
+        typer.echo(f"{d.name + '/':<12} {len(files)} file(s), {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB")
+
+
+def _other_caches() -> list[Path]:
+    """The folders of EDGELLM_HOME/cache that hold no sessions: requantized models
+    (precision/), OpenCL program binaries (opencl/), NPU graphs."""
+    from .kv import disk_cache
+
+    root = disk_cache.cache_dir()
+    return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
 @cache_app.command("clear")
 @friendly
-def cache_clear():
-    """Remove every cached session file."""
+def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remove the requantized models, "
+                                                "sensitivity tables and compiled kernels (rebuilt when needed)")):
+    """Remove every cached session file (with --all, every cache in EDGELLM_HOME/cache)."""
+    import shutil
+
     from .kv import disk_cache
 
-    typer.echo(f"removed {disk_cache.clear()} file(s) from {disk_cache.cache_dir()}")
+    typer.echo(f"removed {disk_cache.clear()} session file(s) from {disk_cache.cache_dir()}")
+    if everything:
+        for d in _other_caches():
+            n = sum(1 for f in d.rglob("*") if f.is_file())
+            shutil.rmtree(d)
+            typer.echo(f"removed {d} ({n} file(s))")
 
 
 

@@ -208,3 +208,20 @@ def test_a_chat_session_continues_only_as_a_chat(tiny, tmp_path, monkeypatch):
     assert open(chat, "rb").read() == before
     r = runner.invoke(app, base + ["more", "--chat", "--session", chat])
     assert r.exit_code == 0 and "[session: continuing" in r.stderr
+
+
+def test_cache_info_and_clear_all_cover_every_cache(tmp_path, monkeypatch):
+    """`cache info` counted sessions only, and nothing removed the requantized models (~90 MB
+    each) or the OpenCL program cache."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("EDGELLM_HOME", str(home))
+    (home / "cache" / "precision" / "models").mkdir(parents=True)
+    (home / "cache" / "precision" / "models" / "m.gguf").write_bytes(b"x" * 2**20)
+    (home / "cache" / "opencl").mkdir()
+    (home / "cache" / "opencl" / "k.bin").write_bytes(b"y" * 10)
+    r = runner.invoke(app, ["cache", "info"])
+    assert r.exit_code == 0 and "precision/   1 file(s), 1.0 MiB" in r.stdout and "opencl/      1 file(s)" in r.stdout
+    assert runner.invoke(app, ["cache", "clear"]).exit_code == 0
+    assert (home / "cache" / "opencl" / "k.bin").exists()              # sessions only without --all
+    r = runner.invoke(app, ["cache", "clear", "--all"])
+    assert r.exit_code == 0 and not (home / "cache" / "precision").exists() and not (home / "cache" / "opencl").exists()
