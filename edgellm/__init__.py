@@ -15,3 +15,18 @@ def load(*args, **kwargs):
     from .api import load as _load
 
     return _load(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    """edgellm.CancelToken, Engine, GenerationConfig and Scheduler, imported on first use (the
+    package itself stays light to import)."""
+    if name == "CancelToken":
+        from .engine import CancelToken
+        return CancelToken
+    if name in ("Engine", "GenerationConfig"):
+        from . import api
+        return getattr(api, name)
+    if name == "Scheduler":
+        from .scheduler import Scheduler
+        return Scheduler
+    raise AttributeError(f"module 'edgellm' has no attribute {name!r}")

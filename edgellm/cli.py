@@ -177,7 +177,8 @@ def _session_path(eng, name: str) -> Path:
     except ValueError as e:
         from .errors import ConfigError
 
-        raise ConfigError(f"--session {name!r}: {e}; a file is a path (./{name}) or ends in .edgesess") from None
+        raise ConfigError(f"--session {name!r}: a session name is 1 to 128 letters, digits, '_' or '-'; a file "
+                          f"is a path (./{name}) or ends in .edgesess") from None
 
 
 KV_HELP = "KV cache: 'pool' (blocks + prefix cache, n_ctx tokens) or 'ring' (sliding window + sinks, endless chat)"

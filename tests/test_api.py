@@ -272,3 +272,13 @@ def test_a_template_that_writes_bos_gets_one_bos_not_two(tmp_path):
         r.result(timeout=30)
     assert r.stats.prompt_tokens == len(want)
     assert eng.tokenize("hi")[0] == 0 and eng.tokenize("hi")[1] != 0      # a plain prompt: one BOS added
+
+
+def test_the_api_types_are_reachable_from_the_package():
+    """The README's cancel=CancelToken() needed `from edgellm.engine import CancelToken`."""
+    import edgellm
+    from edgellm.api import Engine, GenerationConfig
+    from edgellm.engine import CancelToken
+    from edgellm.scheduler import Scheduler
+    assert (edgellm.CancelToken, edgellm.Engine, edgellm.GenerationConfig, edgellm.Scheduler) == \
+        (CancelToken, Engine, GenerationConfig, Scheduler)

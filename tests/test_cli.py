@@ -107,6 +107,7 @@ def test_run_session_file_continues_the_conversation(tiny, tmp_path, monkeypatch
     assert n2 > n1
     bad = runner.invoke(app, base[:-1] + ["talk.session", "hi"])
     assert bad.exit_code == 1 and "a file is a path (./talk.session) or ends in .edgesess" in bad.stderr
+    assert "entry_path" not in bad.stderr and "1 to 128 letters" in bad.stderr   # (an internal name leaked)
 
 
 
