@@ -33,9 +33,11 @@ class GenerationStats:
     def summary(self) -> str:
         cached = f", {self.cached_tokens} cached" if self.cached_tokens else ""
         runs = f" ({self.decode_runs})" if self.decode_runs else ""
+        # (the first token comes from the prefill: a rate needs two; "0.0 tok/s" read as a stall)
+        rate = f" at {self.decode_tps:.1f} tok/s{runs}" if self.generated_tokens > 1 else ""
         return (f"prompt {self.prompt_tokens} tok{cached}, TTFT {self.ttft_ms:.0f} ms (tokenize "
-                f"{self.tokenize_ms:.1f}, prefill {self.prefill_ms:.0f}), decode {self.generated_tokens} tok at "
-                f"{self.decode_tps:.1f} tok/s{runs}, peak RSS {self.peak_rss_mb:.0f} MB, stop: {self.stop_reason}")
+                f"{self.tokenize_ms:.1f}, prefill {self.prefill_ms:.0f}), decode {self.generated_tokens} tok"
+                f"{rate}, peak RSS {self.peak_rss_mb:.0f} MiB, stop: {self.stop_reason}")
 
 
 def peak_rss_mb() -> float:
