@@ -30,7 +30,7 @@ def centred_nmse(a, b):
     return float(((a - b) ** 2).sum() / (b**2).sum())
 
 
-@pytest.mark.parametrize("entry", GOLDEN["models"], ids=lambda e: f"{e['spec']['arch']}-{e['spec']['tensor_type']}")
+@pytest.mark.parametrize("entry", GOLDEN["models"], ids=lambda e: f"{e['spec']['arch']}-{e['spec']['tensor_type']}-s{e['spec']['seed']}")
 def test_logits_match_llama_cpp(tmp_path, entry):
     spec = dict(entry["spec"])
     spec["tensor_type"] = QT[spec["tensor_type"]]

@@ -70,3 +70,28 @@ def test_valid_tiny_models_open(tmp_path):
     for arch in ("llama", "qwen2"):
         mf = open_model(write_tiny_model(tmp_path / f"{arch}.gguf", arch=arch).path)
         assert mf.config.arch == arch and mf.tokenizer.vocab_size == mf.config.vocab_size
+
+
+@pytest.mark.parametrize("meta, why", [
+    ({A + "attention.causal": False}, "non-causal"),                    # run causal, silently, before
+    ({A + "rope.scaling.type": "yarn", A + "rope.scaling.factor": 4.0}, "'yarn' is not supported"),
+    ({A + "rope.scaling.type": "none", A + "rope.scaling.factor": 4.0}, "type 'none' beside a scaling factor"),
+])
+def test_attention_and_rope_variants_it_does_not_run_are_refused(tmp_path, meta, why):
+    path = write_tiny_model(tmp_path / "m.gguf", extra_metadata=meta).path
+    with pytest.raises(UnsupportedModelError, match=why):
+        open_model(path)
+
+
+def test_longrope_factor_tensors_are_refused_not_dropped(tmp_path):
+    """rope_factors_long/short were dropped as if unused: every position's rotation differs."""
+    from types import SimpleNamespace
+
+    from edgellm.model.config import config_from_gguf
+    from edgellm.model.ggml_types import GGMLQuantizationType as T
+    from edgellm.model.gguf_file import read_gguf
+    g = read_gguf(write_tiny_model(tmp_path / "m.gguf").path)
+    tensors = {**g.tensors, "rope_factors_long.weight": SimpleNamespace(shape=(8,), ggml_type=T.F32)}
+    assert config_from_gguf("m.gguf", g.metadata, g.tensors).rope_freq_scale == 1.0
+    with pytest.raises(UnsupportedModelError, match="LongRoPE"):
+        config_from_gguf("m.gguf", g.metadata, tensors)

@@ -29,6 +29,9 @@ SPECS = [
     {"arch": "llama", "tensor_type": "Q4_1", "seed": 15, "tied_embeddings": False},
     {"arch": "qwen2", "tensor_type": "F32", "seed": 16},
     {"arch": "qwen2", "tensor_type": "Q8_0", "seed": 17, "n_heads": 4, "n_kv_heads": 1},
+    # linear RoPE scaling, by the current key and by the older one (llama.cpp reads both)
+    {"arch": "llama", "tensor_type": "F32", "seed": 18, "extra_metadata": {"llama.rope.scaling.factor": 4.0}},
+    {"arch": "llama", "tensor_type": "F32", "seed": 19, "extra_metadata": {"llama.rope.scale_linear": 2.0}},
 ]
 IDS = [1, 40, 41, 300, 7, 7, 7, 128, 255, 3, 99, 180, 181, 182, 20, 21]
 
@@ -46,12 +49,18 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="tests/data/golden_tiny.json")
+    ap.add_argument("--append", action="store_true", help="compute only the specs the file lacks and add them")
     args = ap.parse_args()
+    have = json.loads(Path(args.out).read_text()) if args.append else None
     out = {"generator": {"tool": "tools/make_golden_tiny.py", "llama_cpp_python": llama_cpp.__version__,
                          "note": "raw logits of every position, teacher-forced, n_threads=1"},
            "ids": IDS, "models": []}
+    if have is not None:
+        out["models"] = have["models"]
     with tempfile.TemporaryDirectory() as d:
         for spec in SPECS:
+            if any(m["spec"] == spec for m in out["models"]):
+                continue
             path = Path(d) / "m.gguf"
             build(spec, path)
             llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, n_threads=1, seed=0,

@@ -61,7 +61,7 @@ def rope_rows(cfg: ModelConfig, positions: np.ndarray, freq_factors: np.ndarray 
     inv = cfg.rope_theta ** (-np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim)
     if freq_factors is not None:
         inv = inv / freq_factors.astype(np.float64)
-    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
+    ang = (np.asarray(positions, dtype=np.float64) * cfg.rope_freq_scale)[:, None] * inv[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 

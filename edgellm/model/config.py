@@ -5,6 +5,7 @@ vocabulary or the layer count, hyperparameters inconsistent with tensor shapes, 
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -44,6 +45,7 @@ class ModelConfig:
     tied_embeddings: bool     # lm_head reuses token_embd (no output.weight)
     qkv_bias: bool            # Q/K/V projections carry a bias
     has_rope_freqs: bool      # a rope_freqs.weight tensor divides the frequencies (Llama 3.x)
+    rope_freq_scale: float = 1.0  # linear RoPE scaling: positions times this (1 / the GGUF's factor)
 
     @property
     def q_dim(self) -> int:
@@ -101,7 +103,26 @@ def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 # Tensors a Llama-family GGUF may carry that the forward pass does not read.
-_IGNORED = re.compile(r"^(blk\.\d+\.attn_rot_embd|rope_factors_(long|short))")
+_IGNORED = re.compile(r"^blk\.\d+\.attn_rot_embd")
+
+
+def _rope_freq_scale(path: str, meta: Mapping[str, Any], a: str) -> float:
+    """Linear RoPE scaling as llama.cpp reads it: positions times 1 / factor, the factor from
+    rope.scaling.factor or the older rope.scale_linear, the type linear when absent. A file with
+    a factor was run unscaled, without a word (a helper measured top-1 15.6% against llama.cpp
+    at factor 4); other types (yarn, longrope) are refused."""
+    key = next((k for k in (a + "rope.scaling.factor", a + "rope.scale_linear") if k in meta), None)
+    factor = 0.0 if key is None else meta[key]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor >= 0):
+        raise ModelFormatError(path, key, f"expected a non-negative scaling factor, found {factor!r}")
+    scaling = meta.get(a + "rope.scaling.type")
+    if scaling in (None, "linear"):
+        return 1.0 / factor if factor else 1.0       # (llama.cpp: a factor of 0 means none)
+    if scaling == "none":
+        if factor not in (0, 1):
+            raise UnsupportedModelError(path, a + "rope.scaling.type", f"type 'none' beside a scaling factor {factor}")
+        return 1.0
+    raise UnsupportedModelError(path, a + "rope.scaling.type", f"RoPE scaling {scaling!r} is not supported yet")
 
 
 def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelConfig:
@@ -142,9 +163,12 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
     eps = _get(meta, path, a + "attention.layer_norm_rms_epsilon", float)
     if not 0 < eps < 1:
         raise ModelFormatError(path, a + "attention.layer_norm_rms_epsilon", f"expected 0 < eps < 1, found {eps}")
-    scaling = meta.get(a + "rope.scaling.type", "none")
-    if scaling not in ("none", None):
-        raise UnsupportedModelError(path, a + "rope.scaling.type", f"RoPE scaling {scaling!r} is not supported yet")
+    freq_scale = _rope_freq_scale(path, meta, a)
+    if meta.get(a + "attention.causal", True) is False:   # (an embedding model's: it was run causal, silently)
+        raise UnsupportedModelError(path, a + "attention.causal", "bidirectional (non-causal) attention is not supported")
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in tensors:   # (dropped silently before: LongRoPE's per-frequency factors change every position)
+            raise UnsupportedModelError(path, f"tensor {name!r}", "LongRoPE frequency factors are not supported")
 
     if "token_embd.weight" not in tensors:
         raise ModelFormatError(path, "tensor 'token_embd.weight'", "required tensor is missing")
@@ -167,7 +191,7 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
         context_length=ctx, rope_theta=theta, rope_dim=rope_dim, rope_style=ARCHITECTURES[arch]["rope_style"],
         norm_eps=eps, tied_embeddings="output.weight" not in tensors,
         qkv_bias=ARCHITECTURES[arch]["qkv_bias"] and "blk.0.attn_q.bias" in tensors,
-        has_rope_freqs="rope_freqs.weight" in tensors,
+        has_rope_freqs="rope_freqs.weight" in tensors, rope_freq_scale=freq_scale,
     )
     check_tensors(path, cfg, tensors)
     return cfg
