@@ -5,6 +5,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import List, Optional
 
 import typer
 
-from .errors import EdgeLLMError
+from .errors import ContextFull, EdgeLLMError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="edgellm: on-device LLM runtime. Run `edgellm run \"Hello\"` to generate with the default model.")
@@ -304,19 +305,41 @@ def chat(
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units, precision, quality_guard)
     messages = [{"role": "system", "content": system}] if system else []
-    typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D quits, /reset clears", err=True)
+    typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D or /exit quits, /reset "
+               f"clears, /help", err=True)
+    tty, failed = sys.stdin.isatty(), 0
     while True:
         try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
+            if tty:   # (the prompt on stderr: stdout carries the answers alone, for a pipe)
+                sys.stderr.write("> ")
+                sys.stderr.flush()
+            line = _read_line()
+        except EOFError:
             typer.echo("", err=True)
+            if failed:
+                raise typer.Exit(1)   # (a script feeding the chat learns that turns failed)
             return
-        if line.strip() in ("/exit", "/quit"):
-            return
-        if line.strip() == "/reset":
-            messages = messages[:1] if system else []
+        except KeyboardInterrupt:     # at the prompt (or just after an answer): not a quit
+            typer.echo("\n(Ctrl-D or /exit quits)", err=True)
             continue
-        if not line.strip():
+        except UnicodeDecodeError:
+            _err("that line is not valid UTF-8; it was skipped")
+            failed += 1
+            continue
+        command = line.strip()
+        if re.fullmatch(r"/[a-z]+", command):
+            if command in ("/exit", "/quit"):
+                return
+            if command == "/reset":
+                messages = messages[:1] if system else []
+                typer.echo("[conversation cleared]", err=True)
+            elif command == "/help":
+                typer.echo("/reset forgets the conversation (the system prompt stays), /exit or /quit (or Ctrl-D) "
+                           "quits; Ctrl-C stops an answer", err=True)
+            else:
+                _err(f"unknown command {command}: /reset, /exit, /quit, /help")
+            continue
+        if not command:
             continue
         messages.append({"role": "user", "content": line})
         previous = signal.signal(signal.SIGINT, lambda *_: eng.cancel())
@@ -327,17 +350,54 @@ def chat(
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except EdgeLLMError as e:
-            _err(str(e))
+            full = isinstance(e, ContextFull) and kv == "pool"
+            _err(f"{e}" + ("; /reset starts the conversation over, and --kv ring keeps a chat going past the "
+                           "context" if full else ""))
             messages.pop()
+            failed += 1
             continue
         finally:
             signal.signal(signal.SIGINT, previous)
         sys.stdout.write("\n")
         if eng.last_stats.stop_reason == "cancelled":
             typer.echo("[cancelled]", err=True)
+        elif eng.last_stats.stop_reason == "context_full":
+            typer.echo(f"[context full at {eng.n_ctx} tokens: the answer was cut; /reset starts over, --kv ring "
+                       f"keeps a chat going past the context]", err=True)
         messages.append({"role": "assistant", "content": "".join(answer)})
         if stats:
             typer.echo(eng.last_stats.summary(), err=True)
+
+
+def _read_line() -> str:
+    """A line of stdin, without its newline; EOFError at the end. It waits in select() on stdin
+    and a signal wakeup pipe, so a Ctrl-C is answered whenever it comes: one that landed between
+    Python's last signal check and input()'s read() was noticed only after the next key."""
+    import select
+
+    if not hasattr(signal, "set_wakeup_fd") or not sys.stdin.isatty():
+        # (a pipe: its lines may sit in Python's buffer, which select() does not see)
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line[:-1] if line.endswith("\n") else line
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    old = signal.set_wakeup_fd(w)
+    try:
+        while True:
+            ready, _, _ = select.select([sys.stdin, r], [], [])
+            if r in ready:
+                os.read(r, 512)    # a signal: its Python handler runs at the next bytecode
+                continue
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+            return line[:-1] if line.endswith("\n") else line
+    finally:
+        signal.set_wakeup_fd(old)
+        os.close(r)
+        os.close(w)
 
 
 def _memory_text(mf, n_ctx: int) -> str:
@@ -884,6 +944,15 @@ def main() -> None:
     # outputs (a requantized model's temporary file, a bundle's folder) are removed on the way
     # out; the default action left them behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # numpy's BLAS starts its threads when imported: started with SIGINT and SIGTERM blocked they
+    # keep them blocked, so the kernel hands Ctrl-C to the main thread. One that took it left the
+    # main thread blocked in a read (a chat's prompt ignored about 1 Ctrl-C in 4).
+    if hasattr(signal, "pthread_sigmask"):
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            import numpy  # noqa: F401
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
     try:
         app()
     except KeyboardInterrupt:   # Ctrl-C before a command's body (imports, option parsing)

@@ -35,6 +35,7 @@ from .errors import ConfigError, EdgeLLMError
 from .generation import Generation, GenerationStats
 from .model.chat_template import ChatTemplate
 from .model.tokenizer import check_text
+from .threads import start_quietly
 
 
 class _Job:
@@ -156,7 +157,7 @@ class Scheduler:
         # finaliser stops the worker
         self._worker = _Worker(engine, chunk, policy)
         self._thread = threading.Thread(target=self._worker.run, name="edgellm-scheduler", daemon=True)
-        self._thread.start()
+        start_quietly(self._thread)
         weakref.finalize(self, self._worker.stop, True)
 
     def submit(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, priority: int = 0,

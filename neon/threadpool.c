@@ -31,6 +31,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -171,6 +172,11 @@ static void el_pin_self(int cpu) {
 static void *el_worker_main(void *arg) {
     el_worker *w = arg;
     el_pool *p = w->pool;
+    /* process signals (Ctrl-C's SIGINT, SIGTERM) go to the app's own threads: a worker that
+     * took one left the main thread blocked in a read (a chat's prompt ignored 1 Ctrl-C in 4) */
+    sigset_t all;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, NULL);
     w->tid = el_gettid();
     el_pin_self(w->cpu);
     pthread_mutex_lock(&p->mu);

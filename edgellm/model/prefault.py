@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..threads import start_quietly
+
 log = logging.getLogger("edgellm.load")
 
 MADV_POPULATE_READ = 22          # linux/mman.h: populate (prefault) page tables, readable
@@ -122,7 +124,7 @@ def start(mm: np.ndarray, offset: int, nbytes: int) -> Prefault:
         job.seconds = 0.0
         return job
     job._thread = threading.Thread(target=_run, args=(job, mm, offset, end), name="edgellm-prefault", daemon=True)
-    job._thread.start()
+    start_quietly(job._thread)
     return job
 
 
@@ -163,7 +165,7 @@ def commit(arrays, background: bool = True) -> Prefault:
         job.method = "madvise"
         job._thread = threading.Thread(target=_run_commit, args=(job, list(arrays), spans), name="edgellm-commit",
                                        daemon=True)
-        job._thread.start()
+        start_quietly(job._thread)
         return job
     t0 = time.perf_counter()
     for a in arrays:
