@@ -143,6 +143,14 @@ UNITS_HELP = ("Restrict placement to these units, in preference order, e.g. open
               "npu, reference); an op none of them runs goes to reference with a warning")
 
 
+def _file_state(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def _conversation_only(path: Path, chat: bool) -> dict:
     """The conversation a session file holds when its KV cannot be used here (another KV
     precision or layout, model or context; the warning said which): its chat messages or text,
@@ -235,8 +243,9 @@ def run(
         why = foreign_file(session)
         if why is not None:   # (a user's document given by mistake: never overwritten)
             raise ConfigError(f"--session {session}: {why}")
-    saved = {}
+    saved, seen = {}, None
     if session is not None:
+        seen = _file_state(session)
         saved = eng.session_meta if eng.load_session(session) else _conversation_only(session, chat)
     if "messages" in saved and not chat:
         raise ConfigError(f"--session {session} holds a chat: continue it with --chat")
@@ -265,6 +274,9 @@ def run(
     if session is not None and eng.last_stats.stop_reason not in ("cancelled", ""):
         meta = ({"messages": messages + [{"role": "assistant", "content": "".join(answer)}]} if chat
                 else {"text": text + "".join(answer)})
+        if _file_state(session) != seen:   # (two runs on one session: the last save wins, silently before)
+            typer.echo(f"edgellm: warning: {session} changed since this run read it (another run saved to it); "
+                       f"this conversation replaces that one", err=True)
         n = eng.save_session(session, meta=meta)
         typer.echo(f"[session: saved {n} tokens to {session}]", err=True)
     if stats:
@@ -829,16 +841,32 @@ def _other_caches() -> list[Path]:
 def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remove the requantized models, "
                                                 "sensitivity tables and compiled kernels (rebuilt when needed)")):
     """Remove every cached session file (with --all, every cache in EDGELLM_HOME/cache)."""
-    import shutil
-
     from .kv import disk_cache
 
     typer.echo(f"removed {disk_cache.clear()} session file(s) from {disk_cache.cache_dir()}")
     if everything:
+        from .fileio import writer_alive
+
         for d in _other_caches():
-            n = sum(1 for f in d.rglob("*") if f.is_file())
-            shutil.rmtree(d)
-            typer.echo(f"removed {d} ({n} file(s))")
+            n = kept = 0
+            for f in sorted(d.rglob("*"), key=lambda p: -len(p.parts)):   # files, then their folders
+                try:
+                    if f.is_dir():
+                        f.rmdir()            # (one a writer still uses is not empty: left)
+                    elif writer_alive(f.name):
+                        kept += 1            # another process is writing it: its run would fail
+                    else:
+                        f.unlink()
+                        n += 1
+                except FileNotFoundError:
+                    pass                     # (another clear took it)
+                except OSError:
+                    pass
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+            typer.echo(f"removed {n} file(s) from {d}" + (f"; kept {kept} being written" if kept else ""))
 
 
 

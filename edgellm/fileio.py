@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -12,7 +14,7 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     made if missing; on any failure the temp file is removed and the error raised."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -38,3 +40,51 @@ def fsync_dir(d: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# Temporary names carry their writer's pid ("pid1234"), so that one a killed writer left (SIGKILL,
+# a phone's low-memory killer: nothing can clean up) is recognised by the next writer and removed.
+_TAGGED = re.compile(r"^\..*?[.-]pid(\d+)[.-]")
+
+
+def writer_tag() -> str:
+    """The mark a temporary name carries: this process's pid."""
+    return f"pid{os.getpid()}"
+
+
+def writer_alive(name: str) -> bool | None:
+    """Whether the writer named in a temporary file's name still runs; None when the name
+    carries no writer (not a tagged temporary name) or the pid cannot be checked."""
+    m = _TAGGED.match(name)
+    if not m:
+        return None
+    pid = int(m.group(1))
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return None     # another user's process (or no such check here): not ours to judge
+    return True
+
+
+def remove_dead_writers(d: str | os.PathLike) -> int:
+    """Remove the temporary files and folders in `d` whose writer is gone; returns how many."""
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return 0
+    n = 0
+    for e in entries:
+        if writer_alive(e.name) is False:
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    shutil.rmtree(e.path)
+                else:
+                    os.unlink(e.path)
+                n += 1
+            except OSError:
+                pass
+    return n

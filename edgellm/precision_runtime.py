@@ -17,12 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Callable, Mapping
 
 from .errors import ConfigError, EdgeLLMError
-from .fileio import write_atomic
+from .fileio import remove_dead_writers, write_atomic
 from .hashing import bulk_sha256, sha256
 from .precision import LAYER_OPS as PLAN_LAYER_OPS
 from .precision import PrecisionPlan
@@ -132,6 +134,7 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     key = _cache_key(mf.path, formats)
     stem = Path(mf.path).name.removesuffix(".gguf")
     path = cache_dir() / f"{stem}-{plan.name or 'plan'}-{key[:16]}.gguf"
+    remove_dead_writers(path.parent)     # (a writer killed mid-write left its part behind)
     if path.exists():
         try:
             cached = open_model(path)
@@ -149,6 +152,12 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
             why = str(e)
         log.warning("requantized model cache %s is unusable (%s); writing it again", path, why)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # older copies of this model under this plan (the model file re-pulled or touched: the key
+    # changed) are stale: each was a whole model's size, kept for good
+    for old in path.parent.glob(f"{glob_escape(stem)}-{glob_escape(plan.name or 'plan')}-*.gguf"):
+        if old != path and re.fullmatch(r"[0-9a-f]{16}", old.name[len(stem) + len(plan.name or "plan") + 2:-5]):
+            for f in (old, _fingerprint_file(old)):
+                f.unlink(missing_ok=True)
     try:
         report = requantize_gguf(mf.path, path, formats, progress=progress)
         write_atomic(_fingerprint_file(path), _fingerprint(path).encode())

@@ -39,7 +39,7 @@ from .model import layout
 from .model.ggml_types import GGML_QUANT_SIZES, GGUFValueType
 from .model.ggml_types import GGMLQuantizationType as T
 from .errors import ConfigError, UnsupportedModelError
-from .fileio import fsync_dir
+from .fileio import fsync_dir, remove_dead_writers, writer_tag
 
 __all__ = [
     "FORMATS", "GGUF_FORMATS", "GGUF_TYPE_FOR", "PLAN_OPS", "Converted", "TensorReport", "Report",
@@ -364,31 +364,6 @@ def _plan_jobs(mf: Any, formats: Mapping[str, str]) -> list[_Job]:
     return jobs
 
 
-def _remove_orphans(d: str, name: str) -> None:
-    """Temporary files of `name` whose writing process no longer runs (killed mid-write: a
-    requantized model's is tens of MB, and nothing else ever removes it)."""
-    prefix = f".{name}."
-    try:
-        entries = os.listdir(d)
-    except OSError:
-        return
-    for e in entries:
-        parts = e[len(prefix):].split(".") if e.startswith(prefix) and e.endswith(".tmp") else []
-        if len(parts) != 3 or not parts[0].isdigit() or int(parts[0]) == os.getpid():
-            continue
-        try:
-            os.kill(int(parts[0]), 0)
-            continue                      # its writer still runs
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError, OSError):
-            continue                      # someone else's process: not ours to judge
-        try:
-            os.unlink(os.path.join(d, e))
-        except OSError:
-            pass
-
-
 def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, formats: Mapping[str, str],
                     *, progress: Callable[[int, int], None] | None = None) -> Report:
     """Write a copy of the GGUF `src_path` to `dst_path` in which each tensor named in `formats`
@@ -426,10 +401,10 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     d = os.path.dirname(os.path.abspath(dst_path))
     if not os.path.isdir(d):
         raise ConfigError(f"{dst_path}: the output directory {d} does not exist")
-    _remove_orphans(d, os.path.basename(dst_path))
     # the writer's pid in the name: a file whose writer has died (SIGKILL, a phone's low-memory
-    # killer) is an orphan the next writer removes
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dst_path)}.{os.getpid()}.", suffix=".tmp", dir=d)
+    # killer) is an orphan the next writer in this folder removes
+    remove_dead_writers(d)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dst_path)}.{writer_tag()}.", suffix=".tmp", dir=d)
     os.close(fd)
     writer = _Writer(tmp, g.metadata.get("general.architecture", "llama"))
     reports: list[TensorReport] = []

@@ -293,3 +293,23 @@ def test_chat_answers_alone_go_to_stdout(tiny, tmp_path):
                        env={**os.environ, "EDGELLM_HOME": str(tmp_path / "home")}, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "> " not in r.stdout and r.stdout.strip("\n") == r.stdout.strip() and "[conversation cleared]" in r.stderr
+
+
+def test_a_session_saved_by_another_run_meanwhile_is_not_replaced_silently(tiny, tmp_path, monkeypatch):
+    """Two runs continuing one session: the last save won and the other turn was lost, without
+    a word. The second save now warns that it replaces a session changed since it was read."""
+    import edgellm.api as api
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    f = str(tmp_path / "s.edgesess")
+    base = ["run", "--model", tiny, "-n", "2", "--temperature", "0", "--session", f]
+    assert runner.invoke(app, base + ["one"]).exit_code == 0
+    real_stream = api.Engine.stream
+
+    def stream_while_another_run_saves(self, *a, **k):
+        out = list(real_stream(self, *a, **k))
+        self.save_session(f, meta={"text": "the other run's conversation"})   # another process, meanwhile
+        return iter(out)
+
+    monkeypatch.setattr(api.Engine, "stream", stream_while_another_run_saves)
+    r = runner.invoke(app, base + ["two"])
+    assert r.exit_code == 0 and "changed since this run read it" in r.stderr

