@@ -98,3 +98,15 @@ def _meminfo(key: bytes, psutil_field: str) -> int:
     import psutil
 
     return int(getattr(psutil.virtual_memory(), psutil_field))
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak resident memory (VmHWM) to the current RSS, so a later reading
+    is the peak of what follows (Linux: /proc/self/clear_refs, 5); False where that cannot be
+    done (the peak then stays the process's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False

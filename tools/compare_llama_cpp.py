@@ -71,6 +71,7 @@ def main() -> None:
     rows = []
     for n in lengths:
         text, actual = prompt_of_length(eng, n)
+        eng.clear_cache()   # (or the previous length's prompt and answer serve part of the warm-up)
         eng.generate(text, config=gen)
         llama_cpp_once(llm, text, args.gen_tokens)  # warm-ups
         e_ttft, e_dec, l_ttft, l_dec = [], [], [], []
