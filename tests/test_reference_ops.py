@@ -53,8 +53,8 @@ def _naive_rope(x, pos, theta, rope_dim, style):
 
 
 class _Cfg:  # the fields rope_tables reads
-    def __init__(self, theta, rope_dim):
-        self.rope_theta, self.rope_dim = theta, rope_dim
+    def __init__(self, theta, rope_dim, freq_scale=1.0):
+        self.rope_theta, self.rope_dim, self.rope_freq_scale = theta, rope_dim, freq_scale
 
 
 @pytest.mark.parametrize("style", ["norm", "neox"])
