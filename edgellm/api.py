@@ -9,6 +9,7 @@ import numbers
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
@@ -95,6 +96,7 @@ class Engine:
         # step's scratch, chunk and logits buffers are the engine's, not a generation's.
         self.lock = threading.RLock()
         self._turn_depth = threading.local()   # .n: this thread's nesting of turn()
+        _engines.add(self)
         self._orphans: list = []                # generations dropped inside a turn: ended at the next
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
@@ -330,6 +332,21 @@ class Engine:
                     yield piece
         finally:
             gen.close()   # a stream the app stopped reading (closed, dropped, an error in its loop)
+
+
+_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # a fork while another thread held an engine's turn left its lock held by a thread the child
+    # does not have: the child's first request waited forever
+    for e in list(_engines):
+        e.lock = threading.RLock()
+        e._turn_depth = threading.local()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def generation_config(config: GenerationConfig | None = None, **kwargs) -> GenerationConfig:

@@ -4,6 +4,7 @@ interleaves several, so a long prefill does not hold a short chat turn behind it
 from __future__ import annotations
 
 import resource
+import sys
 import time
 from dataclasses import dataclass
 
@@ -104,7 +105,7 @@ class Generation:
     def close(self) -> None:
         """Ends a generation its driver stops stepping (a stream the app stopped reading): as
         cancelled, its KV sequence freed. Nothing when it is done."""
-        if not self.done:
+        if not self.done and not sys.is_finalizing():   # (at exit the interpreter is half torn down)
             self.engine.end_generation(self)
 
     def _end(self, reason: str) -> None:

@@ -25,6 +25,7 @@ its KV.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 import weakref
@@ -153,6 +154,7 @@ class Scheduler:
         self.chunk = chunk
         self.policy = policy
         self._ids = itertools.count(1)
+        self._pid = os.getpid()
         # the worker holds no reference to this handle: a dropped handle is collected, and the
         # finaliser stops the worker
         self._worker = _Worker(engine, chunk, policy)
@@ -166,6 +168,9 @@ class Scheduler:
         Engine.stream. Higher priority goes first."""
         from .api import generation_config
 
+        if os.getpid() != self._pid:   # (a forked child has no worker thread: its requests waited forever)
+            raise ConfigError(f"this Scheduler's worker runs in process {self._pid}; create a Scheduler in this "
+                              f"process (pid {os.getpid()})")
         if (prompt is None) == (messages is None):
             raise ConfigError("submit needs exactly one of prompt or messages")
         if isinstance(priority, bool) or not isinstance(priority, (int, float)) or priority != priority:

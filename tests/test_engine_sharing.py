@@ -143,3 +143,89 @@ def test_loading_an_engine_with_other_threads_leaves_a_running_engine_its_pool(t
     before = neon.pool_affinity(step._npool)
     edgellm.load(tm.path, n_ctx=64, threads=1, prefault=False)
     assert neon.pool_affinity(step._npool) == before and len(before) == 2
+
+
+def test_two_engines_stepping_op_by_op_in_two_threads_keep_their_numbers(tmp_path_factory):
+    """A model whose fused QKV mixes weight types runs op by op on neon; neon.matmul's int8
+    activation scratch was one buffer for every engine, and two engines stepping in two threads
+    overwrote each other's (a helper: 18 of 40 logits calls wrong, most NaN)."""
+    import numpy as np
+    tm = write_tiny_model(tmp_path_factory.mktemp("mixed") / "m.gguf", tensor_type=QT.Q4_0,
+                          tensor_types={"attn_v.weight": QT.Q8_0}, n_layers=4, d_model=256, n_heads=8, n_kv_heads=4,
+                          d_ff=512, context_length=512)
+    e1, e2 = (edgellm.load(tm.path, n_ctx=512, threads=2) for _ in range(2))
+    assert not e1.runner._fused_phases                      # (the op-by-op path is the one tested)
+    ids = [e1.tokenize("hello world " * 40), e1.tokenize("the cat is in the hat " * 25)]
+    ref = [e1.logits(x) for x in ids]
+    out, errors = _in_threads(lambda k: [float(np.abs((e1, e2)[k].logits(ids[k]) - ref[k]).max()) for _ in range(12)],
+                              [0, 1])
+    assert not errors and max(out[0] + out[1]) <= 1e-4
+
+
+_FORK_SCRIPT = """
+import os, sys, threading, time
+import edgellm
+from edgellm.errors import ConfigError
+from edgellm.scheduler import Scheduler
+e = edgellm.load(sys.argv[1], n_ctx=256, threads=2)
+kw = dict(temperature=0, max_tokens=24, ignore_eos=True)
+want = e.generate("hello", **kw)
+sched = Scheduler(e)
+busy = threading.Event()
+def hold():
+    with e.turn():
+        busy.set()
+        time.sleep(1.0)
+threading.Thread(target=hold, daemon=True).start()
+busy.wait()
+pid = os.fork()
+if pid == 0:
+    import numpy as np
+    np.ones((512, 512)) @ np.ones((512, 512))     # threads of the child's own (BLAS)
+    assert e.generate("hello", **kw) == want, "the child's text differs"
+    try:
+        sched.submit("x")
+        raise AssertionError("a Scheduler without its worker took a request")
+    except ConfigError:
+        pass
+    print("child ok", flush=True)
+    sys.exit(0)                                    # the interpreter's exit: finalizers run
+_, status = os.waitpid(pid, 0)
+sched.close()
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_forked_child_uses_the_engine_and_exits(tmp_path_factory):
+    """After os.fork the child's exit hung joining the parent's pool workers (their handles
+    reused by the child's own threads), and a fork while another thread held the engine's turn
+    left the child's first request waiting forever on the lock. A Scheduler in the child says
+    its worker is in the parent."""
+    import os
+    import subprocess
+    import sys
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    tm = write_tiny_model(tmp_path_factory.mktemp("fork") / "m.gguf", tensor_type=QT.Q4_1, seed=3, context_length=512)
+    try:
+        r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, tm.path], capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the forked child (or its parent) hung")
+    assert "child ok" in r.stdout and "child exit 0" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_a_stream_left_open_at_exit_says_nothing(tmp_path_factory):
+    """A script that read one piece of a stream and ended printed 'Exception ignored in:
+    <generator ...> NameError: name 'open' is not defined' (the stream's end ran in the
+    interpreter's teardown)."""
+    import subprocess
+    import sys
+    tm = write_tiny_model(tmp_path_factory.mktemp("exit") / "m.gguf", tensor_type=QT.Q4_1, seed=3, context_length=512)
+    script = ("import sys, edgellm\n"
+              "def ask(prompt):\n"     # (the engine referenced only through its stream)
+              "    return edgellm.load(sys.argv[1], n_ctx=256, threads=2).stream(prompt, max_tokens=50, "
+              "temperature=0, ignore_eos=True)\n"
+              "s = ask('hello')\n"
+              "next(s)\n")
+    r = subprocess.run([sys.executable, "-c", script, tm.path], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Exception ignored" not in r.stderr, r.stderr[-1500:]

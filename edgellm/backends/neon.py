@@ -58,11 +58,28 @@ class NativePool:
         self.threads, self.cores = threads, cores
         # its workers' thread ids (pin_threads leaves them on the cores they were given)
         self.worker_tids = frozenset(_thread_ids() - before)
-        weakref.finalize(self, lib.el_pool_destroy, self.ptr)
+        # (in a forked child the workers do not exist: joining their stale handles hung its exit;
+        # there the pool is left to the process's end)
+        weakref.finalize(self, _destroy_pool, lib, self.ptr, os.getpid())
         _live_pools.add(self)
 
 
 _live_pools: "weakref.WeakSet[NativePool]" = weakref.WeakSet()
+
+
+def _destroy_pool(lib, ptr: int, pid: int) -> None:
+    if os.getpid() == pid:
+        lib.el_pool_destroy(ptr)
+
+
+def _after_fork_in_child() -> None:
+    # the configured pool's workers are the parent's: the child's next op makes its own pool
+    _state["pool"] = None
+    _live_pools.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _thread_ids() -> set[int]:
@@ -302,7 +319,11 @@ def embedding(table, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     return out
 
 
-_scratch = {"buf": np.empty(0, np.uint8), "sizes": {}}   # sizes: (T, K) -> el_matmul_scratch bytes
+# el_matmul's int8 activations, per thread: one module-wide buffer was shared by every engine, and
+# two engines stepping in two threads (op by op: an engine's lock serialises only its own callers)
+# overwrote each other's x (a helper: 18 of 40 logits calls wrong, most NaN)
+_scratch_local = threading.local()
+_scratch_sizes: dict[tuple[int, int], int] = {}   # (T, K) -> el_matmul_scratch bytes
 
 
 def _check(rc: int, op: str) -> None:
@@ -332,14 +353,15 @@ def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None, precision: st
         return y
     if precision != "int8":
         raise ValueError(f"neon matmul computes in {' or '.join(QUANT_COMPUTE)}, not {precision!r}")
-    need = _scratch["sizes"].get((T, K))
+    need = _scratch_sizes.get((T, K))
     if need is None:   # a ctypes call per matmul would cost as much as a small decode GEMV
-        need = _scratch["sizes"][(T, K)] = lib.el_matmul_scratch(T, K)
-    if _scratch["buf"].nbytes < need:
-        _scratch["buf"] = np.empty(need, np.uint8)
+        need = _scratch_sizes[(T, K)] = lib.el_matmul_scratch(T, K)
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.nbytes < need:
+        buf = _scratch_local.buf = np.empty(need, np.uint8)
     p = thread_pool()
     rc = lib.el_matmul(p.ptr, w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K,
-                       fptr(b) if b is not None else None, _scratch["buf"].ctypes.data)
+                       fptr(b) if b is not None else None, buf.ctypes.data)
     _check(rc, "matmul")
     return y
 
