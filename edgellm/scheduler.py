@@ -60,6 +60,8 @@ class _Job:
         self._done = threading.Event()
         self.gen: Generation | None = None
         self.ids: list[int] | None = None   # the prompt's ids, once tokenized
+        self.t_tok = 0.0                    # when tokenization ended (the Generation's clock)
+        self.tokenize_ms = 0.0
         self.blocks = 0                     # KV blocks it may take: prompt + max_tokens (admission)
 
     def cancel(self) -> None:
@@ -131,8 +133,8 @@ class Request:
     def stream(self) -> Iterator[str]:
         """Text pieces as the worker produces them, from the first (each call streams them all);
         raises the request's error, if any."""
-        handle = self    # (held while the app iterates: a live stream keeps the request going)
-        yield from handle._job.stream()
+        # (the generator's frame holds self: a stream being read keeps the request going)
+        yield from self._job.stream()
 
     def result(self, timeout: float | None = None) -> str:
         """The whole text (again on each call); TimeoutError when not finished within timeout."""

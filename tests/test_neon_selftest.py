@@ -210,12 +210,7 @@ def test_bundle_metadata(bundle, cases):
 
 
 def test_rebuild_replaces_a_bundle_and_refuses_other_folders(tmp_path):
-    # a tiny source tree: the toolchain's plumbing, not the kernels
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "edgellm_neon.h").write_text("int el_one(void);\n")
-    (src / "one.c").write_text('#include "edgellm_neon.h"\nint el_one(void) { return 1; }\n')
-    (src / "selftest.c").write_text("int main(void) { return 0; }\n")
+    src = _tiny_src(tmp_path)
     out = tmp_path / "out"
     try:
         tc.build_bundle(out=out, variants=["base"], src_dir=src, progress=None)
@@ -491,6 +486,7 @@ def test_cpu_flags_and_validation():
 
 
 def _tiny_src(tmp_path):
+    """A tiny source tree: the toolchain's plumbing, not the kernels."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "edgellm_neon.h").write_text("int el_one(void);\n")
