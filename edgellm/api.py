@@ -569,13 +569,11 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
 def _memory_refusal(model_name: str, n_ctx: int):
     try:
         yield
-    except MemoryError as e:
-        raise ConfigError(f"not enough memory to load {model_name} at n_ctx={n_ctx} ({e or 'an allocation failed'}); "
-                          f"lower n_ctx, use kv_precision='int8', or a smaller model") from None
-    except OSError as e:
-        if e.errno != errno.ENOMEM:
+    except (MemoryError, OSError) as e:
+        if isinstance(e, OSError) and e.errno != errno.ENOMEM:
             raise
-        raise ConfigError(f"not enough memory to load {model_name} at n_ctx={n_ctx} ({e.strerror}); lower n_ctx, "
+        why = e.strerror if isinstance(e, OSError) else (str(e) or "an allocation failed")
+        raise ConfigError(f"not enough memory to load {model_name} at n_ctx={n_ctx} ({why}); lower n_ctx, "
                           f"use kv_precision='int8', or a smaller model") from None
 
 

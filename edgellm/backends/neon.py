@@ -20,6 +20,7 @@ from ..model import layout
 from ..model.config import ModelConfig
 from . import UnitFailed, neon_lib
 from .neon_lib import fptr
+from ..device.topology import _thread_ids
 
 NAME = "neon"
 MAX_HEAD_DIM = 512   # neon/attention.c EL_ATTN_MAX_HD and decode_step.c EL_DECODE_MAX_HD: stack scratch
@@ -50,14 +51,14 @@ class NativePool:
 
     def __init__(self, threads: int, cores: tuple[int, ...]):
         lib = _lib()
-        before = _thread_ids()
+        before = set(_thread_ids())
         arr = (ctypes.c_int * max(1, len(cores)))(*cores)
         self.ptr = lib.el_pool_create(threads, arr if cores else None, len(cores))
         if not self.ptr:
             raise RuntimeError("el_pool_create failed")
         self.threads, self.cores = threads, cores
         # its workers' thread ids (pin_threads leaves them on the cores they were given)
-        self.worker_tids = frozenset(_thread_ids() - before)
+        self.worker_tids = frozenset(set(_thread_ids()) - before)
         # (in a forked child the workers do not exist: joining their stale handles hung its exit;
         # there the pool is left to the process's end)
         weakref.finalize(self, _destroy_pool, lib, self.ptr, os.getpid())
@@ -80,13 +81,6 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _thread_ids() -> set[int]:
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except (OSError, ValueError):
-        return set()
 
 
 def worker_tids() -> frozenset[int]:
