@@ -295,7 +295,11 @@ def chat(
     temperature: float = typer.Option(0.8, help="Sampling temperature; 0 = greedy"),
     top_k: int = typer.Option(40, help="Keep the k most likely tokens; 0 = off"),
     top_p: float = typer.Option(0.95, help="Nucleus sampling mass; 1 = off"),
+    min_p: float = typer.Option(0.05, help="Drop tokens below min_p x the top probability; 0 = off"),
+    repeat_penalty: float = typer.Option(1.0, help="Penalty for repeated tokens; 1 = off"),
     seed: Optional[int] = typer.Option(None, help="Random seed"),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", help="Stop string (repeatable); ends the answer, "
+                                             "not printed"),
     ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size in tokens (default 2048, or the "
                                       "model's trained context when shorter)"),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads"),
@@ -315,7 +319,9 @@ def chat(
     _start_probe_child()
     from .api import generation_config
 
-    gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    # (the same sampling options and defaults as `run`: a chat sampled without min_p before)
+    gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                            min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units, precision, quality_guard)
     messages = [{"role": "system", "content": system}] if system else []
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D or /exit quits, /reset "

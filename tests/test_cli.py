@@ -313,3 +313,24 @@ def test_a_session_saved_by_another_run_meanwhile_is_not_replaced_silently(tiny,
     monkeypatch.setattr(api.Engine, "stream", stream_while_another_run_saves)
     r = runner.invoke(app, base + ["two"])
     assert r.exit_code == 0 and "changed since this run read it" in r.stderr
+
+
+def test_chat_takes_the_sampling_options_of_run(tiny, tmp_path):
+    """`chat` had no --min-p, --repeat-penalty or --stop (and sampled without min-p, which `run`
+    applies by default). A stop string ends the answer unprinted, as in `run`."""
+    import os
+    import subprocess
+    import sys
+
+    def chat(*extra):
+        return subprocess.run([sys.executable, "-c", "from edgellm.cli import main; main()", "chat", "-m", tiny, "-n",
+                               "6", "--temperature", "0", *extra], input="hello\n", capture_output=True, text=True,
+                              env={**os.environ, "EDGELLM_HOME": str(tmp_path / "home")}, timeout=60)
+
+    plain = chat("--min-p", "0.1", "--repeat-penalty", "1.1")
+    assert plain.returncode == 0 and plain.stdout == "\n" * 6 + "\n", plain   # (the tiny model's greedy answer)
+    cut = chat("--stop", "\n\n\n")
+    assert cut.returncode == 0 and cut.stdout == "\n", cut   # (the answer starts with the stop string)
+    for flag, bad in (("--min-p", "2"), ("--repeat-penalty", "-1")):
+        r = chat(flag, bad)
+        assert r.returncode == 1 and flag.strip("-").replace("-", "_") in r.stderr, r.stderr
