@@ -545,7 +545,7 @@ def bench(
     typer.echo(f"{'prompt':>7} {'TTFT p50':>9} {'p95':>8} {'prefill':>9} {'decode':>8} {'peak RSS':>9}")
     for r in recs:
         typer.echo(f"{r['prompt_tokens']:>7} {r['ttft_ms_p50']:>7.0f}ms {r['ttft_ms_p95']:>6.0f}ms "
-                   f"{r['prefill_tps']:>5.0f}t/s {r['decode_tps']:>5.1f}t/s {r['peak_rss_mb']:>6.0f} MB")
+                   f"{r['prefill_tps']:>5.0f}t/s {r['decode_tps']:>5.1f}t/s {r['peak_rss_mb']:>6.0f} MiB")
     for r in recs:
         r["load_wall_ms"] = round(load_wall_ms, 1)
     m = recs[0]
@@ -553,12 +553,12 @@ def bench(
         typer.echo(f"cold start: load {load_wall_ms:.0f} ms (runtime import, profile, model, weights paged in; "
                    f"the engine's own load {m['load_ms']:.0f} ms), then the first request's TTFT "
                    f"{m['first_request_ttft_ms']:.0f} ms ({m['first_request_tokens']} tokens)")
-    parts = (f" (model file {m['rss_model_mapped_mb']:.1f} MB mapped, KV cache {m['kv_cache_mb']:.1f} MB, "
-             f"the rest {m['rss_runtime_mb']:.1f} MB)" if "rss_model_mapped_mb" in m else "")
+    parts = (f" (model file {m['rss_model_mapped_mb']:.1f} MiB mapped, KV cache {m['kv_cache_mb']:.1f} MiB, "
+             f"the rest {m['rss_runtime_mb']:.1f} MiB)" if "rss_model_mapped_mb" in m else "")
     peak = max(m["rss_after_load_mb"], *(r["peak_rss_mb"] for r in recs))   # (each length's own, and load's)
-    typer.echo(f"memory: peak RSS {peak:.0f} MB, {m['rss_after_load_mb']:.0f} MB "
-               f"right after load{parts}; bound 1.5 x {m['model_file_mb']:.1f} MB file + {m['kv_cache_mb']:.1f} MB "
-               f"KV cache = {m['rss_bound_mb']:.1f} MB")
+    typer.echo(f"memory: peak RSS {peak:.0f} MiB, {m['rss_after_load_mb']:.0f} MiB "
+               f"right after load{parts}; bound 1.5 x {m['model_file_mb']:.1f} MiB file + {m['kv_cache_mb']:.1f} MiB "
+               f"KV cache = {m['rss_bound_mb']:.1f} MiB")
     for r in recs:
         if r.get("decode_vs_floor") is not None:
             bws = " and ".join(f"{x:.1f}" if x else "-" for x in r["read_bandwidth_gbs"])

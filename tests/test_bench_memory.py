@@ -45,8 +45,8 @@ def test_bench_records_rss_after_load_and_its_bound(tiny, tmp_path, extra):
     assert 0 < rec["rss_model_mapped_mb"] <= file_mb + 0.01
     rest = rec["rss_after_load_mb"] - rec["rss_model_mapped_mb"] - kv_mb
     assert rec["rss_runtime_mb"] == pytest.approx(rest, abs=0.15)
-    assert f"(model file {rec['rss_model_mapped_mb']:.1f} MB mapped, KV cache {rec['kv_cache_mb']:.1f} MB" in r.stdout
-    assert f"bound 1.5 x {rec['model_file_mb']:.1f} MB file" in r.stdout
+    assert f"(model file {rec['rss_model_mapped_mb']:.1f} MiB mapped, KV cache {rec['kv_cache_mb']:.1f} MiB" in r.stdout
+    assert f"bound 1.5 x {rec['model_file_mb']:.1f} MiB file" in r.stdout
     if not extra:   # the cold start: load, then the engine's first request (before the warm runs)
         assert rec["first_request_ttft_ms"] > 0 and rec["first_request_tokens"] == rec["prompt_tokens"]
         assert f"first request's TTFT {rec['first_request_ttft_ms']:.0f} ms" in r.stdout
