@@ -403,7 +403,7 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None,
 def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          threads: int | None = None, prefill_chunk: int | None = None, kv: str = "pool",
          kv_precision: str | None = None, window: int = 1024, sinks: int = 4, units: Sequence[str] | None = None,
-         precision=None, quality_guard=None, prefault: bool | None = None,
+         precision=None, quality_guard=None, prefault: bool | None = None, pin: bool = True,
          progress: Callable[[str, int, int], None] | None = None) -> Engine:
     """Load a model (a GGUF path, a registry name, or None for the default, pulled when missing).
 
@@ -426,13 +426,16 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     quality_guard: None/False (off), True (default thresholds) or a QualityGuard: in decode, a step
     whose next-token entropy or top-1 probability crosses a threshold switches the next steps'
     compute to the `quality` plan's (fp32), with one log line per switch.
-    threads: compute threads; default one per big core. Threads are pinned to the big cores.
+    threads: compute threads; default one per big core.
+    pin: True pins every thread of this process to the big cores (the OS then keeps the compute,
+    and the app's threads, off the LITTLE cores). False leaves every thread's affinity as the app
+    set it, the native pool's workers included: for apps that manage affinity themselves.
     prefault: page the mapped weights in on a background thread when a unit reads them in place
     (neon), so that the first request does not fault them in (model/prefault.py); None: on unless
     EDGELLM_PREFAULT=0. Engine.wait_loaded() waits for it.
     progress(stage, done, total) is called while pulling and while preparing weights.
     """
-    from .device.topology import detect_clusters, pin_threads, select_big
+    from .device.topology import PinResult, current_affinity, detect_clusters, pin_threads, select_big
 
     from .precision import load_plan
     from .precision_runtime import ComputeTable, plan_model
@@ -445,6 +448,8 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         plan_notes.append(f"kv_precision={kv_precision} replaces the precision plan's {pplan.kv_precision}")
     kv_cfg = KVConfig(kind=kv, precision=kv_precision, window=window, sinks=sinks)
     guard = QualityGuard.from_option(quality_guard)
+    if not isinstance(pin, bool):
+        raise ConfigError(f"pin must be True or False, got {pin!r}")
     if threads is not None and (not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS):
         raise ConfigError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
     if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1):
@@ -497,11 +502,16 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
                           f"(units {','.join(plan.units_used())}) but {avail / 2**20:.0f} MiB are available; "
                           f"lower n_ctx or use a smaller model")
     from .backends import neon as _neon_unit
-    pinning = pin_threads(big, skip=_neon_unit.worker_tids())
+    if pin:
+        pinning = pin_threads(big, skip=_neon_unit.worker_tids())
+    else:
+        pinning = PinResult(frozenset(big), 0, current_affinity(), 0, False,
+                            "pin=False: every thread keeps the affinity the app gave it")
+        log.info("threads not pinned: %s", pinning.reason)
     if threads > len(big):
         log.warning("threads=%d but this process may run on %d big core(s) %s: threads share cores, which slows "
                     "every parallel op", threads, len(big), sorted(big))
-    if not pinning.ok:
+    if pin and not pinning.ok:
         log.warning("threads not pinned to the big cores: %s", pinning.reason)
     _limit_blas_threads(threads)
     # the allocations: a MemoryError or ENOMEM (a limit the estimate above missed) is the same
@@ -520,7 +530,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         for name in plan.units_used():
             mod, _ = backends.get(name)
             if hasattr(mod, "configure"):      # native units run their own pools on the big cores
-                mod.configure(threads=threads, cores=big)
+                mod.configure(threads=threads, cores=big if pin else None)
             if hasattr(mod, "use_plan"):       # a unit whose weight form follows the precision plan
                 mod.use_plan(pplan)
         paging = None

@@ -2,12 +2,14 @@
 through streams it stops reading. Every generation gives its direct, alone-on-the-engine text,
 and no stream keeps KV blocks after it is dropped."""
 import gc
+import os
 import threading
 
 import pytest
 from gguf import GGMLQuantizationType as QT
 
 import edgellm
+from edgellm.errors import ConfigError
 from edgellm.scheduler import Scheduler
 from tests.synthetic import write_tiny_model
 
@@ -166,6 +168,7 @@ _FORK_SCRIPT = """
 import os, sys, threading, time
 import edgellm
 from edgellm.errors import ConfigError
+from edgellm.errors import ConfigError
 from edgellm.scheduler import Scheduler
 e = edgellm.load(sys.argv[1], n_ctx=256, threads=2)
 kw = dict(temperature=0, max_tokens=24, ignore_eos=True)
@@ -229,3 +232,42 @@ def test_a_stream_left_open_at_exit_says_nothing(tmp_path_factory):
               "next(s)\n")
     r = subprocess.run([sys.executable, "-c", script, tm.path], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "Exception ignored" not in r.stderr, r.stderr[-1500:]
+
+
+_PIN_SCRIPT = """
+import os, sys, threading
+import edgellm
+from edgellm.backends import neon
+whole = sorted(os.sched_getaffinity(0))
+ready, done, seen = threading.Event(), threading.Event(), []
+def app_thread():   # an app's own thread, on the core the app chose
+    os.sched_setaffinity(0, {whole[-1]})
+    ready.set(); done.wait(); seen.append(sorted(os.sched_getaffinity(0)))
+t = threading.Thread(target=app_thread, daemon=True); t.start(); ready.wait()
+e = edgellm.load(sys.argv[1], n_ctx=64, threads=2, prefault=False, pin=sys.argv[2] == "1")
+e.generate("hi", max_tokens=2, temperature=0)
+step = next(v for v in vars(e.runner).values() if hasattr(v, "_npool"))
+done.set(); t.join()
+print(seen[0], e.pinning.ok, e.pinning.reason, neon.pool_affinity(step._npool))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to tell the affinities apart")
+def test_pin_false_leaves_the_apps_threads_where_it_put_them(tmp_path_factory):
+    """load pinned every thread of the process to the big cores, the app's own threads included,
+    with no way out for an app that manages affinity itself. pin=False leaves them (and the
+    native pool's workers) alone."""
+    import subprocess
+    import sys
+    tm = write_tiny_model(tmp_path_factory.mktemp("pin") / "m.gguf", tensor_type=QT.Q4_0)
+    whole = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "EDGELLM_HOME": str(tmp_path_factory.mktemp("pinhome"))}
+    runs = {flag: subprocess.run([sys.executable, "-c", _PIN_SCRIPT, tm.path, flag], capture_output=True, text=True,
+                                 env=env, timeout=120) for flag in ("0", "1")}
+    for r in runs.values():
+        assert r.returncode == 0, r.stderr
+    assert runs["1"].stdout.startswith(f"{whole} True")          # pinned: moved onto the big cores
+    kept = runs["0"].stdout
+    assert kept.startswith(f"{[whole[-1]]} False pin=False"), kept
+    with pytest.raises(ConfigError, match="pin must be True or False"):
+        edgellm.load(tm.path, n_ctx=64, pin="no")
