@@ -32,6 +32,15 @@ class ConfigError(EdgeLLMError):
     """A bad argument or setting (sampling parameter, thread count, ...)."""
 
 
+class OpArgumentError(ConfigError, ValueError):
+    """A kernel op's arguments do not fit together (shapes, dtypes, ranges): refused before the
+    native code reads them (a ValueError too, as numpy raises for mismatched shapes)."""
+
+
+class KernelError(EdgeLLMError, RuntimeError):
+    """A native kernel refused its arguments or ran out of memory; nothing was written."""
+
+
 class TokenIdError(ConfigError, IndexError):
     """A token id outside the vocabulary (an IndexError too, as for any sequence)."""
 

@@ -82,7 +82,10 @@ static el_xq el_xq_layout(void *scratch, int M, int nb) {
 static void el_quant_row_generic(const float *x, int8_t *q, float *d, float *s, int nb) {
     for (int b = 0; b < nb; b++, x += QK, q += QK) {
         float amax = 0.0f;
-        for (int i = 0; i < QK; i++) amax = EL_MAX(amax, __builtin_fabsf(x[i]));
+        for (int i = 0; i < QK; i++) {   /* a NaN is kept, as the SIMD maxima keep it (EL_MAX dropped it) */
+            const float a = __builtin_fabsf(x[i]);
+            amax = a > amax || a != a ? a : amax;
+        }
         float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {

@@ -506,3 +506,24 @@ def test_neon_lm_head_keeps_x_fp32(lib, monkeypatch):
         assert nmse(neon.matmul(x, w), ref) > 1e-7       # int8 rounding of x: ~2e-5
     finally:
         neon._state["pool"] = None   # (the variant's pool, freed by its own library once dropped)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+@pytest.mark.parametrize("M", (1, 5, 40))
+def test_a_nan_in_x_reaches_the_output_on_both_twins(lib, qtype, M):
+    """x's int8 quantization took a NaN's block maximum with EL_MAX, which drops the NaN unless
+    it comes last: the generic twin turned a NaN input into finite outputs, while the SIMD
+    kernels (and the reference) give NaN."""
+    raw, _ = weights(qtype, 33, 96)
+    x = np.random.default_rng(3).standard_normal((M, 96)).astype(np.float32)
+    x[M // 2, 40] = np.nan                       # mid-block: not the last value EL_MAX sees
+    got = {}
+    for generic in (0, 1):
+        lib.el_use_generic(generic)
+        rc, y = el_matmul(lib, qtype, [raw], x)
+        assert rc == 0
+        got[generic] = np.isnan(y)
+    lib.el_use_generic(0)
+    want = np.zeros((M, 33), bool)
+    want[M // 2] = True                          # the row whose x holds the NaN, and only it
+    assert (got[0] == want).all() and (got[1] == want).all()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import quant
+from ..errors import KernelError, OpArgumentError
 from ..model import layout
 from ..model.config import ModelConfig
 from . import UnitFailed, neon_lib
@@ -295,7 +296,10 @@ def embedding(table, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     """ids (T,) -> (T, d) float32: the rows dequantized by el_embed_rows, bit-identical to
     reference.embedding (same roundings), without its numpy calls per row block. out: a
     (T, d) float32 C-contiguous buffer to write (a fused step's input), else a new array."""
-    ids64 = np.asarray(ids, dtype=np.int64)
+    ids_in = np.asarray(ids)
+    if ids_in.dtype.kind not in "iu":   # (1.7 was truncated to 1)
+        raise OpArgumentError(f"embedding ids must be integers, got {ids_in.dtype}")
+    ids64 = ids_in.astype(np.int64, copy=False)
     if ids64.ndim != 1 or len(ids64) == 0:
         raise ValueError(f"embedding ids must be a non-empty 1-D array, got shape {ids64.shape}")
     desc = embedding_desc(table)
@@ -305,8 +309,9 @@ def embedding(table, ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarr
     T, d = len(ids64), table.d_model
     if out is None:
         out = np.empty((T, d), np.float32)
-    elif out.shape != (T, d) or out.dtype != np.float32 or not out.flags.c_contiguous:
-        raise ValueError(f"embedding out must be a C-contiguous float32 ({T}, {d}) array, got {out.dtype} {out.shape}")
+    elif out.shape != (T, d) or out.dtype != np.float32 or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"embedding out must be a writeable C-contiguous float32 ({T}, {d}) array, got "
+                         f"{out.dtype} {out.shape}{'' if out.flags.writeable else ', read-only'}")
     ids32 = ids64.astype(np.int32)
     rc = _lib().el_embed_rows(ctypes.addressof(desc), ids32.ctypes.data, T, out.ctypes.data)
     _check(rc, "embedding")
@@ -320,13 +325,35 @@ _scratch_local = threading.local()
 _scratch_sizes: dict[tuple[int, int], int] = {}   # (T, K) -> el_matmul_scratch bytes
 
 
+_CODES = {-1: "EL_EINVAL: an argument is out of range", -2: "EL_ENOMEM: out of memory",
+          -3: "EL_EUNSUPPORTED: a shape the kernel does not take"}
+
+
 def _check(rc: int, op: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"neon {op} failed with code {rc}")
+        raise KernelError(f"neon {op} failed: {_CODES.get(rc, f'code {rc}')}")
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
     return a if (a.dtype == np.float32 and a.flags.c_contiguous) else np.ascontiguousarray(a, dtype=np.float32)
+
+
+# The op wrappers check what the kernels take on trust: the C side gets bare pointers and
+# sizes, so a shape that does not fit reads (or writes) past an array's end. A helper passing
+# mismatched arrays crashed the process.
+_INT_MAX = 2**31 - 1
+
+
+def _need(ok: bool, op: str, what: str) -> None:
+    if not ok:
+        raise OpArgumentError(f"neon {op}: {what}")
+
+
+def _f32_nd(a, ndim: int, op: str, name: str) -> np.ndarray:
+    a = np.asarray(a)
+    _need(a.ndim == ndim, op, f"{name} must be {ndim}-D, got shape {a.shape}")
+    _need(all(n <= _INT_MAX for n in a.shape), op, f"{name} has a dimension past 2^31-1: {a.shape}")
+    return _f32(a)
 
 
 # compute precisions a precision plan may ask of a matmul with block-quantized weights: int8
@@ -337,16 +364,22 @@ QUANT_COMPUTE = ("int8", "fp32")
 def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None, precision: str = "int8") -> np.ndarray:
     """x (T, K) @ w^T (+ b) -> (T, N); precision: "int8" or "fp32" activations (QUANT_COMPUTE)."""
     lib = _lib()
-    x = _f32(x)
+    x = _f32_nd(x, 2, "matmul", "x")
     T, K = x.shape
+    _need(K == w.k, "matmul", f"x has {K} columns, the weights take {w.k}")
+    if b is not None:   # (an f64 or strided bias was read as raw f32 on the int8 path)
+        b = _f32(b)
+        _need(b.shape == (w.n,), "matmul", f"the bias must have shape ({w.n},), got {b.shape}")
     y = np.empty((T, w.n), dtype=np.float32)
+    if precision not in QUANT_COMPUTE:
+        raise ValueError(f"neon matmul computes in {' or '.join(QUANT_COMPUTE)}, not {precision!r}")
+    if T == 0:
+        return y
     if precision == "fp32":
         p = thread_pool()
         _check(lib.el_matmul_f32act(p.ptr, w.wtype, w.ptrs, w.rows_c, len(w.rows), fptr(x), fptr(y), T, K,
-                                    fptr(_f32(b)) if b is not None else None), "matmul")
+                                    fptr(b) if b is not None else None), "matmul")
         return y
-    if precision != "int8":
-        raise ValueError(f"neon matmul computes in {' or '.join(QUANT_COMPUTE)}, not {precision!r}")
     need = _scratch_sizes.get((T, K))
     if need is None:   # a ctypes call per matmul would cost as much as a small decode GEMV
         need = _scratch_sizes[(T, K)] = lib.el_matmul_scratch(T, K)
@@ -372,48 +405,91 @@ def lm_head(x: np.ndarray, w: QMatrix, precision: str = "fp32") -> np.ndarray:
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    x = _f32(x)
+    """x (T, d) -> normalised copy, times w (d,)."""
+    x = _f32_nd(x, 2, "rmsnorm", "x")
+    w = _f32(w)
+    _need(w.shape == (x.shape[1],), "rmsnorm", f"w must have shape ({x.shape[1]},), got {w.shape}")
     y = np.empty_like(x)
+    if x.size == 0:
+        return y
     p = thread_pool()
-    _check(_lib().el_rmsnorm(p.ptr, fptr(x), fptr(_f32(w)), fptr(y), x.shape[0], x.shape[1], eps), "rmsnorm")
+    _check(_lib().el_rmsnorm(p.ptr, fptr(x), fptr(w), fptr(y), x.shape[0], x.shape[1], eps), "rmsnorm")
     return y
+
+
+ROPE_STYLES = ("norm", "neox")
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
     """x (T, heads, hd) -> rotated copy; cos/sin (T, rope_dim/2)."""
-    x = _f32(x)
+    _need(style in ROPE_STYLES, "rope", f"style must be one of {', '.join(ROPE_STYLES)}, got {style!r}")
+    x = _f32_nd(x, 3, "rope", "x")
     T, heads, hd = x.shape
+    cos, sin = _f32_nd(cos, 2, "rope", "cos"), _f32_nd(sin, 2, "rope", "sin")
+    _need(cos.shape == sin.shape and cos.shape[0] == T and 2 * cos.shape[1] <= hd, "rope",
+          f"cos and sin must both be (T={T}, rope_dim/2 <= {hd // 2}), got {cos.shape} and {sin.shape}")
     y = np.empty_like(x)
-    cos, sin = _f32(cos), _f32(sin)
+    if x.size == 0:
+        return y
     _check(_lib().el_rope(fptr(x), fptr(y), T, heads, hd, 2 * cos.shape[1], fptr(cos), fptr(sin),
                           1 if style == "neox" else 0), "rope")
     return y
 
 
 def swiglu(gate_up: np.ndarray) -> np.ndarray:
-    gate_up = _f32(gate_up)
+    """gate_up (T, 2 ff): [gate | up] -> silu(gate) * up (T, ff)."""
+    gate_up = _f32_nd(gate_up, 2, "swiglu", "gate_up")
     T, ff2 = gate_up.shape
+    _need(ff2 % 2 == 0, "swiglu", f"gate_up's width must be even (gate | up), got {ff2}")
     y = np.empty((T, ff2 // 2), dtype=np.float32)
+    if y.size == 0:
+        return y
     p = thread_pool()
     _check(_lib().el_swiglu(p.ptr, fptr(gate_up), fptr(y), T, ff2 // 2), "swiglu")
     return y
 
 
 def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a, b = _f32(a), _f32(b)
+    """a + b, b broadcast to a's shape as numpy does."""
+    a, b = _f32(a), np.asarray(b)
+    if b.shape != a.shape:   # (a shorter b was read past its end)
+        try:
+            b = np.broadcast_to(b, a.shape)
+        except ValueError:
+            raise OpArgumentError(f"neon add: b's shape {b.shape} does not broadcast to a's {a.shape}") from None
+    b = _f32(b)
     y = np.empty_like(a)
-    _check(_lib().el_add(fptr(a), fptr(b), fptr(y), a.size), "add")
+    if a.size:
+        _check(_lib().el_add(fptr(a), fptr(b), fptr(y), a.size), "add")
     return y
 
 
+def _int_arg(v, op: str, name: str, lo: int = 0) -> int:
+    _need(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and lo <= v <= _INT_MAX, op,
+          f"{name} must be an integer in {lo}..2^31-1, got {v!r}")
+    return int(v)
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """q (T, H, hd); k, v (KVH, n, hd) gathered fp32 -> (T, H * hd)."""
-    q = _f32(q)
+    """q (T, H, hd); k, v (KVH, n, hd) gathered fp32, n >= start + T (positions past start + T
+    are not read) -> (T, H * hd)."""
+    q = _f32_nd(q, 3, "attention", "q")
     T, H, hd = q.shape
-    k, v = _f32(k), _f32(v)
+    start = _int_arg(start, "attention", "start")
+    k, v = np.asarray(k), np.asarray(v)
+    _need(k.ndim == 3 and k.shape == v.shape, "attention", f"k and v must be (KVH, n, hd) alike, got {k.shape} "
+          f"and {v.shape}")
+    KVH, n, khd = k.shape
+    _need(khd == hd and KVH >= 1 and H % KVH == 0, "attention",
+          f"q {q.shape} and k {k.shape}: head_dim must match and H a multiple of KVH")
+    _need(n >= start + T, "attention", f"k and v hold {n} positions, the chunk needs start + T = {start + T}")
+    # the kernel reads (KVH, start + T, hd) densely: longer k, v are cut to that
+    k, v = _f32(k[:, :start + T]), _f32(v[:, :start + T])
     out = np.empty((T, H * hd), dtype=np.float32)
+    if out.size == 0:
+        return out
     p = thread_pool()
-    _check(_lib().el_attention_dense(p.ptr, fptr(q), fptr(out), T, H, k.shape[0], hd, start,
+    _check(_lib().el_attention_dense(p.ptr, fptr(q), fptr(out), T, H, KVH, hd, start,
                                      fptr(k), fptr(v)), "attention")
     return out
 
@@ -453,14 +529,32 @@ def kv_arena_args(pool) -> tuple:
 def attention_pool(q: np.ndarray, pool, table: np.ndarray, layer: int, start: int) -> np.ndarray:
     """Attention straight from the KV pool's blocks: no gather, no fp32 copy of the cache.
     table: the sequence's block table as int32."""
-    q = _f32(q)
+    q = _f32_nd(q, 3, "attention_pool", "q")
     T, H, hd = q.shape
+    start = _int_arg(start, "attention_pool", "start")
+    layer = _int_arg(layer, "attention_pool", "layer")
+    n_blocks, n_layers, _, kvh, pool_hd = pool.k.shape   # (blocks, layers, block_tokens, kv heads, hd)
+    _need(hd == pool_hd and H % kvh == 0, "attention_pool", f"q {q.shape} against the pool's {kvh} kv heads of "
+          f"{pool_hd}")
+    _need(layer < n_layers, "attention_pool", f"layer {layer} of a {n_layers}-layer pool")
+    table = np.asarray(table)
+    _need(table.ndim == 1 and table.dtype.kind in "iu", "attention_pool",
+          f"the block table must be a 1-D integer array, got {table.dtype} {table.shape}")
+    need = -(-(start + T) // pool.block_tokens)
+    _need(len(table) >= need, "attention_pool", f"the block table has {len(table)} blocks, positions "
+          f"0..{start + T - 1} need {need}")
+    used = table[:need]
+    _need(not len(used) or (used.min() >= 0 and used.max() < n_blocks), "attention_pool",
+          f"block ids must be in 0..{n_blocks - 1}")
+    table = np.ascontiguousarray(used, dtype=np.int32)   # (an int64 table was read as int32 pairs)
     out = np.empty((T, H * hd), dtype=np.float32)
+    if out.size == 0:
+        return out
     k_arg, v_arg, keep = kv_arena_args(pool)
     p_ = thread_pool()
     rc = _lib().el_attention_pool(p_.ptr, fptr(q), fptr(out), T, H, pool.n_kv_heads, hd, start,
                                   k_arg, v_arg, KV_TYPES[pool.k.dtype],
                                   table.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), pool.block_tokens,
-                                  pool.k.shape[1], layer)
+                                  n_layers, layer)
     _check(rc, "attention_pool")
     return out
