@@ -245,7 +245,7 @@ class _Array:
 
 class _Writer(GGUFWriter):
     """GGUFWriter that packs _Array values itself (numeric ones in one tobytes) and defers all
-    other values to the package. _pack_val is the package's internal packing hook (gguf 0.10+)."""
+    other values to the package. _pack_val is the package's internal packing hook (its signature as of gguf 0.17)."""
 
     def _pack_val(self, val: Any, vtype: GGUFValueType, add_vtype: bool,
                   sub_type: GGUFValueType | None = None) -> bytes:
