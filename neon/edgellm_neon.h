@@ -50,6 +50,9 @@ EL_API int el_kv_quantize_i8(const float *x, int8_t *q, float *scale, int rows, 
 enum { EL_FEAT_NEON = 1, EL_FEAT_DOTPROD = 2, EL_FEAT_FP16 = 4, EL_FEAT_SIMDE = 8 };
 EL_API unsigned el_features(void);          /* compiled-in paths of this variant */
 EL_API const char *el_build_info(void);     /* "variant=dotprod simde=1 compiler=gcc 12.2.0 ..." */
+/* x86 instruction-set extensions the compiler was allowed to use (bit i: EL_X86_ISA[i] of
+ * edgellm/backends/neon_lib.py); 0 off x86 */
+EL_API unsigned el_build_isa(void);
 EL_API void el_use_generic(int on);         /* 1: every kernel runs its _generic twin */
 
 /* The arithmetic peak of the calling core (peak_probe.c): iters rounds of 12 independent chains

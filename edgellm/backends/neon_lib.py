@@ -40,6 +40,7 @@ _c_int_p = POINTER(c_int)
 _SIGNATURES = {
     "el_features": (c_uint, []),
     "el_build_info": (ctypes.c_char_p, []),
+    "el_build_isa": (c_uint, []),
     "el_use_generic": (None, [c_int]),
     "el_peak_probe": (c_int, [c_int, ctypes.c_long, POINTER(ctypes.c_double)]),
     "el_pool_create": (c_void_p, [c_int, _c_int_p, c_int]),
@@ -108,6 +109,62 @@ class NeonLibError(RuntimeError):
     """The library is missing, or lacks a symbol: the neon unit is unavailable."""
 
 
+# el_build_isa's bits (neon/features.c): each extension as /proc/cpuinfo names it, and as numpy's
+# CPUID-based dispatch does (None: numpy does not report it)
+EL_X86_ISA = (("sse4_2", "SSE42"), ("popcnt", "POPCNT"), ("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA3"),
+              ("f16c", "F16C"), ("bmi1", "BMI"), ("bmi2", "BMI2"), ("abm", "LZCNT"), ("movbe", "MOVBE"),
+              ("avx512f", "AVX512F"), ("avx512bw", "AVX512BW"), ("avx512vl", "AVX512VL"), ("avx512dq", "AVX512DQ"),
+              ("avx512cd", "AVX512CD"), ("avx512_vnni", "AVX512VNNI"), ("avx512vbmi", "AVX512VBMI"),
+              ("avx512_vbmi2", "AVX512VBMI2"), ("avx512_bf16", "AVX512BF16"), ("avx512ifma", "AVX512IFMA"),
+              ("avx512_bitalg", "AVX512BITALG"), ("avx512_vpopcntdq", "AVX512VPOPCNTDQ"), ("avx_vnni", None),
+              ("gfni", "GFNI"), ("vaes", "VAES"), ("vpclmulqdq", "VPCLMULQDQ"), ("avx512_fp16", "AVX512FP16"))
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The running CPU's feature flags as /proc/cpuinfo lists them (Linux), None where unreadable."""
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return None
+
+
+def numpy_cpu_features() -> dict[str, bool] | None:
+    """numpy's own CPUID probe (it also asks the OS which registers it saves): preferred to
+    /proc/cpuinfo, which an emulator (qemu-user) passes through from the host."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as feats
+    except ImportError:
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as feats   # numpy 1.x
+        except ImportError:
+            return None
+    return dict(feats)
+
+
+def missing_isa(built: int) -> list[str]:
+    """The extensions in el_build_isa's mask that this CPU lacks; [] where that cannot be told."""
+    np_feats, flags, out = numpy_cpu_features() or {}, cpu_flags(), []
+    for bit, (name, np_key) in enumerate(EL_X86_ISA):
+        if built >> bit & 1:
+            has = np_feats[np_key] if np_key in np_feats else (flags is None or name in flags)
+            if not has:
+                out.append(name)
+    return out
+
+
+def _check_isa(lib: ctypes.CDLL, path: Path) -> None:
+    """Refuse a library built for x86 extensions this CPU lacks (before any call could SIGILL)."""
+    missing = missing_isa(lib.el_build_isa())
+    if missing:
+        raise NeonLibError(f"{path} was built for a CPU with {', '.join(missing)}, which this one lacks (a "
+                           f"library compiled with -march=native elsewhere): reinstall from source on this "
+                           f"machine, or build with EDGELLM_NEON_CFLAGS=-march=x86-64-v2 for any x86-64 CPU")
+
+
 def package_dir() -> Path:
     return Path(__file__).resolve().parent.parent
 
@@ -142,8 +199,10 @@ def library_path(variant: str) -> Path:
         return Path(explicit)
     found = sorted(package_dir().glob(f"_neon_{variant}*.so"))
     if not found:
-        raise NeonLibError(f"the {variant} NEON library is not built (no edgellm/_neon_{variant}*.so; "
-                           f"reinstall with a C compiler: pip install -e .)")
+        raise NeonLibError(f"the {variant} NEON library is not built (no edgellm/_neon_{variant}*.so): the "
+                           f"install compiles it where a C compiler and, off ARM, the simde-py headers are "
+                           f"present; reinstall with both (pip install --force-reinstall --no-binary edgellm "
+                           f"edgellm, or pip install -e . in a checkout)")
     return found[0]
 
 
@@ -166,6 +225,8 @@ def load(variant: str | None = None, path: str | os.PathLike | None = None, part
                 continue
             raise NeonLibError(f"{path} lacks {name}: rebuild it (pip install -e .)") from None
         fn.restype, fn.argtypes = res, args
+    if hasattr(lib, "el_build_isa"):
+        _check_isa(lib, path)
     lib.variant, lib.variant_reason, lib.path = variant, why, path
     return lib
 
