@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -26,6 +27,28 @@ def _err(msg: str) -> None:
     typer.echo(f"edgellm: error: {msg}", err=True)
 
 
+def _stdout_failed(e: OSError) -> bool:
+    """Whether e came from writing stdout: a `sys.stdout` write in our code, or a stream on
+    descriptor 1 in click's echo (a full disk under `> file`, /dev/full)."""
+    import traceback
+
+    tb, frames = e.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    last = traceback.extract_tb(e.__traceback__)[-1:]
+    if last and "sys.stdout" in (last[0].line or ""):
+        return True
+    for frame in frames[-3:]:
+        for name in ("file", "stream", "self"):
+            try:
+                if frame.f_locals[name].fileno() == 1:
+                    return True
+            except Exception:
+                continue
+    return False
+
+
 def friendly(fn):
     """One clear line and a non-zero exit for our errors and the system's (a file that cannot be
     written, a full disk under stdout, a read-only EDGELLM_HOME); no traceback."""
@@ -41,7 +64,12 @@ def friendly(fn):
             raise   # stdout closed by the reader (| head): click ends quietly
         except OSError as e:
             _stop_probe_child()
-            _err(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else str(e))
+            if e.filename and e.strerror:
+                _err(f"{e.filename}: {e.strerror}")
+            elif _stdout_failed(e):   # (a full disk or a closed descriptor under stdout)
+                _err(f"cannot write to stdout: {e.strerror or e}")
+            else:
+                _err(str(e))
             raise typer.Exit(1)
         except KeyboardInterrupt:
             _stop_probe_child()
@@ -67,6 +95,28 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = ()) -> None:
         raise ConfigError(f"{flag} {p}: the folder {parent} is not writable")
     if suffixes and p.suffix.lower() not in suffixes:
         raise ConfigError(f"{flag} {p}: expected a file ending in {', '.join(suffixes)}")
+
+
+def write_output(path: Path, flag: str, data: bytes) -> None:
+    """An output file written whole or not at all (a failed write used to leave a good file
+    truncated, or a new one empty), its failure one line naming the flag and the path."""
+    from .errors import ConfigError
+    from .fileio import write_atomic
+
+    try:
+        write_atomic(path, data, mode=0o644)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write it: {e.strerror or e}") from None
+
+
+def home_check() -> None:
+    """EDGELLM_HOME must be a folder where it exists (a regular file there read as an empty cache)."""
+    from .errors import ConfigError
+    from .kv.disk_cache import edgellm_home
+
+    home = edgellm_home()
+    if home.exists() and not home.is_dir():
+        raise ConfigError(f"EDGELLM_HOME {home}: is not a folder")
 
 
 def _stop_probe_child() -> None:
@@ -112,7 +162,8 @@ def _load(model, ctx, threads, kv="pool", kv_precision=None, window=1024, sinks=
                sinks=sinks, units=_units(units), precision=precision, quality_guard=quality_guard,
                progress=Progress())
     for w in eng.plan.warnings:
-        typer.echo(f"edgellm: warning: {w}", err=True)
+        if w not in _logged:
+            typer.echo(f"edgellm: warning: {w}", err=True)
     if quality_guard:   # its switches are INFO records, which no handler showed: --quality-guard said nothing
         _show_log("edgellm.quality_guard")
     return eng
@@ -128,6 +179,7 @@ def _show_log(name: str) -> None:
         h._edgellm_cli = True
         lg.addHandler(h)
         lg.setLevel(logging.INFO)
+        lg.propagate = False   # (its warnings would print again through main's handler)
 
 
 def _units(text: str | None) -> list[str] | None:
@@ -231,6 +283,9 @@ def run(
     from .errors import ConfigError
     from .kv.session_file import foreign_file
 
+    _check_utf8("the prompt", prompt)
+    for stop_text in stop or ():
+        _check_utf8("--stop", stop_text)
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
     if session is not None and kv == "ring":   # (refused at save time before: after the whole answer)
@@ -322,6 +377,11 @@ def chat(
     # (the same sampling options and defaults as `run`: a chat sampled without min_p before)
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
+    for stop_text in stop or ():
+        _check_utf8("--stop", stop_text)
+    if sys.stdin is None:   # (started with <&-: an AttributeError traceback)
+        from .errors import ConfigError
+        raise ConfigError("stdin is closed: chat reads its turns from stdin")
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units, precision, quality_guard)
     messages = [{"role": "system", "content": system}] if system else []
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D or /exit quits, /reset "
@@ -396,10 +456,7 @@ def _read_line() -> str:
 
     if not hasattr(signal, "set_wakeup_fd") or not sys.stdin.isatty():
         # (a pipe: its lines may sit in Python's buffer, which select() does not see)
-        line = sys.stdin.readline()
-        if not line:
-            raise EOFError
-        return line[:-1] if line.endswith("\n") else line
+        return _decode_line(sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline())
     r, w = os.pipe()
     os.set_blocking(w, False)
     old = signal.set_wakeup_fd(w)
@@ -409,14 +466,36 @@ def _read_line() -> str:
             if r in ready:
                 os.read(r, 512)    # a signal: its Python handler runs at the next bytecode
                 continue
-            line = sys.stdin.readline()
-            if not line:
-                raise EOFError
-            return line[:-1] if line.endswith("\n") else line
+            return _decode_line(sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline())
     finally:
         signal.set_wakeup_fd(old)
         os.close(r)
         os.close(w)
+
+
+def _check_utf8(what: str, text: str) -> None:
+    """An argument holding bytes that are not UTF-8 (Python keeps them as lone surrogates) is
+    refused here, by name: it failed later with the API's advice about a position in the
+    rendered template, and a --stop of such bytes could never match."""
+    from .errors import ConfigError
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise ConfigError(f"{what} is not valid UTF-8 (byte 0x{bad.hex()} at character {e.start + 1})") from None
+
+
+def _decode_line(raw) -> str:
+    """One line read as bytes, decoded alone: a line that is not valid text in stdin's encoding
+    raises UnicodeDecodeError for itself only. (Read as text, one bad byte under a strict
+    decoder lost the whole buffered chunk, and the next read looked like the end: every line
+    piped after it went unanswered.)"""
+    if not raw:
+        raise EOFError
+    if isinstance(raw, bytes):
+        raw = raw.decode(getattr(sys.stdin, "encoding", None) or "utf-8")
+    return raw[:-1] if raw.endswith("\n") else raw
 
 
 def _memory_text(mf, n_ctx: int) -> str:
@@ -584,7 +663,7 @@ def bench(
                    f"interleaved vs {c['short_ttft_ms_p50_queued']:.0f} ms queued (ratio {c['short_ttft_ratio']:.2f})")
         recs.append(c)
     if json_path:
-        json_path.write_text(json.dumps(recs, indent=2) + "\n")
+        write_output(json_path, "--json", (json.dumps(recs, indent=2) + "\n").encode())
 
 
 @app.command()
@@ -673,6 +752,17 @@ def profile(
     from .device.probes import gemm_peak_share, measure_host
 
     check_out_path(out, "--out", (".yaml", ".yml"))
+    if out is None:   # the default in EDGELLM_HOME, checked before the minute of measuring too
+        from .device.profile_yaml import user_profiles_dir
+        from .errors import ConfigError
+
+        folder = user_profiles_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot make {folder} for the profile: {e.strerror or e}; set --out or "
+                              f"EDGELLM_HOME") from None
+        check_out_path(folder / "host.yaml", "the profile's default path")
     tty = sys.stderr.isatty()
 
     def prog(stage: str, done: int, total: int) -> None:
@@ -806,7 +896,7 @@ def precision_analyze(
     for sk in res.skipped:
         typer.echo(f"  skipped: {'head' if sk.layer is None else f'blk.{sk.layer}'} {sk.op} {sk.format}: {sk.reason}")
     if json_out:
-        json_out.write_text(res.to_json())
+        write_output(json_out, "--json", res.to_json().encode())
 
 
 cache_app = typer.Typer(help="The on-disk caches in EDGELLM_HOME/cache: saved sessions (list, info, clear), and "
@@ -821,6 +911,7 @@ def cache_list():
     """One line per cached session: tokens, size, model, layout; invalid files with the reason."""
     from .kv import disk_cache
 
+    home_check()
     entries = disk_cache.list_entries()
     if not entries:
         typer.echo(f"(empty: {disk_cache.cache_dir()})")
@@ -836,6 +927,7 @@ def cache_info():
     """Directory, entry count and total size."""
     from .kv import disk_cache
 
+    home_check()
     for k, v in disk_cache.info().items():
         typer.echo(f"{k:<12} {v}")
     # the other caches beside the sessions (`cache clear --all` removes them too)
@@ -860,7 +952,9 @@ def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remov
     """Remove every cached session file (with --all, every cache in EDGELLM_HOME/cache)."""
     from .kv import disk_cache
 
+    home_check()
     typer.echo(f"removed {disk_cache.clear()} session file(s) from {disk_cache.cache_dir()}")
+    failed: list[str] = []
     if everything:
         from .fileio import writer_alive
 
@@ -877,13 +971,17 @@ def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remov
                         n += 1
                 except FileNotFoundError:
                     pass                     # (another clear took it)
-                except OSError:
-                    pass
+                except OSError as e:         # (a read-only home: "removed 0 files", exit 0, before)
+                    if not f.is_dir():
+                        failed.append(f"{f}: {e.strerror or e}")
             try:
                 d.rmdir()
             except OSError:
                 pass
             typer.echo(f"removed {n} file(s) from {d}" + (f"; kept {kept} being written" if kept else ""))
+    if failed:
+        from .errors import ConfigError
+        raise ConfigError(f"could not remove {len(failed)} file(s), e.g. {failed[0]}")
 
 
 
@@ -984,6 +1082,29 @@ def precision_plan(
                    f"(verified / predicted = {ratio:.2f}); {'within' if kl <= budget_kl else 'OVER'} the budget")
 
 
+_logged: set[str] = set()   # warnings the handler below printed: _load does not echo them again
+
+
+class _WarningLine(logging.Handler):
+    """edgellm's warnings as `edgellm: warning: ...` lines on stderr. Without a handler Python's
+    last resort printed them bare, and `run` then echoed the plan's warnings a second time."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        _logged.add(msg)
+        try:
+            sys.stderr.write(f"edgellm: {record.levelname.lower()}: {msg}\n")
+        except Exception:
+            self.handleError(record)
+
+
+def _log_warnings_to_stderr() -> None:
+    lg = logging.getLogger("edgellm")
+    if not any(isinstance(h, _WarningLine) for h in lg.handlers):
+        h = _WarningLine(logging.WARNING)
+        lg.addHandler(h)
+
+
 def main() -> None:
     # SIGTERM (a service manager, `kill`, a CI timeout) unwinds like Ctrl-C: half-written
     # outputs (a requantized model's temporary file, a bundle's folder) are removed on the way
@@ -998,6 +1119,16 @@ def main() -> None:
             import numpy  # noqa: F401
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    if sys.stdout is None or sys.stderr is None:   # (started with >&- or 2>&-: an AttributeError traceback)
+        if sys.stderr is not None:
+            sys.stderr.write("edgellm: error: stdout is closed: run me with somewhere to write to\n")
+        sys.exit(1)
+    # text the terminal's encoding cannot show (LC_ALL=C without Python's UTF-8 mode) comes out as
+    # '?' rather than a UnicodeEncodeError in the middle of an answer
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+    _log_warnings_to_stderr()
     try:
         app()
     except KeyboardInterrupt:   # Ctrl-C before a command's body (imports, option parsing)

@@ -8,14 +8,17 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
     """Write `data` to `path` so that a reader sees the old file or the whole new one, never a
     part: a temp file in the same directory, fsync, rename, fsync the directory. The directory is
-    made if missing; on any failure the temp file is removed and the error raised."""
+    made if missing; on any failure the temp file is removed and the error raised. mode: the
+    file's permissions (default: the temp file's 0600, for caches; a user's output wants 0644)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -1,6 +1,8 @@
 """`edgellm plan`: a dispatcher Plan as a table, and as a roofline plot."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from .costmodel import Unit
 from .dispatch import PhasePlan, Placement, Plan
 from .errors import ConfigError
@@ -92,10 +94,16 @@ def plot(plan: Plan, path: str, *, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
+    import io
+
+    from .fileio import write_atomic
+
+    buf = io.BytesIO()   # (saved in place, a failed write left a good plot cut short, or an empty file)
     try:
-        fig.savefig(path)
+        fig.savefig(buf, format=Path(path).suffix.lstrip(".").lower() or "png")
+        write_atomic(path, buf.getvalue(), mode=0o644)
     except OSError as e:
-        raise ConfigError(f"--plot {path}: cannot write: {e}") from None
+        raise ConfigError(f"--plot {path}: cannot write: {e.strerror or e}") from None
     finally:
         plt.close(fig)
 

@@ -144,7 +144,7 @@ def test_a_full_disk_under_stdout_is_one_line(tiny):
                             "--temperature", "0", "--no-stats"], stdout=full, stderr=subprocess.PIPE, text=True,
                            timeout=120)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 1 and lines == ["edgellm: error: [Errno 28] No space left on device"], r.stderr
+    assert r.returncode == 1 and lines == ["edgellm: error: cannot write to stdout: No space left on device"], r.stderr
 
 
 def test_ctrl_c_before_a_command_runs_exits_130_quietly(monkeypatch, capsys):
