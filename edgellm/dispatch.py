@@ -400,14 +400,25 @@ class Dispatcher:
         u = lpath[i]
         if self.unit(u).kind != "npu" or gu == u == dn:
             return lpath, ""
-        ok = lopts[i][0]
-        alt = gu if gu in ok else min((n for n in ok if self.unit(n).kind != "npu"), key=lambda n: ok[n].ms,
-                                      default=None)
+        alt = self._swiglu_off_the_npu(lopts[i][0], gu)
         if alt is None:
             return lpath, ""
         lpath[i] = alt
         return lpath, (f"{u} runs swiglu only inside its FFN subgraph, with ffn_gate_up and ffn_down on it "
                        f"(here on {gu} and {dn}): on {alt}")
+
+    def _swiglu_off_the_npu(self, ok, gu: str) -> str | None:
+        """Where swiglu goes when the NPU cannot run it: gu's unit, unless gu is the NPU itself
+        (ffn_gate_up there, ffn_down elsewhere: alone, the NPU's swiglu runs on the host while
+        the plan showed it on the NPU); else the first --units entry that runs it (reference
+        when none does, as _forced), or without --units the fastest."""
+        off = [n for n in ok if self.unit(n).kind != "npu"]
+        if gu in off:
+            return gu
+        if self.override:
+            listed = [n for n in self.override if n in off]
+            return listed[0] if listed else ("reference" if "reference" in off else None)
+        return min(off, key=lambda n: ok[n].ms, default=None)
 
     def _fused_step(self, lops, phase, tokens, context):
         """A unit with a native layer step (a decode token or a prefill chunk) runs every layer

@@ -482,3 +482,28 @@ def test_an_available_unit_passed_over_says_why_in_the_reason():
                                   for c in p.clusters))
     qkv = next(x for x in _plan(p).prefill.placements if x.op == "qkv")
     assert qkv.unit != "neon" and "neon: " in qkv.reason and "int8" in qkv.reason.split("neon: ")[1]
+
+
+def test_swiglu_leaves_the_npu_when_only_ffn_gate_up_is_there():
+    """A path with ffn_gate_up on the npu and ffn_down elsewhere kept swiglu on the npu (it went
+    "where ffn_gate_up is"), so `edgellm plan` showed it there while the npu computed it on the
+    host (it runs swiglu only inside its fused FFN subgraph)."""
+    d = Dispatcher(soc(), CFG, Q41, probe=False)
+    lops = layer_ops(CFG)
+    opts = [d._options(op, "prefill", 512, 0) for op in lops]
+    path = ["npu" if op.name in ("ffn_gate_up", "swiglu") else "neon" for op in lops]
+    new, note = d._swiglu_with_its_ffn(lops, list(path), opts)
+    i = [op.name for op in lops].index("swiglu")
+    assert new[i] != "npu" and d.unit(new[i]).kind != "npu", new[i]
+    assert "only inside its FFN subgraph" in note and f"on {new[i]}" in note
+
+
+def test_swiglu_off_the_npu_keeps_to_the_units_listed():
+    """Under --units npu,reference the same path must move swiglu to a listed unit (reference),
+    not to the fastest unit overall (neon, which --units left out)."""
+    d = Dispatcher(soc(), CFG, Q41, probe=False, override=("npu", "reference"))
+    lops = layer_ops(CFG)
+    opts = [d._options(op, "prefill", 512, 0) for op in lops]
+    path = ["npu" if op.name in ("ffn_gate_up", "swiglu") else "reference" for op in lops]
+    new, note = d._swiglu_with_its_ffn(lops, list(path), opts)
+    assert new[[op.name for op in lops].index("swiglu")] == "reference" and note.endswith("on reference")

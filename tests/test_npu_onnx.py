@@ -248,7 +248,7 @@ def _symlink(path, graph):
 @pytest.mark.parametrize("damage, why", [
     (lambda p, g: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]), "does not parse|checksum"),
     (lambda p, g: p.write_bytes(b"\x00garbage" * 50), "does not parse"),
-    (_flip_weight_byte, "fails its weights checksum"),
+    (_flip_weight_byte, "fails its checksum"),
     (_external_data, "names external data"),
     (_symlink, "is a symlink"),
 ], ids=["truncated", "garbage", "weight_bit_flip", "external_data_path", "symlink"])

@@ -127,8 +127,21 @@ def _choose_runtime() -> tuple[object | None, str]:
             note = f" (not present: {', '.join(skipped)})" if skipped else ""
             return mod, f"ONNX Runtime with {', '.join(usable)}{note}"
         d = _delegate()
-        return mod, f"LiteRT with {'delegate ' + d if d else 'its built-in CPU/XNNPACK kernels'}"
+        why = f"LiteRT with {'delegate ' + d if d else 'its built-in CPU/XNNPACK kernels'}"
+        return mod, why + _onnx_skipped(reasons, why)
     return None, "; ".join(reasons) or "no NPU runtime"
+
+
+def _onnx_skipped(reasons: list[str], chosen: str) -> str:
+    """The unit-reason suffix saying why ONNX Runtime was passed over for LiteRT ("" when it was
+    not tried); a warning too when the profile names ONNX providers, whose NPU then goes unused
+    (LiteRT without a delegate runs the ops on its CPU kernels)."""
+    if not reasons:
+        return ""
+    npu = _state["profile_npu"]
+    if npu is not None and npu.onnx_providers:
+        log.warning("npu: ONNX Runtime skipped (%s); using %s", "; ".join(reasons), chosen)
+    return f" (ONNX Runtime skipped: {'; '.join(reasons)})"
 
 
 def weight_format(mod=None) -> str:
@@ -385,12 +398,25 @@ def _run(w: NpuMatrix, x: np.ndarray) -> np.ndarray:
         rows = min(top, T - s)
         b = next(b for b in sizes if b >= rows)
         if rows == b:
-            out[s:s + rows] = _graph(w, b).run(x[s:s + rows])
+            out[s:s + rows] = _run_piece(w, b, x[s:s + rows])
         else:
             xp = np.zeros((b, w.k), np.float32)
             xp[:rows] = x[s:s + rows]
-            out[s:s + rows] = _graph(w, b).run(xp)[:rows]
+            out[s:s + rows] = _run_piece(w, b, xp)[:rows]
     return out
+
+
+# A provider or delegate that fails after load (a device lost, a driver reset) fails every later
+# run the same way, and the engine's plan is fixed at load: say so, and what to do about it.
+RUN_FAILED_HINT = ("the npu unit failed after the model was loaded, and this engine cannot move its ops "
+                   "now: load the model again without it (units without 'npu', e.g. --units reference)")
+
+
+def _run_piece(w: NpuMatrix, bucket: int, x: np.ndarray) -> np.ndarray:
+    try:
+        return _graph(w, bucket).run(x)
+    except npu_graphs.NpuGraphError as e:
+        raise npu_graphs.NpuGraphError(e.graph, f"{e.reason}; {RUN_FAILED_HINT}") from e
 
 
 def matmul(x: np.ndarray, w: NpuMatrix, b: np.ndarray | None = None) -> np.ndarray:

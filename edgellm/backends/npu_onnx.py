@@ -16,10 +16,16 @@ Model cache: <cache_dir>/<graph name>-<key hash>.onnx, the key hash over graph.k
 formats, the builder version, the opset and the onnx/onnxruntime versions. Files are plain ONNX
 with inline weights (a per-graph model stays far below protobuf's 2 GB limit, one file is one
 atomic rename, and no external-data path is ever followed: a cached file that names external
-data is treated as damaged, RELIABILITY 15). Each file records its key and a sha256 of its
-initializers; a file that fails to parse, the checker, the key or the checksum is rebuilt with one
-warning. Sessions load the file by path: from bytes, the Python InferenceSession keeps its own
-copy of the serialized model (measured: 2x the weight bytes resident instead of 1x).
+data is treated as damaged, RELIABILITY 15). Each file records its key and a sha256 of the whole
+serialized model but that checksum's own metadata entry (nodes, attributes, inputs, outputs,
+initializers, opset imports: one flipped bit in a node or an output name changes what the model
+computes as surely as one in the weights); a file that fails to parse, the key, the checksum or
+the checker is rebuilt with one warning. Files written before the whole-model checksum (weights
+only) are rebuilt once, one warning for all of them. A cached model that onnxruntime still rejects
+is compared with a fresh build: when they differ, the fresh one replaces it and gets the session.
+Sessions load the file by path: from bytes, the Python InferenceSession keeps its own copy of the
+serialized model (measured: 2x the weight bytes resident instead of 1x). Temporary files a killed
+writer left in the cache folder are removed before a write.
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ import numpy as np
 
 from ..hashing import bulk_sha256, sha256
 from ..errors import ConfigError, EdgeLLMError
-from ..fileio import write_atomic
+from ..fileio import remove_dead_writers, write_atomic
 from .npu_graphs import FORMATS, INT4_BLOCK, FfnGraph, LinearGraph, NpuGraphError, NpuInputError, QLinear
 
 log = logging.getLogger("edgellm")
@@ -42,6 +48,9 @@ OPSET = 17                  # ai.onnx opset: QuantizeLinear per-axis (13+), Spli
 IR_VERSION = 8              # the IR that goes with opset 17: loads in onnxruntime >= 1.12
 MS_OPSET = 1                # com.microsoft (MatMulNBits)
 BUILDER_VERSION = 1         # bump when a graph form changes: old cache files then miss
+KEY_PROP = "edgellm.key"                  # metadata: the cache key the model was built for
+CHECKSUM_PROP = "edgellm.model_sha256"    # metadata: _model_sha of the model without this entry
+_WEIGHTS_ONLY_PROP = "edgellm.weights_sha256"   # the checksum files carried before CHECKSUM_PROP
 MIN_ORT = (1, 17)           # MatMulNBits first shipped in onnxruntime 1.17
 CPU_EP = "CPUExecutionProvider"
 # The smallest row absmax the int8 activation scale uses. A zero row (the padding of a short
@@ -52,6 +61,11 @@ _ROW_AMAX_FLOOR = 1e-30
 
 class NpuUnavailable(EdgeLLMError):
     """onnx or onnxruntime cannot be used here (not installed, fails to import, too old)."""
+
+
+class SessionRejected(NpuGraphError):
+    """onnxruntime could not create a session for the model (an execution provider failed to
+    compile it, or the runtime rejected the model itself)."""
 
 
 @dataclass
@@ -261,7 +275,9 @@ def build_model(graph):
     model = h.make_model(g, opset_imports=[h.make_opsetid("", OPSET), h.make_opsetid("com.microsoft", MS_OPSET)],
                          producer_name="edgellm", producer_version=str(BUILDER_VERSION), doc_string=graph.key())
     model.ir_version = IR_VERSION
-    h.set_model_props(model, {"edgellm.key": _cache_key(graph), "edgellm.weights_sha256": _weights_sha(model)})
+    h.set_model_props(model, {KEY_PROP: _cache_key(graph)})
+    # the checksum entry goes in last, over everything else the file holds (see _model_sha)
+    model.metadata_props.add(key=CHECKSUM_PROP, value=_model_sha(model))
     return check_model(model, graph.name)
 
 
@@ -281,11 +297,20 @@ def check_model(model, graph_name: str):
     return model
 
 
-def _weights_sha(model) -> str:
-    h = bulk_sha256()
-    for t in model.graph.initializer:
-        h.update(t.name.encode() + b"\0" + t.SerializeToString())
-    return h.hexdigest()
+def _model_sha(model) -> str:
+    """sha256 of the serialized model, which must not hold CHECKSUM_PROP: every field a runtime
+    reads (the graph's nodes, attributes, inputs, outputs and initializers, the opset imports)
+    and the key. Serialization is by field number, so a model read back serializes as built."""
+    return bulk_sha256(model.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _pop_checksums(model) -> list[str]:
+    """Remove the CHECKSUM_PROP entries from `model` (read from a file) and return their values."""
+    props = model.metadata_props
+    found = [p.value for p in props if p.key == CHECKSUM_PROP]
+    for i in reversed([i for i, p in enumerate(props) if p.key == CHECKSUM_PROP]):
+        del props[i]
+    return found
 
 
 # --- cache ------------------------------------------------------------------------------------
@@ -318,13 +343,29 @@ def cache_path(graph, cache_dir: str | os.PathLike | None = None) -> Path:
     return d / f"{_safe(graph.name) or 'graph'}-{digest}.onnx"
 
 
+_OLD_FORMAT = "was written by an older edgellm (its checksum covers the weights only)"
+_warned_old_format: list = []
+
+
 def _read_cached(path: Path, graph) -> str | None:
-    """None when `path` holds a valid model of `graph`, else why it does not."""
+    """None when `path` holds a valid model of `graph`, else why it does not. Never raises: a
+    file that trips up a check (a name that is not UTF-8 ...) is damaged like any other."""
+    try:
+        return _check_cached(path, graph)
+    except Exception as e:   # a check that fails on a malformed field: damaged, with its reason
+        return f"cannot be checked ({type(e).__name__}: {e})"
+
+
+def _check_cached(path: Path, graph) -> str | None:
     onnx, _ = _import()
     try:
         if path.is_symlink():
             return "is a symlink (the cache writes plain files)"
-        if path.stat().st_size >= 2**31:
+        size = path.stat().st_size
+        if size == 0:
+            # protobuf parses zero bytes as an empty model, which would then fail the key check
+            return "is empty"
+        if size >= 2**31:
             return "is larger than protobuf's 2 GB limit"
         model = onnx.load_model_from_string(path.read_bytes())
     except Exception as e:
@@ -334,11 +375,17 @@ def _read_cached(path: Path, graph) -> str | None:
             # our writer never uses external data: a file that names some is not ours, and the
             # path it names is never opened (RELIABILITY 15)
             return f"initializer {t.name!r} names external data"
-    props = {p.key: p.value for p in model.metadata_props}
-    if props.get("edgellm.key") != _cache_key(graph):
+    checksums = _pop_checksums(model)
+    if not checksums:
+        if any(p.key == _WEIGHTS_ONLY_PROP for p in model.metadata_props):
+            return _OLD_FORMAT
+        return "has no checksum (not written by this cache)"
+    if len(checksums) > 1:
+        return f"has {len(checksums)} checksum entries, expected 1"
+    if checksums[0] != _model_sha(model):
+        return "fails its checksum"
+    if {p.key: p.value for p in model.metadata_props}.get(KEY_PROP) != _cache_key(graph):
         return "was built for another graph or version"
-    if props.get("edgellm.weights_sha256") != _weights_sha(model):
-        return "fails its weights checksum"
     try:
         check_model(model, graph.name)
     except NpuGraphError as e:
@@ -346,25 +393,65 @@ def _read_cached(path: Path, graph) -> str | None:
     return None
 
 
+def _report_rejected(path: Path, why: str) -> None:
+    """One warning per damaged file; files of the older format get one warning for them all
+    (an upgrade rebuilds every cached model once: hundreds of files on a real model)."""
+    stats.damaged += 1
+    if why == _OLD_FORMAT:
+        level = logging.INFO if _warned_old_format else logging.WARNING
+        _warned_old_format.append(path)
+        log.log(level, "npu model cache %s %s; rebuilding it%s", path, why,
+                "" if level == logging.INFO else " (and any other such file, said once)")
+        return
+    log.warning("npu model cache %s %s; rebuilding it", path, why)
+
+
 def cached_model(graph, cache_dir: str | os.PathLike | None = None) -> Path | bytes:
     """The model of `graph` from the cache, else built and cached. A path (what a session should
     load), or the serialized bytes when the cache cannot be written (one warning)."""
+    return _cached_model(graph, cache_dir)[0]
+
+
+def _cached_model(graph, cache_dir) -> tuple[Path | bytes, bool]:
+    """(cached_model's answer, whether it came from the cache as it was)."""
     path = cache_path(graph, cache_dir)
-    if path.exists():
+    if path.exists() or path.is_symlink():
         why = _read_cached(path, graph)
         if why is None:
             stats.loaded += 1
-            return path
-        stats.damaged += 1
-        log.warning("npu model cache %s %s; rebuilding it", path, why)
-    data = build_model(graph).SerializeToString()
+            return path, True
+        _report_rejected(path, why)
+    return _store(path, build_model(graph).SerializeToString()), False
+
+
+def _store(path: Path, data: bytes) -> Path | bytes:
+    """Write a freshly built model to the cache: its path, or the bytes when it cannot be written."""
     stats.built += 1
+    # a writer killed mid-write (SIGKILL, a low-memory killer) left its temporary file here
+    remove_dead_writers(path.parent)
     try:
         write_atomic(path, data)
     except OSError as e:
         log.warning("npu model cache %s cannot be written (%s); the session loads from memory", path, e)
         return data
     return path
+
+
+def _rebuilt_if_different(graph, path: Path) -> Path | bytes | None:
+    """A cached model onnxruntime rejected, built afresh: the new model (now cached) when it
+    differs from the file (damage the checks did not see), None when they are the same (the
+    runtime rejects the model itself; a second try would fail the same way)."""
+    data = build_model(graph).SerializeToString()
+    try:
+        same = path.read_bytes() == data
+    except OSError:
+        same = False
+    if same:
+        return None
+    stats.damaged += 1
+    log.warning("npu model cache %s: onnxruntime rejected the cached model, which differs from a fresh "
+                "build; rebuilding it", path)
+    return _store(path, data)
 
 
 # --- sessions ---------------------------------------------------------------------------------
@@ -433,13 +520,15 @@ class OnnxSubgraph:
             so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
         elif strict:
             so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        source = model if isinstance(model, bytes) else str(model)
-        try:
-            self._sess = ort.InferenceSession(source, so, providers=names, provider_options=[o for _, o in chosen])
-        except Exception as e:
-            raise NpuGraphError(self.name, f"onnxruntime with {names} rejected it: {type(e).__name__}: {e}") from e
+        self._sess = self._session(ort, model, so, chosen)
         stats.sessions += 1
         self.providers_used: list[str] = self._sess.get_providers()
+        dropped = [n for n in names if n not in self.providers_used]
+        if dropped:
+            # an onnxruntime that retried on its fallback providers despite enable_fallback=0
+            # (older releases ignore it): the graph would run where the profile did not say
+            raise SessionRejected(self.name, f"onnxruntime left out {', '.join(dropped)} of {names} "
+                                             f"(session providers: {self.providers_used})")
         # EP -> ["op_type node_name", ...] as onnxruntime placed the (optimized) nodes
         self.assignment: dict[str, list[str]] = {}
         if record:
@@ -460,6 +549,24 @@ class OnnxSubgraph:
         self._out = np.empty((self.tokens, self.n), np.float32)          # (tokens, N): bound once
         self._io = self._sess.io_binding()
         self._io.bind_output(self._out_name, "cpu", 0, np.float32, list(self._out.shape), self._out.ctypes.data)
+
+    def _session(self, ort, model, so, chosen):
+        """The InferenceSession on exactly the chosen providers. enable_fallback=0: by default the
+        Python InferenceSession answers a provider that fails to create the session by printing
+        "EP Error ... Falling back to ['CPUExecutionProvider']" to stdout and retrying on the CPU
+        EP, which would hide the provider's failure (the unit would claim ops the CPU EP runs);
+        here the failure is the subgraph's, with the provider's own message."""
+        names = [c for c, _ in chosen]
+        source = model if isinstance(model, bytes) else str(model)
+        try:
+            sess = ort.InferenceSession(source, so, providers=names, provider_options=[o for _, o in chosen],
+                                        enable_fallback=0)
+        except Exception as e:
+            raise SessionRejected(self.name, f"onnxruntime with {names} could not create a session: "
+                                             f"{type(e).__name__}: {e}") from e
+        if hasattr(sess, "disable_fallback"):
+            sess.disable_fallback()      # nor a retry on other providers when a run fails
+        return sess
 
     def run(self, x: np.ndarray) -> np.ndarray:
         """y for x (tokens, K) float32. Returns the subgraph's output buffer (tokens, N): the
@@ -487,6 +594,18 @@ def compile(graph, *, providers, provider_options=None, cache_dir: str | os.Path
     in `provider_options`). Raises NpuUnavailable, NpuGraphError (the caller falls back to the
     CPU for this op) or ConfigError."""
     _dims(graph)
-    model = cached_model(graph, cache_dir)
-    return OnnxSubgraph(graph, model, providers=providers, provider_options=provider_options,
-                        intra_op_threads=intra_op_threads)
+    model, from_cache = _cached_model(graph, cache_dir)
+
+    def session(m):
+        return OnnxSubgraph(graph, m, providers=providers, provider_options=provider_options,
+                            intra_op_threads=intra_op_threads)
+
+    try:
+        return session(model)
+    except SessionRejected:
+        # a cached file can be damaged in a way its checks pass (a collision, or a bug in them);
+        # before the op leaves the NPU, a fresh build gets the one more try
+        fresh = _rebuilt_if_different(graph, model) if from_cache else None
+        if fresh is None:
+            raise
+        return session(fresh)

@@ -9,7 +9,8 @@ and its self-checks, and TfliteSubgraph / compile().
 
 Cache: <cache_dir>/<name>-<sha256(writer version, key)[:32]>.tflc = a header (magic, cache format,
 writer version, payload length, sha256 of the payload, digest of the graph key) and the .tflite
-bytes. A file that fails any check is rebuilt with one warning, never trusted. Every model, built
+bytes. A file that fails any check is rebuilt with one warning, never trusted. Temporary files
+a killed writer left in the cache folder are removed before the next write. Every model, built
 or loaded, passes validate() before an interpreter sees it (RELIABILITY.md item 16).
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from ..hashing import bulk_sha256, sha256
 from ..errors import ConfigError, EdgeLLMError
-from ..fileio import write_atomic
+from ..fileio import remove_dead_writers, write_atomic
 from .npu_graphs import LinearGraph, NpuGraphError, NpuInputError, reference
 from .npu_tflite_validate import TfliteModelError, validate
 from .npu_tflite_writer import (WRITER_VERSION, _ADD, _DEQ, _FC, _LOGISTIC, _MUL, _SPLIT, _TT,
@@ -142,6 +143,9 @@ def _reject(path: Path, why: str) -> None:
 
 
 def _write_cache(path: Path, payload: bytes, key_digest: bytes) -> None:
+    # a writer killed mid-write (SIGKILL, a low-memory killer) left its temporary file here: the
+    # next writer removes it, as the model and precision caches do
+    remove_dead_writers(path.parent)
     write_atomic(path, _HEADER.pack(_MAGIC, _CACHE_FORMAT, WRITER_VERSION, len(payload),
                                     bulk_sha256(payload).digest(), key_digest) + payload)
 
