@@ -305,7 +305,9 @@ class Engine:
         missing, stale or corrupt file is a cache miss (False, one warning line), never an error."""
         if not isinstance(path, (str, os.PathLike)):
             raise ConfigError(f"load_session: expected a file path, found {type(path).__name__}")
-        data = read_session(path, max_tokens=self.n_ctx - 1, **self._session_keys())
+        # (n_ctx, not n_ctx - 1: a conversation that ran to the end of the context saved, then was
+        # refused here as "more than the capacity")
+        data = read_session(path, max_tokens=self.n_ctx, **self._session_keys())
         if data is None:
             return False
         ids = data.token_ids.tolist()
