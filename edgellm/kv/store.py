@@ -132,7 +132,9 @@ class PoolStore:
         want = (self.pool.n_layers, n, self.pool.n_kv_heads, self.pool.head_dim)
         if k.shape != want or v.shape != want:
             raise ConfigError(f"session KV has shape {k.shape}, expected {want}")
-        self.clear()
+        # the prefix cache stays: prompts an app warmed keep their blocks, evicted (least recently
+        # used first) only as far as the session needs the room (it emptied the cache before)
+        self.release_last()
         seq = self.pool.new_sequence()
         try:
             seq.reserve(n)      # ContextFull when live requests hold the room
