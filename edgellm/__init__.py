@@ -12,9 +12,15 @@ def load(*args, **kwargs):
     from .backends import opencl_child
 
     opencl_child.spawn()
-    from .api import load as _load
+    try:
+        from .api import load as _load
 
-    return _load(*args, **kwargs)
+        return _load(*args, **kwargs)
+    except BaseException:
+        # a load that fails before the probe's answer is collected (a missing model, a bad
+        # argument, Ctrl-C) must not leave the child running past this process
+        opencl_child.discard()
+        raise
 
 
 def __getattr__(name: str):

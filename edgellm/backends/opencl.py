@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -35,8 +36,8 @@ KIND = "gpu"
 log = logging.getLogger("edgellm")
 
 # A cold PoCL build of every probe kernel takes ~10 s on 2 cores; a GPU driver's first compile can
-# take as long. A probe that has not answered by then is hung.
-PROBE_TIMEOUT_S = float(os.environ.get("EDGELLM_OPENCL_PROBE_TIMEOUT", "180"))
+# take as long. A probe that has not answered by then is hung. EDGELLM_OPENCL_PROBE_TIMEOUT overrides.
+PROBE_TIMEOUT_S = 180.0
 _OPS = {"embedding", "rmsnorm", "matmul", "rope", "attention", "swiglu", "add", "lm_head"}
 _TYPES = {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"}
 
@@ -73,12 +74,33 @@ def reset() -> None:
         _state.update(probe=None, rt=None, probe_report={})
 
 
+def probe_timeout_s() -> tuple[float | None, str]:
+    """(seconds, "") from EDGELLM_OPENCL_PROBE_TIMEOUT (else PROBE_TIMEOUT_S), or (None, why the
+    setting is invalid): 0, a negative, nan or a word would report a healthy driver as hung."""
+    raw = os.environ.get("EDGELLM_OPENCL_PROBE_TIMEOUT")
+    if raw is None:
+        return PROBE_TIMEOUT_S, ""
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        return None, (f"EDGELLM_OPENCL_PROBE_TIMEOUT={raw!r} is invalid: expected a number of seconds > 0 "
+                      f"(unset, the probe waits {PROBE_TIMEOUT_S:.0f} s)")
+    return seconds, ""
+
+
 def _probe() -> tuple[bool, str]:
     """The probe child's answer: the one start_probe() began (with what is left of its
     timeout), else a child started now; or, instead of either, the answer the probe gave on this
     driver and kernel set before (backends/opencl_probe_cache.py)."""
     if not opencl_child.has_pyopencl():     # the cheap check first, in this process
         return False, "pyopencl is not installed (pip install 'edgellm[opencl]')"
+    timeout_s, bad = probe_timeout_s()
+    if bad:         # checked before any answer is used, so the setting is refused the same way every time
+        opencl_child.discard()
+        opencl_child.take_cached()
+        return False, bad
     # spawn() leaves one of the two: the cached answer it found, or the child it started
     cached, child = opencl_child.take_cached(), opencl_child.take()
     if cached is None and child is None:
@@ -92,11 +114,11 @@ def _probe() -> tuple[bool, str]:
                       f"this driver and kernel set; EDGELLM_OPENCL_PROBE_CACHE=0 probes again)")
     proc, t0 = child
     try:
-        out, err = proc.communicate(timeout=max(0.0, PROBE_TIMEOUT_S - (time.monotonic() - t0)))
+        out, err = proc.communicate(timeout=max(0.0, timeout_s - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        return False, f"the OpenCL probe did not finish in {PROBE_TIMEOUT_S:.0f} s (driver hung?)"
+        return False, f"the OpenCL probe did not finish in {timeout_s:g} s (driver hung?)"
     if proc.returncode < 0:
         try:
             sig = signal.Signals(-proc.returncode).name
@@ -193,7 +215,12 @@ def prepare(model, precision: str = "fp32", progress=None, ops=None) -> Prepared
     from . import opencl_matmul
     from .reference import EmbeddingTable
 
-    rt = runtime()
+    try:
+        # the probe passed in its child, yet opening the device here can still fail (a driver out
+        # of contexts, a device taken since): the unit is out, not the load
+        rt = runtime()
+    except OpenCLUnavailable as e:
+        raise UnitFailed(NAME, str(e)) from e
     cfg: ModelConfig = model.config
     d = cfg.d_model
     need = (lambda op: True) if ops is None else (lambda op: op in ops)
@@ -271,9 +298,12 @@ def _warm_up(rt: ClRuntime, cfg: ModelConfig, ops) -> None:
         if need("attn_add") or need("ffn_add"):
             opencl_elementwise.add(rt, x, x)
         if need("attention"):
-            kv = np.ones((KVH, 2, hd), np.float32)
-            opencl_attention.attention(rt, np.ones((2, H, hd), np.float32), kv, kv, 0)
-    except (KernelBuildError, OpenCLUnavailable) as e:
+            # every layout and K/V type: the default KV pool is f16, a program of its own
+            opencl_attention.warm_up(rt, H, KVH, hd)
+    except KernelBuildError as e:
+        # attention's programs are its own: one that does not build moves attention alone
+        raise UnitFailed(NAME, str(e), ops=("attention",) if e.family == opencl_attention.FAMILY else ()) from e
+    except OpenCLUnavailable as e:
         raise UnitFailed(NAME, str(e)) from e
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .opencl_runtime import ClRuntime, _import_cl, round_up
+from .opencl_runtime import ClRuntime, _import_cl, driver_call, round_up
 
 FAMILY = "attention"
 MAX_HEAD_DIM = 256
@@ -174,7 +174,8 @@ def _wrap(rt: ClRuntime, arena: np.ndarray) -> _ArenaBuffer:
     if not arena.flags.c_contiguous:
         raise ValueError(f"the pool's arena must be C-contiguous (strides {arena.strides})")
     mf = cl.mem_flags
-    return _ArenaBuffer(arena, cl.Buffer(rt.ctx, mf.READ_ONLY | mf.USE_HOST_PTR, hostbuf=arena))
+    with driver_call(f"wrap of a KV arena of {arena.nbytes} bytes"):
+        return _ArenaBuffer(arena, cl.Buffer(rt.ctx, mf.READ_ONLY | mf.USE_HOST_PTR, hostbuf=arena))
 
 
 def _arena_buffers(rt: ClRuntime, pool) -> tuple[_ArenaBuffer, _ArenaBuffer]:
@@ -193,9 +194,10 @@ def _publish(rt: ClRuntime, ab: _ArenaBuffer, lo: int, hi: int) -> None:
     write-invalidate, unmap (see the module docstring for why this flag)."""
     cl = _import_cl()
     block = ab.arena.strides[0]
-    mapped, _ = cl.enqueue_map_buffer(rt.queue, ab.buf, cl.map_flags.WRITE_INVALIDATE_REGION, lo * block,
-                                      ((hi - lo) * block,), np.uint8)
-    mapped.base.release(rt.queue)
+    with driver_call(f"map of KV blocks {lo}..{hi - 1}"):
+        mapped, _ = cl.enqueue_map_buffer(rt.queue, ab.buf, cl.map_flags.WRITE_INVALIDATE_REGION, lo * block,
+                                          ((hi - lo) * block,), np.uint8)
+        mapped.base.release(rt.queue)
 
 
 def attention_pool(rt: ClRuntime, q: np.ndarray, pool, table: np.ndarray, layer: int, start: int) -> np.ndarray:
@@ -237,3 +239,43 @@ def attention_pool(rt: ClRuntime, q: np.ndarray, pool, table: np.ndarray, layer:
     layout_args = (np.int32(KVH), rt.upload(np.ascontiguousarray(used, dtype=np.int32)), np.int32(bt),
                    np.int32(n_layers), np.int32(layer))
     return _run(rt, "pool", q, pool.k.dtype, kab.buf, vab.buf, layout_args, start)
+
+
+# ---- warm-up and self-check helpers --------------------------------------------------------------
+
+@dataclass(eq=False)
+class SmallPool:
+    """A KV pool's arenas and nothing else: what attention_pool reads (opencl._warm_up and the
+    probe's self-check run the pool kernels on one without building a kv/pool.py pool)."""
+    k: np.ndarray             # (n_blocks, n_layers, bt, KVH, hd), float32 or float16
+    v: np.ndarray             # same shape and dtype
+    head_dim: int
+    k_scale: None = None      # no int8 scales: attention_pool reads f32/f16 arenas only
+
+    @classmethod
+    def holding(cls, k: np.ndarray, v: np.ndarray, table, bt: int) -> "SmallPool":
+        """A one-layer pool whose blocks `table` hold k, v (KVH, n, hd): position p in block
+        table[p // bt], slot p % bt; every other slot holds zeros."""
+        KVH, n, hd = k.shape
+        shape = (max(table) + 1, 1, bt, KVH, hd)
+        ka, va = np.zeros(shape, k.dtype), np.zeros(shape, v.dtype)
+        for p in range(n):
+            ka[table[p // bt], 0, p % bt] = k[:, p]
+            va[table[p // bt], 0, p % bt] = v[:, p]
+        return cls(ka, va, hd)
+
+
+def warm_up(rt: ClRuntime, H: int, KVH: int, hd: int) -> None:
+    """Build and run every attention program and kernel the engine may use for a model of these
+    heads: the dense (gathered) and pool layouts, float32 and float16 K/V (the default KV pool is
+    f16, whose KV_F16=1 program is a build of its own), the split kernel (decode) and the
+    one-item-per-row kernel (long prefill chunks). A kernel that fails fails here, at load."""
+    rows_T = max(2, -(-SPLIT_PLANS[-1][0] // H))         # enough query rows for the *_rows kernel
+    for dtype in KV_DTYPES:
+        for T in (1, rows_T):
+            q = np.ones((T, H, hd), np.float32)
+            kv = np.ones((KVH, T, hd), dtype)
+            attention(rt, q, kv, kv, 0)
+            pool = SmallPool.holding(kv, kv, [0], T)
+            attention_pool(rt, q, pool, np.zeros(1, np.int32), 0, 0)
+

@@ -29,7 +29,7 @@ def nmse(y: np.ndarray, ref: np.ndarray) -> float:
 
 def self_check(rt: ClRuntime) -> str:
     """'' when every op family matches the reference on a small case, else what failed."""
-    from . import opencl_attention, opencl_elementwise, opencl_matmul
+    from . import opencl_elementwise, opencl_matmul
 
     # the simplest kernel first: a driver that cannot run it fails (or crashes) here, plainly
     buf = rt.empty(4 * 40)
@@ -45,7 +45,8 @@ def self_check(rt: ClRuntime) -> str:
             fails.append(f"{name} NMSE {e:.2e} > {bound:.0e}")
 
     x = rng.standard_normal((3, 64)).astype(np.float32)
-    for t in (quant.T.Q4_0, quant.T.Q4_1, quant.T.Q8_0):
+    # every weight type the engine packs: F16 and F32 run matmul_float.cl, programs of their own
+    for t in (quant.T.Q4_0, quant.T.Q4_1, quant.T.Q8_0, quant.T.F16, quant.T.F32):
         w = rng.standard_normal((40, 64)).astype(np.float32)
         raw = quant.quantize(w, t)
         m = opencl_matmul.pack(rt, t.name, [raw], [40], 64)
@@ -57,6 +58,7 @@ def self_check(rt: ClRuntime) -> str:
     gu = rng.standard_normal((3, 128)).astype(np.float32)
     check("swiglu", opencl_elementwise.swiglu(rt, gu), reference.swiglu(gu), NMSE_ELEMENTWISE)
     check("add", opencl_elementwise.add(rt, x, nw[None, :] + x), x + (nw[None, :] + x), NMSE_ELEMENTWISE)
+    check("softmax", opencl_elementwise.softmax(rt, x), _softmax(x), NMSE_ELEMENTWISE)
     q = rng.standard_normal((3, 4, 16)).astype(np.float32)
     ang = rng.standard_normal((3, 8)).astype(np.float32)
     cos, sin = np.cos(ang), np.sin(ang)
@@ -64,8 +66,29 @@ def self_check(rt: ClRuntime) -> str:
           NMSE_ELEMENTWISE)
     k = rng.standard_normal((2, 5, 16)).astype(np.float32)
     v = rng.standard_normal((2, 5, 16)).astype(np.float32)
-    check("attention", opencl_attention.attention(rt, q, k, v, 2), reference.attention(q, k, v, 2), NMSE_MATMUL)
+    _check_attention(rt, check, q, k, v)
     return "; ".join(fails)
+
+
+def _check_attention(rt: ClRuntime, check, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+    """Attention as the engine runs it: gathered K/V and straight from a pool's blocks (the
+    default pool is f16: vload_half and its KV_F16 program), float32 and float16 storage.
+    q (3, 4, 16) at positions 2..4; k, v (2, 5, 16)."""
+    from . import opencl_attention
+
+    table = np.array([2, 0], np.int32)      # out of order: the kernel must follow the table
+    for dtype in opencl_attention.KV_DTYPES:
+        kd, vd = k.astype(dtype), v.astype(dtype)
+        ref = reference.attention(q, kd.astype(np.float32), vd.astype(np.float32), 2)
+        check(f"attention ({dtype.name} K/V)", opencl_attention.attention(rt, q, kd, vd, 2), ref, NMSE_MATMUL)
+        pool = opencl_attention.SmallPool.holding(kd, vd, table, 4)
+        check(f"pool attention ({dtype.name} K/V)", opencl_attention.attention_pool(rt, q, pool, table, 0, 2),
+              ref, NMSE_MATMUL)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x.astype(np.float64) - x.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
 
 
 def main() -> int:

@@ -8,13 +8,19 @@ the names) when set, else the first GPU device of any platform, else the first d
 Kernel sources are opencl_kernels/<family>.cl (installed as edgellm/opencl_kernels/), or the
 directory EDGELLM_OPENCL_KERNELS names (kernel development without reinstalling).
 
-Binary cache: EDGELLM_HOME/cache/opencl/<key>.bin, key = sha256 of the device, platform and driver
-versions, the source and the build options; a file whose checksum fails is rebuilt from source
-(one warning), never trusted. A program that fails to build raises KernelBuildError with the build
-log, which is also kept in the cache directory.
+Binary cache: EDGELLM_HOME/cache/opencl/<family>-<key>.bin, key = sha256 of the device, platform
+and driver versions, the source and the build options. The header carries the key too, so a file
+holding another program's binary (copied or renamed into place) is a miss like one whose checksum
+fails: rebuilt from source (one warning), never trusted. A program that fails to build raises
+KernelBuildError with the build log, which is also kept in the cache directory.
+
+Driver errors: every call into the driver after setup (buffers, copies, launches, kernel objects)
+turns pyopencl's exceptions (cl.RuntimeError, cl.MemoryError, cl.LogicError: none of them an
+EdgeLLMError, and cl.MemoryError is not Python's MemoryError) into ClDeviceError naming the call.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -33,12 +39,29 @@ from .opencl_probe_cache import kernel_dir
 log = logging.getLogger("edgellm")
 
 BUILD_OPTIONS = ("-cl-std=CL1.2",)      # no -cl-fast-relaxed-math: it licenses fp16-like error
-_MAGIC = b"ELCLBIN1"
-_HEADER = struct.Struct("<8s32sQ")       # magic, sha256 of the payload, payload length
+_MAGIC = b"ELCLBIN2"
+_MAGIC_V1 = b"ELCLBIN1"                  # the header before it carried the program's key
+_HEADER = struct.Struct("<8s32s32sQ")    # magic, cache key (ascii hex), sha256 of the payload, payload length
 
 
 class OpenCLUnavailable(EdgeLLMError):
     """No usable OpenCL platform or device, or the driver failed while setting it up."""
+
+
+class ClDeviceError(OpenCLUnavailable):
+    """The driver failed a call after setup: a launch, a copy, a buffer allocation (out of
+    resources or memory, a lost device). An OpenCLUnavailable, so that prepare() drops the unit at
+    load; mid-request it is the request's typed error (the engine stays usable)."""
+
+
+@contextlib.contextmanager
+def driver_call(what: str):
+    """Runs a block of pyopencl calls; a pyopencl error becomes ClDeviceError naming `what`."""
+    cl = _import_cl()
+    try:
+        yield
+    except cl.Error as e:
+        raise ClDeviceError(f"OpenCL {what} failed: {type(e).__name__}: {e}") from e
 
 
 class KernelBuildError(EdgeLLMError):
@@ -207,7 +230,9 @@ class ClRuntime:
         k = self._kernels.get(key)
         if k is None:
             cl = _import_cl()
-            k = self._kernels[key] = cl.Kernel(self.program(family, defines), name)
+            prog = self.program(family, defines)
+            with driver_call(f"kernel {name} of opencl_kernels/{family}.cl"):
+                k = self._kernels[key] = cl.Kernel(prog, name)
         return k
 
     def _build(self, family: str, opts: tuple[str, ...]):
@@ -218,7 +243,7 @@ class ClRuntime:
         cache = self.cache_dir or cache_root()
         path = cache / f"{family}-{key}.bin"
         t0 = time.perf_counter()
-        binary = _read_binary(path)
+        binary = _read_binary(path, key)
         if binary is not None:
             try:
                 prog = cl.Program(self.ctx, [self.device], [binary]).build(options=options)
@@ -237,7 +262,7 @@ class ClRuntime:
         self.stats.seconds += time.perf_counter() - t0
         try:
             (bin0,) = prog.get_info(cl.program_info.BINARIES)
-            _write_binary(path, bytes(bin0))
+            _write_binary(path, key, bytes(bin0))
         except Exception as e:     # a cache that cannot be written costs a rebuild next time, no more
             log.warning("OpenCL binary cache %s not written: %s", path, e)
         return prog
@@ -250,41 +275,47 @@ class ClRuntime:
         cl = _import_cl()
         arr = np.ascontiguousarray(arr)
         mf = cl.mem_flags
-        if self.unified_memory:
-            buf = cl.Buffer(self.ctx, mf.READ_ONLY | mf.ALLOC_HOST_PTR, size=max(arr.nbytes, 1))
-            mapped, _ = cl.enqueue_map_buffer(self.queue, buf, cl.map_flags.WRITE_INVALIDATE_REGION, 0,
-                                              arr.shape, arr.dtype)
-            mapped[...] = arr
-            mapped.base.release(self.queue)
-            return buf
-        return cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=arr)
+        with driver_call(f"resident buffer of {arr.nbytes} bytes"):
+            if self.unified_memory:
+                buf = cl.Buffer(self.ctx, mf.READ_ONLY | mf.ALLOC_HOST_PTR, size=max(arr.nbytes, 1))
+                mapped, _ = cl.enqueue_map_buffer(self.queue, buf, cl.map_flags.WRITE_INVALIDATE_REGION, 0,
+                                                  arr.shape, arr.dtype)
+                mapped[...] = arr
+                mapped.base.release(self.queue)
+                return buf
+            return cl.Buffer(self.ctx, mf.READ_ONLY | mf.COPY_HOST_PTR, hostbuf=arr)
 
     def upload(self, arr: np.ndarray):
         """A per-call input buffer with `arr`'s contents."""
         cl = _import_cl()
         arr = np.ascontiguousarray(arr)
-        return cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=arr)
+        with driver_call(f"upload of {arr.nbytes} bytes"):
+            return cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=arr)
 
     def empty(self, nbytes: int):
         cl = _import_cl()
-        return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size=max(int(nbytes), 1))
+        with driver_call(f"buffer of {int(nbytes)} bytes"):
+            return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, size=max(int(nbytes), 1))
 
     def read(self, buf, shape, dtype=np.float32) -> np.ndarray:
         cl = _import_cl()
         out = np.empty(shape, dtype=dtype)
-        cl.enqueue_copy(self.queue, out, buf)     # blocking: the queue is in order
+        # blocking, and the queue is in order: an earlier launch's failure can surface here too
+        with driver_call(f"read-back of {out.nbytes} bytes"):
+            cl.enqueue_copy(self.queue, out, buf)
         return out
 
     def launch(self, kernel, global_size, local_size, *args, name: str | None = None):
         """Set args, enqueue; with profiling on, the event's kernel time is recorded."""
         cl = _import_cl()
-        with self._launch_lock:
-            kernel.set_args(*args)
-            ev = cl.enqueue_nd_range_kernel(self.queue, kernel, global_size, local_size)
-        if self.profiling:
-            ev.wait()
-            self.timings.setdefault(name or kernel.function_name, []).append(
-                (ev.profile.end - ev.profile.start) * 1e-9)
+        with driver_call(f"launch of {name or kernel.function_name}"):
+            with self._launch_lock:
+                kernel.set_args(*args)
+                ev = cl.enqueue_nd_range_kernel(self.queue, kernel, global_size, local_size)
+            if self.profiling:
+                ev.wait()
+                self.timings.setdefault(name or kernel.function_name, []).append(
+                    (ev.profile.end - ev.profile.start) * 1e-9)
         return ev
 
 
@@ -310,21 +341,31 @@ def _write_log(d: Path, family: str, key: str, text: str) -> Path | None:
         return None
 
 
-def _read_binary(path: Path) -> bytes | None:
+def _read_binary(path: Path, key: str) -> bytes | None:
+    """The cached binary of the program `key` names, or None (absent, or unusable: one warning)."""
     try:
         data = path.read_bytes()
     except OSError:
         return None
+    if data.startswith(_MAGIC_V1):
+        log.warning("OpenCL binary cache %s was written by an older edgellm (no program key in its header); "
+                    "rebuilding", path)
+        return None
     if len(data) < _HEADER.size:
         log.warning("OpenCL binary cache %s is truncated; rebuilding", path)
         return None
-    magic, digest, n = _HEADER.unpack_from(data)
+    magic, held_key, digest, n = _HEADER.unpack_from(data)
     payload = data[_HEADER.size:]
     if magic != _MAGIC or n != len(payload) or sha256(payload).digest() != digest:
         log.warning("OpenCL binary cache %s fails its checksum; rebuilding", path)
         return None
+    if held_key != key.encode():
+        # a valid file, of another program: a driver may load it and then lack this one's kernels
+        log.warning("OpenCL binary cache %s holds the binary of another program (key %s); rebuilding",
+                    path, held_key.decode(errors="replace"))
+        return None
     return payload
 
 
-def _write_binary(path: Path, payload: bytes) -> None:
-    write_atomic(path, _HEADER.pack(_MAGIC, sha256(payload).digest(), len(payload)) + payload)
+def _write_binary(path: Path, key: str, payload: bytes) -> None:
+    write_atomic(path, _HEADER.pack(_MAGIC, key.encode(), sha256(payload).digest(), len(payload)) + payload)

@@ -35,7 +35,7 @@ from ..errors import EdgeLLMError
 from ..fileio import write_atomic
 from . import opencl_matmul as mm
 from .opencl_matmul import TileConfig
-from .opencl_runtime import ClRuntime, KernelBuildError, cache_root, sources_hash
+from .opencl_runtime import ClDeviceError, ClRuntime, KernelBuildError, cache_root, sources_hash
 
 log = logging.getLogger("edgellm")
 
@@ -131,7 +131,7 @@ def _parse(path: Path, rt: ClRuntime) -> dict:
     out = {}
     for key, e in raw.items():
         try:
-            kind = key.split("|")[1]
+            kind = _check_key(key)
             cfg = TileConfig(**e["config"]).check()
             if cfg.kind != kind:
                 raise ValueError(f"kind {cfg.kind} under a {kind} key")
@@ -139,6 +139,24 @@ def _parse(path: Path, rt: ClRuntime) -> dict:
             bad(f"entry {key!r}: {err}")
         out[key] = {**e, "config": cfg}
     return out
+
+
+def _check_key(key: str) -> str:
+    """The kind of an entry key (entry_key's form), or ValueError saying which part is wrong:
+    best_config() divides by T and parses every key of a shape's type and kind as it looks up."""
+    parts = key.split("|")
+    if len(parts) != 5:
+        raise ValueError(f"expected 5 '|'-separated parts (type|kind|T|K|N), found {len(parts)}")
+    type_part, kind, *dims = parts
+    type_name, int8 = type_part.removesuffix("+int8"), type_part.endswith("+int8")
+    if type_name not in (mm.BLOCK_TYPES if int8 else mm.TYPES):
+        raise ValueError(f"weight type {type_part!r} is not one the OpenCL matmul takes")
+    if kind not in ("gemv", "gemm"):
+        raise ValueError(f"kind must be 'gemv' or 'gemm', found {kind!r}")
+    for name, v in zip("TKN", dims):
+        if not (v.isascii() and v.isdigit()) or int(v) < 1:
+            raise ValueError(f"{name} must be a positive integer, found {v!r}")
+    return kind
 
 
 def _digest(entries) -> str:
@@ -274,7 +292,7 @@ class _Bench:
             main, qx = mm.kernels(rt, self.type_name, self.int8, cfg)
         except KernelBuildError as e:
             return 0.0, f"build failed: {e}"
-        except mm.ClMatmulError as e:
+        except (mm.ClMatmulError, ClDeviceError) as e:
             return 0.0, str(e)
         limit = work_group_limit(rt, main)
         if cfg.wg > limit:
@@ -295,6 +313,6 @@ class _Bench:
                 times.append((ev.profile.end - ev.profile.start) * 1e-9)
                 if best is not None and times[0] > 3 * best:
                     break             # clearly slower: one run says enough
-        except cl.Error as e:
+        except (cl.Error, ClDeviceError) as e:     # ClDeviceError: rt.launch / rt.read's typed form
             return 0.0, f"launch failed: {e}"
         return float(np.median(times)), ""
