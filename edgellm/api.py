@@ -125,6 +125,10 @@ class Engine:
                 yield
             finally:
                 self._turn_depth.n = depth
+                # and at its end: a stream the collector dropped during this turn's step held its
+                # KV until some later call took a turn (an idle engine kept it)
+                while depth == 0 and self._orphans:
+                    self._orphans.pop()._end("cancelled")
 
     def end_generation(self, gen) -> None:
         """Ends `gen` as cancelled in a turn of its own. Inside a turn of this thread (a garbage
