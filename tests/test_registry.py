@@ -257,6 +257,23 @@ def test_pip_missing_is_a_pull_error(fake, monkeypatch):
     assert _leftovers() == []
 
 
+def test_a_python_without_pip_is_told_so(fake, monkeypatch):
+    """In a venv without pip (uv makes them) the error said 'No module named pip' and advised
+    EDGELLM_PIP_FIND_LINKS, which runs pip too."""
+    monkeypatch.setattr(R, "_has_pip", lambda: False)
+    with pytest.raises(PullError, match=r"needs pip in this Python .*\(python -m ensurepip\)"):
+        R.pull("tiny-test")
+    assert _leftovers() == []
+
+
+def test_pips_traceback_cause_is_kept():
+    """pip's 'ERROR: Exception:' line alone hid the cause (a full disk) in its traceback's last line."""
+    out = ("Collecting x\nERROR: Exception:\nTraceback (most recent call last):\n  File \"a.py\", line 1\n"
+           "OSError: [Errno 28] No space left on device: '/tmp/x.whl'\n")
+    assert R._pip_error_lines(out).splitlines() == ["ERROR: Exception:",
+                                                     "OSError: [Errno 28] No space left on device: '/tmp/x.whl'"]
+
+
 def test_interrupted_extraction_leaves_nothing(fake):
     def stop(done, total):
         raise KeyboardInterrupt

