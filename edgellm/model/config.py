@@ -12,6 +12,8 @@ from typing import Any, Mapping
 
 from ..errors import ModelFormatError, UnsupportedModelError
 from .ggml_types import GGMLQuantizationType as T
+from .gguf_file import describe_value
+from .gguf_strings import GGUFStrings
 from ..quant import SUPPORTED_TYPES
 
 # Llama-family architectures and how they differ from plain llama.
@@ -76,6 +78,13 @@ def _positive(path: str, key: str, v: int, cap: int) -> int:
     return v
 
 
+def _is_string_array(value: Any) -> bool:
+    """An array of strings as the parser gives it (GGUFStrings), or a list of str (tests)."""
+    if isinstance(value, GGUFStrings):
+        return True
+    return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+
+
 def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Tensor name -> GGUF shape (ne order: row length first) that the forward pass needs."""
     d, v = cfg.d_model, cfg.vocab_size
@@ -115,7 +124,13 @@ def _rope_freq_scale(path: str, meta: Mapping[str, Any], a: str) -> float:
     factor = 0.0 if key is None else meta[key]
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor >= 0):
         raise ModelFormatError(path, key, f"expected a non-negative scaling factor, found {factor!r}")
+    if factor and not math.isfinite(1.0 / factor):
+        # a subnormal factor (5e-324 as f64) passes the check above, but positions times an
+        # infinite 1 / factor make every RoPE angle, and so every logit, NaN
+        raise ModelFormatError(path, key, f"expected a scaling factor whose inverse is finite, found {factor!r}")
     scaling = meta.get(a + "rope.scaling.type")
+    if scaling is not None and not isinstance(scaling, str):
+        raise ModelFormatError(path, a + "rope.scaling.type", f"expected a string, found {describe_value(scaling)}")
     if scaling in (None, "linear"):
         return 1.0 / factor if factor else 1.0       # (llama.cpp: a factor of 0 means none)
     if scaling == "none":
@@ -164,7 +179,9 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
     if not 0 < eps < 1:
         raise ModelFormatError(path, a + "attention.layer_norm_rms_epsilon", f"expected 0 < eps < 1, found {eps}")
     freq_scale = _rope_freq_scale(path, meta, a)
-    if meta.get(a + "attention.causal", True) is False:   # (an embedding model's: it was run causal, silently)
+    # (an embedding model's: it was run causal, silently; a u8 0 or a string "false" as well,
+    # so the key must be a bool, as llama.cpp's typed read requires)
+    if not _get(meta, path, a + "attention.causal", bool, default=True, required=False):
         raise UnsupportedModelError(path, a + "attention.causal", "bidirectional (non-causal) attention is not supported")
     for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
         if name in tensors:   # (dropped silently before: LongRoPE's per-frequency factors change every position)
@@ -181,6 +198,10 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
     if meta_vocab != vocab:
         raise ModelFormatError(path, a + "vocab_size", f"{meta_vocab} disagrees with token_embd's {vocab} rows")
     tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and not _is_string_array(tokens):
+        # (a u32 scalar had no len(): a TypeError; a string "abc" counted as 3 tokens)
+        raise ModelFormatError(path, "tokenizer.ggml.tokens",
+                               f"expected an array of strings, found {describe_value(tokens)}")
     if tokens is not None and len(tokens) != vocab:
         raise ModelFormatError(path, "tokenizer.ggml.tokens",
                                f"{len(tokens)} tokens disagree with the embedding's {vocab} rows")

@@ -30,8 +30,9 @@ import ctypes
 import mmap
 import os
 import struct
+from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -39,10 +40,11 @@ from edgellm.errors import ModelFormatError, ModelNotFoundError, UnsupportedMode
 from edgellm.model.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from edgellm.model.gguf_strings import GGUFStrings
 
-__all__ = ["GGUFFile", "TensorInfo", "read_gguf", "tensor_view"]
+__all__ = ["GGUFFile", "TensorInfo", "describe_value", "read_gguf", "tensor_view"]
 
 # Caps. Each is far above anything a real model needs and low enough that a hostile count
-# cannot make the walk spend more than a moment or allocate more than the file's own size.
+# cannot make the walk spend more than a moment or allocate more than about twice the file's
+# own size (a string array: a copy of its bytes, then its starts; tests/test_gguf_fix_parse.py).
 SUPPORTED_VERSIONS = (2, 3)
 MAX_TENSORS = 1 << 16           # the largest MoE GGUFs have a few thousand tensors
 MAX_KV = 1 << 16                # real files have tens of keys
@@ -121,6 +123,29 @@ class GGUFFile:
     metadata_types: dict[str, tuple[GGUFValueType, ...]] = field(default_factory=dict)
     # lazily opened np.memmap of the whole file, shared by every tensor_view call
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+
+def describe_value(value: Any) -> str:
+    """A metadata value as an error names it: its GGUF-level kind (scalar, string, array of what)
+    and a short excerpt, so that a key of the wrong type says what it holds."""
+    if isinstance(value, (bool, np.bool_)):
+        return f"a bool {bool(value)}"
+    if isinstance(value, (int, np.integer)):
+        return f"an integer {int(value)}"
+    if isinstance(value, (float, np.floating)):
+        return f"a float {float(value)!r}"
+    if isinstance(value, str):
+        return f"a string {value[:40]!r}"
+    if isinstance(value, GGUFStrings):
+        return f"an array of {len(value)} strings"
+    if isinstance(value, np.ndarray):
+        return f"an array of {len(value)} {value.dtype.name} values"
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, (list, tuple, np.ndarray, GGUFStrings)) for v in value):
+            return f"an array of {len(value)} arrays"
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"an array of {len(value)} {'/'.join(kinds) or 'untyped'} values"
+    return f"a {type(value).__name__}"
 
 
 def _fmt_bytes(b: bytes) -> str:
@@ -251,16 +276,16 @@ class _Walker:
         walked = _native_walk(buf, size, pos, n) if n >= _NATIVE_WALK_MIN else None
         if walked is not None:
             starts_arr, end = walked
-            raw = bytes(buf[base:end])
-            strings = GGUFStrings.from_array_bytes(raw, starts_arr)
+            strings = GGUFStrings.from_array_bytes(bytes(buf[base:end]), starts_arr)
             if strings is None:
-                self._utf8_error(raw, starts_arr.tolist(), fld)
+                self._utf8_error(bytes(buf[base:end]), starts_arr.tolist(), fld)
             self.pos = end
             return strings
         unpack = _U64.unpack_from
         cap = MAX_STRING_LEN
-        starts: list[int] = []
-        append = starts.append
+        # 4 bytes per start (8 past 2 GiB), not a list of int objects (~36 bytes each: 4.5x the
+        # 8-byte prefix of an empty string); n * 8 is within the file, checked by the caller
+        starts = array("i" if size - base < 2**31 else "q", [0]) * n
         j = 0
         try:
             for j in range(n):
@@ -271,20 +296,21 @@ class _Walker:
                     if ln > cap:
                         raise self.fail(f"{fld}[{j}] string length", f"expected at most {cap} bytes, found {ln}")
                     self.need(ln, f"{fld}[{j}] string length")
-                append(pos + 8 - base)
+                starts[j] = pos + 8 - base
                 pos = end
         except struct.error:
             self.pos = pos
             self.need(8, f"{fld}[{j}] string length")
             raise  # unreachable: need() raised
-        raw = bytes(buf[base:pos])
-        strings = GGUFStrings.from_array_bytes(raw, starts)
+        # the copy of the array's bytes is handed over, not kept: from_array_bytes frees it once
+        # the prefixes are stripped (the error path copies them again)
+        strings = GGUFStrings.from_array_bytes(bytes(buf[base:pos]), starts)
         if strings is None:
-            self._utf8_error(raw, starts, fld)
+            self._utf8_error(bytes(buf[base:pos]), starts, fld)
         self.pos = pos
         return strings
 
-    def _utf8_error(self, raw: bytes, starts: list[int], fld: str) -> None:
+    def _utf8_error(self, raw: bytes, starts: Sequence[int], fld: str) -> None:
         """Raises the error naming the first string of the array that is not UTF-8."""
         ends = [s - 8 for s in starts[1:]] + [len(raw)]
         for j, (s, e) in enumerate(zip(starts, ends)):
@@ -473,6 +499,10 @@ def _parse(path: str, buf: Any, size: int) -> GGUFFile:
 
     # ---- tensor data placement
     data_offset = -(-w.pos // alignment) * alignment
+    if not infos:
+        # no tensors, no data section: the padding before it may be absent (llama.cpp reads such
+        # a file); rounding up would put the section past the end of file, -N bytes long
+        data_offset = min(data_offset, size)
     total = 0
     for name, gtype, shape, rel, nbytes, n_el in infos:
         end = data_offset + rel + nbytes

@@ -27,30 +27,41 @@ class GGUFStrings(Sequence):
         self._starts = starts        # (n + 1,) int32 (int64 for 2^31 characters or more)
 
     @classmethod
-    def from_array_bytes(cls, raw: bytes, starts: list[int]) -> "GGUFStrings | None":
+    def from_array_bytes(cls, raw: bytes, starts: Sequence[int]) -> "GGUFStrings | None":
         """`raw`: an array's bytes as stored (each string's u64 length, then its bytes);
         `starts[j]`: where string j's bytes begin in raw (lengths already checked against raw).
-        None when some string is not UTF-8 (the caller finds which, for its error)."""
-        n = len(starts)
-        at = np.asarray(starts, dtype=np.int64)
-        keep = np.ones(len(raw), dtype=bool)
-        for k in range(1, _LEN_PREFIX + 1):
-            keep[at - k] = False
-        data = np.frombuffer(raw, dtype=np.uint8)[keep]
+        None when some string is not UTF-8 (the caller finds which, for its error).
+
+        Temporaries stay within raw's size, one at a time: a hostile array of 4M empty strings
+        (32 MiB of length prefixes) peaked at ~8x its size before (a list of 4M int starts,
+        np.isin's sorted copies, arange and fancy-index temporaries the size of every start)."""
+        at = np.asarray(starts)             # no copy for a numpy or array.array of integers
+        if at.dtype.kind not in "iu":
+            at = at.astype(np.int64)        # (an empty list)
+        n = len(at)
+        size = len(raw) - _LEN_PREFIX * n               # the strings' bytes, without prefixes
+        data = _strip_length_prefixes(raw, at, size)
+        del raw         # (a caller that passes a temporary frees its copy of the array here)
+        dt = np.int32 if size < 2**31 else np.int64     # offsets of characters, never more than bytes
+        byte_starts = _byte_starts(at, size, dt)         # (n + 1,) in the bytes without prefixes
         try:
-            text = data.tobytes().decode("utf-8")
+            text = str(data, "utf-8")
         except UnicodeDecodeError:
             return None
+        if len(text) == size:           # ASCII: characters are bytes
+            return cls(text, byte_starts)
         # valid as a whole; each string is valid alone iff none begins inside a character (a
         # string cut mid-character joins the next one's continuation bytes into a valid whole)
-        inner = np.flatnonzero((data & 0xC0) == 0x80)                 # continuation bytes
-        byte_starts = at - _LEN_PREFIX * np.arange(1, n + 1)          # in data, without prefixes
-        if np.isin(byte_starts, inner, assume_unique=True).any():
+        lead = (data & 0xC0) != 0x80                    # bytes that begin a character
+        del data
+        begun = int(np.searchsorted(byte_starts[:n], size))   # strings not empty at the end
+        if not lead[byte_starts[:begun]].all():
             return None
-        # a string's first character: its first byte less the continuation bytes before it
-        char_starts = np.append(byte_starts - np.searchsorted(inner, byte_starts), len(text))
-        dt = np.int32 if len(text) < 2**31 else np.int64
-        return cls(text, char_starts.astype(dt))
+        # a string's first character: the count of characters begun before its first byte
+        chars_before = np.zeros(size + 1, dtype=dt)
+        np.cumsum(lead, out=chars_before[1:])
+        del lead
+        return cls(text, np.take(chars_before, byte_starts, out=byte_starts))
 
     def joined(self) -> tuple[str, np.ndarray]:
         """All the strings as one str and the (n + 1,) start offsets into it (no copy)."""
@@ -91,3 +102,40 @@ class GGUFStrings(Sequence):
     def nbytes(self) -> int:
         """Bytes held: the str of all characters (1, 2 or 4 bytes each) and the offsets."""
         return sys.getsizeof(self._text) + self._starts.nbytes
+
+
+# strings whose prefixes are cleared per step: bounds the mask and index temporaries to ~150 KiB
+_PREFIX_CHUNK = 1 << 14
+
+
+def _byte_starts(at: np.ndarray, size: int, dt: type) -> np.ndarray:
+    """(n + 1,): where each string begins among the bytes without prefixes, then `size`.
+    String j spans at[j] .. at[j + 1] - 8 in raw, so the starts are a running sum of those
+    spans; built in place, no n-sized temporary."""
+    n = len(at)
+    out = np.empty(n + 1, dtype=dt)
+    out[0] = 0
+    np.subtract(at[1:], at[:-1], out=out[1:n], casting="same_kind")
+    out[1:n] -= _LEN_PREFIX
+    np.cumsum(out[:n], out=out[:n])
+    out[n] = size
+    return out
+
+
+def _strip_length_prefixes(raw: bytes, at: np.ndarray, size: int) -> np.ndarray:
+    """The strings' bytes without the u64 length before each, (size,) uint8, filled a chunk of
+    strings at a time so the mask and index temporaries stay small."""
+    u8 = np.frombuffer(raw, dtype=np.uint8)
+    data = np.empty(size, dtype=np.uint8)
+    n, filled = len(at), 0
+    for lo in range(0, n, _PREFIX_CHUNK):
+        hi = min(lo + _PREFIX_CHUNK, n)
+        first = int(at[lo]) - _LEN_PREFIX                        # this chunk's first prefix
+        last = int(at[hi]) - _LEN_PREFIX if hi < n else len(raw)  # the next chunk's
+        keep = np.ones(last - first, dtype=bool)
+        for k in range(1, _LEN_PREFIX + 1):
+            keep[at[lo:hi] - (first + k)] = False
+        part = u8[first:last][keep]
+        data[filled:filled + len(part)] = part
+        filled += len(part)
+    return data

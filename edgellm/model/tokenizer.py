@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import codecs
 import logging
+import re
 from dataclasses import dataclass
 from operator import methodcaller
 from typing import Callable, Iterable, Sequence
@@ -39,6 +40,7 @@ from edgellm.errors import ConfigError, ModelFormatError, TokenIdError, Unsuppor
 from edgellm.backends.neon_lib import NeonLibError
 from edgellm.model.bpe_native import SPLIT, DuplicateToken, MergeError, NativeBPE, NativeSPM
 from edgellm.model.fragment_memo import FragmentMemo
+from edgellm.model.gguf_file import describe_value
 from edgellm.model.gguf_strings import GGUFStrings
 
 _log = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ TOKEN_UNDEFINED, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 0, 1, 2, 3
 TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 4, 5, 6
 
 _SPM_SPACE = "\u2581"  # '▁': SentencePiece's visible space
+_BYTE_TEXT = re.compile(r"<0x[0-9A-Fa-f]{2}>")   # the text of a BYTE token: the byte in hex
+_INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 # --- pre-tokenizers: llama.cpp's regex chains (llm_tokenizer_bpe's regex_exprs) -------------------
 _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -162,7 +166,7 @@ class Tokenizer:
     def from_metadata(cls, metadata: dict, source: str) -> "Tokenizer":
         """Build from GGUF key/values (``tokenizer.ggml.*``). ``source`` names the file in errors."""
         source = str(source)
-        model = metadata.get("tokenizer.ggml.model")
+        model = _optional_str(metadata, "tokenizer.ggml.model", source)
         if model is None:
             raise ModelFormatError(source, "tokenizer.ggml.model", "missing; expected 'gpt2' or 'llama'")
         if model not in ("gpt2", "llama"):
@@ -180,8 +184,11 @@ class Tokenizer:
         types = _int_array(metadata, "tokenizer.ggml.token_type", source, n)   # (n,) int32
         if types is None:
             types = np.full(n, TOKEN_NORMAL, dtype=np.int32)
+        _check_byte_tokens(tokens, types, source)
 
-        pre_name = metadata.get("tokenizer.ggml.pre")
+        pre_name = _optional_str(metadata, "tokenizer.ggml.pre", source)
+        # (an id outside the vocabulary was dropped silently, as bos/eos ones are not)
+        unk_id = _token_id(metadata, "tokenizer.ggml.unknown_token_id", source, n, 0 if model == "llama" else None)
         if model == "gpt2":
             if not pre_name:
                 _log.warning("%s: no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer "
@@ -196,7 +203,7 @@ class Tokenizer:
             bos_default = eos_default = None
             add_bos_default, add_space_default = pre.add_bos, False
         else:
-            encoder, token_id = _build_spm(source, tokens, metadata, n)
+            encoder, token_id = _build_spm(source, tokens, metadata, n, unk_id)
             bos_default, eos_default = 1, 2     # llama.cpp's SPM defaults
             add_bos_default, add_space_default = True, True
 
@@ -425,7 +432,7 @@ def _string_list(md: dict, key: str, source: str, required: bool) -> Sequence[st
     if isinstance(value, GGUFStrings):
         return value
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        raise ModelFormatError(source, key, f"expected an array of strings, found {type(value).__name__}")
+        raise ModelFormatError(source, key, f"expected an array of strings, found {describe_value(value)}")
     if not isinstance(value, list):
         value = list(value)
     if set(map(type, value)) - {str}:
@@ -434,18 +441,60 @@ def _string_list(md: dict, key: str, source: str, required: bool) -> Sequence[st
     return value
 
 
+def _optional_str(md: dict, key: str, source: str) -> str | None:
+    """A string-valued key, None when absent; any other type is a ModelFormatError (an int array
+    reached `in` and `if` tests as a numpy truth-value ValueError, a string array a TypeError)."""
+    value = md.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ModelFormatError(source, key, f"expected a string, found {describe_value(value)}")
+    return value
+
+
+def _number_array(value, key: str, source: str, n: int) -> np.ndarray:
+    """One number per token as a 1-D array: numpy from a file, a list from a dict. Nested arrays
+    (ragged ones made numpy raise ValueError, [[1]] * n passed as if flat) and strings are a
+    ModelFormatError naming the key."""
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif isinstance(value, (list, tuple)):
+        bad = next((j for j, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, (int, float))), None)
+        if bad is not None:
+            raise ModelFormatError(source, key, f"expected numbers, found {describe_value(value[bad])} "
+                                                f"at [{bad}] of {describe_value(value)}")
+        arr = np.array(value)
+    else:
+        raise ModelFormatError(source, key, f"expected an array of numbers, found {describe_value(value)}")
+    if arr.ndim != 1:
+        raise ModelFormatError(source, key, f"expected a flat array, found shape {arr.shape}")
+    if len(arr) != n:
+        raise ModelFormatError(source, key, f"expected {n} entries (one per token), found {len(arr)}")
+    return arr
+
+
 def _int_array(md: dict, key: str, source: str, n: int) -> np.ndarray | None:
+    """(n,) int32, or None when the key is absent. Values outside int32 are refused: astype
+    wrapped a u64 2**32 + 3 to type 3."""
     value = md.get(key)
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
-        raise ModelFormatError(source, key, f"expected an array, found {type(value).__name__}")
-    if len(value) != n:
-        raise ModelFormatError(source, key, f"expected {n} entries (one per token), found {len(value)}")
-    arr = np.asarray(value)
+    arr = _number_array(value, key, source, n)
     if n and arr.dtype.kind not in "iu":
-        raise ModelFormatError(source, key, f"expected integers, found {arr.dtype} values")
+        raise ModelFormatError(source, key, f"expected integers, found {describe_value(arr)}")
+    if n:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < _INT32_MIN or hi > _INT32_MAX:
+            raise ModelFormatError(source, key, f"expected int32 values, found {lo if lo < _INT32_MIN else hi}")
     return arr.astype(np.int32, copy=False)
+
+
+def _check_byte_tokens(tokens: Sequence[str], types: np.ndarray, source: str) -> None:
+    """A token typed BYTE renders as the byte its <0xNN> text names; any other text loaded, then
+    failed in int(..., 16) when generation reached it. llama.cpp refuses such a file too."""
+    for i in np.flatnonzero(types == TOKEN_BYTE).tolist():
+        if not _BYTE_TEXT.fullmatch(tokens[i]):
+            raise ModelFormatError(source, "tokenizer.ggml.token_type",
+                                   f"token {i} is typed BYTE ({TOKEN_BYTE}) but its text "
+                                   f"{tokens[i][:40]!r} is not a byte of the form <0xNN>")
 
 
 def _token_id(md: dict, key: str, source: str, n: int, default: int | None) -> int | None:
@@ -555,8 +604,8 @@ def _build_bpe(source: str, tokens: Sequence[str], md: dict, n: int,
     return _hf_encoder(hf), vocab.get
 
 
-def _build_spm(source: str, tokens: Sequence[str], md: dict,
-               n: int) -> tuple[Callable[[str], Sequence[int]], Callable[[str], int | None]]:
+def _build_spm(source: str, tokens: Sequence[str], md: dict, n: int,
+               unk: int | None) -> tuple[Callable[[str], Sequence[int]], Callable[[str], int | None]]:
     """The fragment encoder of a 'llama' (SentencePiece-style) vocabulary and its text -> id
     lookup: native (bpe_native.NativeSPM, llama.cpp's algorithm) where the library loads, else
     an HF BPE model with merges ranked by score (see the module docstring for its one gap)."""
@@ -565,12 +614,10 @@ def _build_spm(source: str, tokens: Sequence[str], md: dict,
     if scores is None:
         raise ModelFormatError(source, key, "missing; a 'llama' (SentencePiece) vocabulary needs "
                                             "per-token scores to rank merges")
-    if hasattr(scores, "tolist"):
-        scores = scores.tolist()
-    if len(scores) != n:
-        raise ModelFormatError(source, key, f"expected {n} entries (one per token), found {len(scores)}")
-    unk = md.get("tokenizer.ggml.unknown_token_id", 0)
-    unk = unk if isinstance(unk, int) and 0 <= unk < n else None
+    scores = _number_array(scores, key, source, n)
+    if scores.dtype.kind not in "iuf":
+        raise ModelFormatError(source, key, f"expected numbers, found {describe_value(scores)}")
+    scores = scores.tolist()
     try:
         native = NativeSPM(tokens, scores, unk)
         return native, native.token_id
