@@ -322,7 +322,8 @@ def _nonfinite(x: np.ndarray) -> EdgeLLMError:
     inf = int(np.isinf(x).sum())
     return EdgeLLMError(
         f"sampler: logits: expected finite values, found {nan} NaN and {inf} inf "
-        f"of {x.size} (a backend produced non-finite output)")
+        f"of {x.size}: the forward pass produced non-finite output (a model file whose weights or "
+        f"block scales hold NaN or inf gives this; `--units reference` tells a file from a unit)")
 
 
 # -- stop strings -------------------------------------------------------------------------------

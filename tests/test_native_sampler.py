@@ -96,6 +96,10 @@ def test_non_finite_logits_are_refused(bad):
     x[0] = bad
     with pytest.raises(EdgeLLMError, match="expected finite values"):
         Sampler(cfg).sample(x)
+    # naming the likely cause: a file whose block scales hold NaN ran cleanly through load, and
+    # the error blamed "a backend" (from a helper's probe of hostile GGUF files)
+    with pytest.raises(EdgeLLMError, match="block scales hold NaN or inf .* --units reference"):
+        Sampler(cfg).sample(x)
 
 
 def test_bad_arguments_are_refused():
