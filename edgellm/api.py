@@ -148,6 +148,8 @@ class Engine:
         a template chat_builtin knows (SmolLM2's, ChatML) never needs it."""
         if self._template is None:
             self._template = ChatTemplate.from_metadata(self.model.metadata, self.model.path)
+            if self._template.fallback_reason:   # (the markup a model never saw: said, not silent)
+                log.warning("chat template: %s", self._template.fallback_reason)
         return self._template
 
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
@@ -157,6 +159,7 @@ class Engine:
         return self.tokenizer.decode(check_token_ids(ids, self.config.vocab_size))
 
     def render_chat(self, messages: Sequence[dict]) -> str:
+        ChatTemplate.check_conversation(messages)
         return self.template.render(messages)
 
     # -- generation ----------------------------------------------------------------------------
@@ -184,7 +187,7 @@ class Engine:
         rendered inside the TTFT clock, as part of tokenization."""
         t0 = time.perf_counter()
         cfg = generation_config(config, **kwargs)
-        ChatTemplate.check_messages(messages)
+        ChatTemplate.check_conversation(messages)
         return self._stream(lambda: self.render_chat(messages), t0, cfg, self._cancel_token(cancel), chat=True)
 
     def _cancel_token(self, cancel: CancelToken | None) -> CancelToken:
@@ -248,7 +251,9 @@ class Engine:
     def warm(self, text: str) -> int:
         """Precompute the KV of `text` (a system prompt, say) into the prefix cache, so a later
         prompt that starts with it computes only the rest. Returns the tokens now cached."""
-        ids = self.tokenize(text)
+        # a rendered chat turn starting with the BOS text the template wrote: tokenized as a chat
+        # prompt is (one BOS), or the chat that follows never matched the warmed blocks
+        ids = self._prompt_ids(text, chat=True)
         if not ids:
             raise ConfigError("warm needs a non-empty text")
         if len(ids) >= self.n_ctx:

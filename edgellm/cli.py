@@ -316,7 +316,9 @@ def run(
         text = eng.render_chat(messages)
     else:
         text = saved.get("text", "") + prompt
-    pieces = eng.stream(text, config=gen)
+    # a chat goes through chat_stream: a template that writes BOS itself then gets one (through
+    # stream() the model's add_bos made it two: Llama 3, Mistral, Gemma, DeepSeek)
+    pieces = eng.chat_stream(messages, config=gen) if chat else eng.stream(text, config=gen)
     previous = signal.signal(signal.SIGINT, lambda *_: eng.cancel())
     answer = []
     try:
@@ -384,6 +386,8 @@ def chat(
         raise ConfigError("stdin is closed: chat reads its turns from stdin")
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units, precision, quality_guard)
     messages = [{"role": "system", "content": system}] if system else []
+    if system:   # a template without a system role (Gemma, Mistral v1) refused every turn, /reset too
+        eng.render_chat(messages + [{"role": "user", "content": "hello"}])
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D or /exit quits, /reset "
                f"clears, /help", err=True)
     tty, failed = sys.stdin.isatty(), 0

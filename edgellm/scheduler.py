@@ -178,7 +178,7 @@ class Scheduler:
         if isinstance(priority, bool) or not isinstance(priority, (int, float)) or priority != priority:
             raise ConfigError(f"priority must be a number (higher goes first), got {priority!r}")
         if messages is not None:
-            ChatTemplate.check_messages(messages)
+            ChatTemplate.check_conversation(messages)
         else:
             check_text(prompt, "prompt")
         cfg = generation_config(**kwargs)

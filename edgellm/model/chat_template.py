@@ -33,8 +33,11 @@ def _raise_exception(message: str) -> None:
     raise _TemplateRaised(message)
 
 
-def _tojson(value: Any, indent: int | None = None, **_: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
+            ensure_ascii: bool = False, **_: Any) -> str:
+    """Hugging Face's tojson: its keywords are honoured (templates ask for compact separators)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=tuple(separators) if separators is not None else None, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -106,6 +109,17 @@ class ChatTemplate:
             raise ConfigError(f"the chat template of {self.source} rejected the conversation: {e}") from None
         except jinja2.TemplateError as e:
             raise ModelFormatError(self.source, _KEY, f"rendering failed: {e}") from None
+        except Exception as e:   # (a template's own arithmetic or call: ZeroDivisionError, TypeError, ...)
+            raise ModelFormatError(self.source, _KEY, f"rendering failed: {type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def check_conversation(messages: Any) -> None:
+        """check_messages, and at least one message: what the Engine renders for a request (a
+        template reading messages[0] failed on an empty list, blaming the model file; others
+        rendered a bare generation prompt)."""
+        ChatTemplate.check_messages(messages)
+        if not messages:
+            raise ConfigError("messages: the conversation is empty: give at least one message")
 
     @staticmethod
     def check_messages(messages: Any) -> None:
