@@ -100,7 +100,12 @@ class Generation:
         after a prefill chunk that is not the last. Runs in a turn of the engine (Engine.turn):
         generations of several threads (or a scheduler's) take turns a step at a time."""
         with self.engine.turn():
-            return self._step()
+            runner = self.engine.runner
+            runner.decode_override = self.guard.override() if self.guard is not None else None
+            try:
+                return self._step()
+            finally:
+                runner.decode_override = None
 
     def close(self) -> None:
         """Ends a generation its driver stops stepping (a stream the app stopped reading): as

@@ -71,8 +71,10 @@ def _quality_table(n_layers: int):
 
 
 class GuardState:
-    """One generation's guard: observe() each decode step's logits; it sets and clears the
-    runner's decode override and counts the switches."""
+    """One generation's guard: observe() each decode step's logits; override() is the compute
+    table this generation's next decode step runs with (the generation sets it on the runner for
+    its own steps only: written on the runner here, one request's switch ran other requests'
+    steps in fp32, and one request's end cleared another's hold). Counts the switches."""
 
     def __init__(self, guard: QualityGuard, runner):
         self.guard, self.runner = guard, runner
@@ -90,11 +92,12 @@ class GuardState:
                 log.info("quality guard: step %d has entropy %.2f nats, top-1 p %.3f; the next %d decode steps "
                          "compute at the quality precision (fp32)", self.steps, ent, top1, self.guard.hold_steps)
             self.left = self.guard.hold_steps
-            self.runner.decode_override = self.quality
         elif self.left > 0:
             self.left -= 1
-            if self.left == 0:
-                self.runner.decode_override = None
+
+    def override(self):
+        """The quality table while a switch holds, else None (the plan's own precision)."""
+        return self.quality if self.left > 0 else None
 
     def close(self) -> None:
-        self.runner.decode_override = None
+        self.left = 0

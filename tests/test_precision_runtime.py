@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from dataclasses import replace
 
@@ -198,17 +199,51 @@ def test_guard_switches_holds_and_returns():
     g = GuardState(QualityGuard(max_entropy=1.0, min_top1=0.0, hold_steps=2), r)
     sure, unsure = np.array([10.0, 0, 0, 0]), np.zeros(8)
     g.observe(sure)
-    assert r.decode_override is None
+    assert g.override() is None
     g.observe(unsure)
-    assert r.decode_override is not None and g.switches == 1
+    assert g.override() is not None and g.switches == 1
     g.observe(unsure)                                    # still unsure: held, not a new switch
     assert g.switches == 1
     g.observe(sure)
-    assert r.decode_override is not None                 # one calm step of two
+    assert g.override() is not None                      # one calm step of two
     g.observe(sure)
-    assert r.decode_override is None
+    assert g.override() is None
+    assert r.decode_override is None                     # the runner is the generation's to set, per step
     with pytest.raises(ConfigError, match="hold_steps"):
         QualityGuard(hold_steps=0)
+
+
+def test_one_requests_guard_switch_leaves_the_others_precision(home, tiny):
+    """The guard wrote the runner's shared override: one request's switch ran another request's
+    decode steps in fp32 (15 of 20 in a helper's run), and one request's end cleared the other's
+    hold. Steps now run with their own generation's table."""
+    from edgellm.api import generation_config
+    from edgellm.engine import CancelToken
+    from edgellm.generation import Generation
+
+    always = QualityGuard(max_entropy=1e-9, min_top1=0.0, hold_steps=1000)
+    never = QualityGuard(max_entropy=1e9, min_top1=0.0, hold_steps=1)
+    eng = edgellm.load(tiny.path, n_ctx=128, units=["neon"], precision=parse_plan(DECODE_INT8, name="d8"),
+                       quality_guard=always)
+    cfg = generation_config(max_tokens=4, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    a = Generation(eng, eng.tokenize("hello world"), cfg, CancelToken(), t, t)
+    eng.quality_guard = never
+    b = Generation(eng, eng.tokenize("the cat"), cfg, CancelToken(), t, t)
+    seen = []
+    real = eng.runner.forward
+
+    def spy(seq, ids, *args, **kwargs):
+        seen.append((seq is a.seq, eng.runner.decode_override is not None))
+        return real(seq, ids, *args, **kwargs)
+    eng.runner.forward = spy
+    for _ in range(4):
+        a.step()
+        b.step()
+    assert a.guard.switches >= 1
+    assert any(mine and fp32 for mine, fp32 in seen)                  # a's held steps in fp32
+    assert not any(fp32 for mine, fp32 in seen if not mine)           # b's never
+    assert eng.runner.decode_override is None
 
 
 def test_guard_in_the_engine_runs_decode_at_the_quality_precision(home, tiny):
