@@ -411,6 +411,24 @@ def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None,
     return weights + kv_bytes
 
 
+def _ring_chunk_cap(kv_cfg: KVConfig, prefill_chunk: int | None) -> int | None:
+    """The largest prefill chunk the plan may choose on a ring (None: no cap). A ring chunk holds
+    at most window - sinks tokens (kv/ring.py), and a chunk's first token sees only what the
+    chunk left in the window: a planned chunk past that ran cut without a word (the plan said
+    200, 60 ran), and chunks near it left their first tokens a few tokens of context. Planned
+    chunks stay within half the room; a prefill_chunk past the room is refused."""
+    if kv_cfg.kind != "ring":
+        return None
+    room = kv_cfg.window - kv_cfg.sinks
+    if prefill_chunk is not None:
+        if prefill_chunk > room:
+            raise ConfigError(f"prefill_chunk {prefill_chunk} is more than a ring of window {kv_cfg.window} with "
+                              f"{kv_cfg.sinks} sinks takes at once ({room} tokens): lower prefill_chunk or raise "
+                              f"window")
+        return None
+    return max(1, room // 2)
+
+
 def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          threads: int | None = None, prefill_chunk: int | None = None, kv: str = "pool",
          kv_precision: str | None = None, window: int = 1024, sinks: int = 4, units: Sequence[str] | None = None,
@@ -495,6 +513,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
                     mf.config.context_length)
         n_ctx = mf.config.context_length
     n_ctx = int(n_ctx)
+    ring_cap = _ring_chunk_cap(kv_cfg, prefill_chunk)
     avail = available_bytes()
     big = select_big(detect_clusters())
     threads = threads or len(big)
@@ -503,6 +522,13 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     # the chunk's activations may take a quarter of the memory the KV cache leaves free
     plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
                            memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
+    if ring_cap and plan.chunk.tokens > ring_cap:
+        prefill_chunk = ring_cap
+        plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
+                               memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
+        plan = replace(plan, chunk=replace(plan.chunk, derivation=plan.chunk.derivation + (
+            f"ring: at most half the {kv_cfg.window - kv_cfg.sinks} tokens a chunk may take (window "
+            f"{kv_cfg.window} less {kv_cfg.sinks} sinks), so a chunk's first tokens keep context",)))
     plan = replace(plan, warnings=plan.warnings + tuple(plan_notes))
     for note in plan_notes:
         log.warning("%s", note)

@@ -718,6 +718,9 @@ def plan(
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     if ctx is not None and ctx < 1:
         raise ConfigError(f"--ctx must be >= 1, got {ctx}")
+    if ctx is not None and prompt_tokens > ctx:   # (the plan quietly grew the context to the prompt)
+        raise ConfigError(f"--prompt-tokens {prompt_tokens} does not fit --ctx {ctx}: `run` would refuse the "
+                          f"prompt (ContextFull); raise --ctx or shorten the prompt")
     n_ctx = max(ctx if ctx is not None else min(DEFAULT_CTX, mf.config.context_length), prompt_tokens)
     if n_ctx > mf.config.context_length:   # as load() caps it, so the plan is the one `run` gets
         if prompt_tokens > mf.config.context_length:

@@ -334,3 +334,10 @@ def test_chat_takes_the_sampling_options_of_run(tiny, tmp_path):
     for flag, bad in (("--min-p", "2"), ("--repeat-penalty", "-1")):
         r = chat(flag, bad)
         assert r.returncode == 1 and flag.strip("-").replace("-", "_") in r.stderr, r.stderr
+
+
+def test_plan_refuses_a_prompt_longer_than_its_ctx(tiny):
+    """`plan --ctx 64 --prompt-tokens 100` grew the context to 100 without a word: a plan for a
+    prompt `run` would refuse (from a helper's probe of the cost model)."""
+    r = runner.invoke(app, ["plan", "--model", tiny, "--ctx", "64", "--prompt-tokens", "100"])
+    assert r.exit_code == 1 and "--prompt-tokens 100 does not fit --ctx 64" in r.stderr, r.output

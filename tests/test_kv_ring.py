@@ -493,3 +493,21 @@ def test_memory_is_flat_however_long_the_sequence():
     assert ring.nbytes == nbytes and (ring.k, ring.v, ring.ids) == bufs
     assert ring.total_tokens == 2 * window + 2000 and ring.n_tokens == window
     expect_committed(ring, list(range(ring.total_tokens)))
+
+
+def test_the_planned_chunk_fits_the_ring(tmp_path):
+    """On a ring the plan chose its chunk as for the pool (608 tokens for SmolLM2, 200 when asked)
+    and the engine cut it to window - sinks without a word; chunks near that left their first
+    tokens a few tokens of context. The plan now keeps within half the room and says so, and a
+    prefill_chunk past the room is refused."""
+    import edgellm
+    from edgellm.errors import ConfigError
+    from tests.synthetic import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "m.gguf", seed=1).path
+    e = edgellm.load(path, kv="ring", window=64, sinks=4, threads=1)
+    assert e.plan.chunk.tokens <= 30 and "ring: at most half the 60 tokens" in e.plan.chunk.derivation[-1]
+    with pytest.raises(ConfigError, match=r"prefill_chunk 61 is more than a ring of window 64 with 4 sinks"):
+        edgellm.load(path, kv="ring", window=64, sinks=4, prefill_chunk=61)
+    assert edgellm.load(path, kv="ring", window=64, sinks=4, prefill_chunk=60).plan.chunk.tokens == 60
+    assert edgellm.load(path, threads=1).plan.chunk.tokens > 30      # (the pool keeps its own choice)
