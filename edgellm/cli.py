@@ -154,9 +154,20 @@ def _start_probe_child() -> None:
     opencl_child.spawn()
 
 
-def _load(model, ctx, threads, kv="pool", kv_precision=None, window=1024, sinks=4, device=None, units=None,
+def _load(model, ctx, threads, kv="pool", kv_precision=None, window=None, sinks=None, device=None, units=None,
           precision=None, quality_guard=False):
     from . import load   # starts the OpenCL probe child before importing the runtime
+
+    # options that do nothing with the other KV layout are said to (they were taken silently;
+    # --window 8 --sinks 9 with --kv pool, invalid on a ring, ran with exit 0)
+    if kv != "ring" and (window is not None or sinks is not None):
+        typer.echo("edgellm: warning: --window and --sinks size a --kv ring; with --kv pool they are ignored", err=True)
+    if kv == "ring" and ctx is not None:
+        typer.echo("edgellm: warning: --ctx does not size a --kv ring (its --window does); with --kv ring it is "
+                   "ignored", err=True)
+        ctx = None
+    window = 1024 if window is None else window
+    sinks = 4 if sinks is None else sinks
 
     eng = load(model, device, n_ctx=ctx, threads=threads, kv=kv, kv_precision=kv_precision, window=window,
                sinks=sinks, units=_units(units), precision=precision, quality_guard=quality_guard,
@@ -270,8 +281,8 @@ def run(
     kv: str = typer.Option("pool", "--kv", help=KV_HELP),
     kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8 "
                                                "(pool or ring); default: the precision plan's, else f16"),
-    window: int = typer.Option(1024, help="--kv ring: window in tokens, sinks included"),
-    sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
+    window: Optional[int] = typer.Option(None, help="--kv ring: window in tokens, sinks included (default 1024)"),
+    sinks: Optional[int] = typer.Option(None, help="--kv ring: attention-sink tokens kept forever (default 4)"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
@@ -364,8 +375,8 @@ def chat(
     kv: str = typer.Option("pool", "--kv", help=KV_HELP),
     kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8 "
                                                "(pool or ring); default: the precision plan's, else f16"),
-    window: int = typer.Option(1024, help="--kv ring: window in tokens, sinks included"),
-    sinks: int = typer.Option(4, help="--kv ring: attention-sink tokens kept forever"),
+    window: Optional[int] = typer.Option(None, help="--kv ring: window in tokens, sinks included (default 1024)"),
+    sinks: Optional[int] = typer.Option(None, help="--kv ring: attention-sink tokens kept forever (default 4)"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),

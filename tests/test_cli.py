@@ -341,3 +341,15 @@ def test_plan_refuses_a_prompt_longer_than_its_ctx(tiny):
     prompt `run` would refuse (from a helper's probe of the cost model)."""
     r = runner.invoke(app, ["plan", "--model", tiny, "--ctx", "64", "--prompt-tokens", "100"])
     assert r.exit_code == 1 and "--prompt-tokens 100 does not fit --ctx 64" in r.stderr, r.output
+
+
+def test_kv_options_the_chosen_layout_ignores_are_said_to_be(tiny):
+    """--window/--sinks with --kv pool (even invalid ones) and --ctx with --kv ring were taken
+    without a word (from a helper's probe of feature combinations)."""
+    base = ["run", "hi", "--model", tiny, "-n", "1", "--temperature", "0", "--no-stats"]
+    r = runner.invoke(app, base + ["--window", "8", "--sinks", "9"])
+    assert r.exit_code == 0 and "--window and --sinks size a --kv ring; with --kv pool they are ignored" in r.stderr
+    r = runner.invoke(app, base + ["--kv", "ring", "--ctx", "8"])
+    assert r.exit_code == 0 and "--ctx does not size a --kv ring" in r.stderr
+    r = runner.invoke(app, base)
+    assert r.exit_code == 0 and "warning" not in r.stderr
