@@ -35,7 +35,7 @@ from .model.prefault import enabled_by_env
 from .model.prefault import start as start_prefault
 from .model.registry import resolve_model
 from .model.chat_template import ChatTemplate
-from .model.tokenizer import check_text, check_token_ids
+from .model.tokenizer import check_token_ids, check_unicode
 from .quality_guard import QualityGuard
 from .sampling import SamplingConfig, StopChecker
 
@@ -153,10 +153,17 @@ class Engine:
         return self._template
 
     def tokenize(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of text; add_bos None: the model's own setting (add_bos "no" was taken as True)."""
+        if add_bos is not None and not isinstance(add_bos, bool):
+            raise ConfigError(f"add_bos: expected True, False or None, found {add_bos!r}")
         return self.tokenizer.encode(text, add_bos=add_bos)
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(check_token_ids(ids, self.config.vocab_size))
+    def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """Text of ids. The BOS tokenize() adds renders as its text, as in llama.cpp;
+        skip_special=True drops every special token (tokenize's inverse for plain text)."""
+        if not isinstance(skip_special, bool):
+            raise ConfigError(f"skip_special: expected True or False, found {skip_special!r}")
+        return self.tokenizer.decode(check_token_ids(ids, self.config.vocab_size), skip_special=skip_special)
 
     def render_chat(self, messages: Sequence[dict]) -> str:
         ChatTemplate.check_conversation(messages)
@@ -174,7 +181,7 @@ class Engine:
         """Yield text pieces as they are produced. Keywords mirror the CLI flags (max_tokens,
         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop). Options are validated
         here, before the first piece is asked for."""
-        check_text(prompt, "prompt")
+        check_unicode(prompt, "prompt")   # (a lone surrogate raised only at the first piece)
         return self._stream(lambda: prompt, time.perf_counter(), generation_config(config, **kwargs),
                             self._cancel_token(cancel))
 

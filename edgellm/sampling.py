@@ -30,6 +30,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from edgellm.errors import ConfigError, EdgeLLMError
+from edgellm.model.tokenizer import check_unicode
 
 __all__ = ["SamplingConfig", "Sampler", "StopChecker", "StopStep"]
 
@@ -347,6 +348,7 @@ class StopChecker:
         for s in stops:
             if not isinstance(s, str) or s == "":
                 raise ConfigError(f"sampling.stop: expected non-empty strings, found {s!r}")
+            check_unicode(s, "sampling.stop")   # (one holding a lone surrogate could never match)
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
         # proper prefixes of the stop strings: a buffer ending in one of these must be held back
         self._prefixes = {s[:i] for s in self.stops for i in range(1, len(s))}

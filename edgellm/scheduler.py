@@ -35,7 +35,7 @@ from .engine import CancelToken
 from .errors import ConfigError, EdgeLLMError
 from .generation import Generation, GenerationStats
 from .model.chat_template import ChatTemplate
-from .model.tokenizer import check_text
+from .model.tokenizer import check_unicode
 from .threads import start_quietly
 
 
@@ -180,7 +180,7 @@ class Scheduler:
         if messages is not None:
             ChatTemplate.check_conversation(messages)
         else:
-            check_text(prompt, "prompt")
+            check_unicode(prompt, "prompt")
         cfg = generation_config(**kwargs)
         if messages is not None:
             messages = [dict(m) for m in messages]   # (the caller's list may change while it waits)

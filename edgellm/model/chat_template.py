@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from edgellm.errors import ConfigError, ModelFormatError
+from edgellm.model.tokenizer import check_unicode
 from edgellm.model.chat_builtin import BUILTIN, CHATML
 
 _KEY = "tokenizer.chat_template"
@@ -131,3 +132,5 @@ class ChatTemplate:
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
                     or not isinstance(m.get("content"), str):
                 raise ConfigError(f"messages[{k}]: expected {{'role': str, 'content': str}}, found {m!r}")
+            # named here, not at an offset of the rendered prompt
+            check_unicode(m["content"], f"messages[{k}].content")

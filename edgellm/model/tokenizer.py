@@ -347,9 +347,11 @@ class Tokenizer:
         return b"".join(bytes([dec[c]]) if c in dec else c.encode("utf-8") for c in text)
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
-        """Text for ``ids`` as a whole text, the inverse of encode(): bytes that are not valid
-        UTF-8 become U+FFFD, and for SPM vocabularies the space encode() put in front of the text
-        is dropped again (HF's behaviour; llama_detokenize keeps it after a BOS)."""
+        """Text for ``ids`` as a whole text, the inverse of encode() but for the special tokens
+        encode() adds (a BOS renders as its text, as in llama_detokenize; skip_special drops
+        every special token): bytes that are not valid UTF-8 become U+FFFD, and for SPM
+        vocabularies the space encode() put in front of the text is dropped again (HF's
+        behaviour; llama_detokenize keeps it after a BOS)."""
         d = StreamDecoder(self, skip_special, strip_leading_space=True)
         return "".join([d.push(i) for i in ids]) + d.flush()
 
@@ -396,6 +398,17 @@ def check_text(text, what: str = "text") -> None:
         raise ConfigError(f"{what}: expected a str, found {type(text).__name__}{hint}")
 
 
+def check_unicode(text: str, what: str = "text") -> None:
+    """check_text, and no lone surrogate: checked where the caller's text is known by name (a
+    chat message's content, a prompt when the request is made, a stop string), not later at an
+    offset of the rendered prompt."""
+    check_text(text, what)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:   # (the fast check; the loop below only names the place)
+        _raise_if_surrogate(text, what, start=e.start)
+
+
 def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> list[int]:
     """ids as a list of ints inside the vocabulary: a ConfigError naming what is not a token id
     (a str, a float that would be truncated, None), TokenIdError for an id outside."""
@@ -412,12 +425,13 @@ def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> list[int]:
 
 
 # --- metadata helpers ----------------------------------------------------------------------------
-def _raise_if_surrogate(text: str) -> None:
+def _raise_if_surrogate(text: str, what: str = "text", start: int = 0) -> None:
     """A lone surrogate (U+D800..U+DFFF: a str Python allows, but not Unicode text) is a
     ConfigError naming where it is."""
-    for i, ch in enumerate(text):
+    for i in range(start, len(text)):
+        ch = text[i]
         if 0xD800 <= ord(ch) <= 0xDFFF:
-            raise ConfigError(f"text: character {i} is a lone surrogate (U+{ord(ch):04X}), not valid Unicode; "
+            raise ConfigError(f"{what}: character {i} is a lone surrogate (U+{ord(ch):04X}), not valid Unicode; "
                               "encode text from bytes with errors='replace'") from None
 
 
