@@ -616,7 +616,25 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     eng.prefault = paging
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
     eng.precision_plan, eng.quality_guard = pplan, guard
+    if guard is not None and not _guard_can_switch(runner):
+        log.warning("quality guard: its switches change nothing with this placement: decode's matmuls run on "
+                    "units without a choice of compute precision (%s) or at fp32 already",
+                    ", ".join(sorted({runner._ops["decode"][op][0].__name__.rsplit(".", 1)[-1]
+                                      for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down")})))
     return eng
+
+
+def _guard_can_switch(runner) -> bool:
+    """Whether the quality plan's table changes any decode matmul's compute precision (it logged
+    switches to fp32 that changed nothing on npu, reference or opencl placements)."""
+    from .quality_guard import _quality_table
+
+    plain = runner._precision_kwargs("decode", 1)
+    saved, runner.decode_override = runner.decode_override, _quality_table(runner.cfg.n_layers)
+    try:
+        return runner._precision_kwargs("decode", 1) != plain
+    finally:
+        runner.decode_override = saved
 
 
 @contextlib.contextmanager

@@ -403,3 +403,19 @@ def test_dead_writers_are_recognised_by_their_tag(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f".m.gguf.pid{os.getpid()}.q2.part", ".hidden.part"])
     write_atomic(tmp_path / "f.txt", b"ok")      # its temporary name is tagged too (nothing left)
     assert (tmp_path / "f.txt").read_bytes() == b"ok"
+
+
+def test_a_guard_that_can_change_nothing_says_so(home, tiny, caplog):
+    """With decode's matmuls on units that have no choice of compute precision (reference, npu,
+    opencl), or a plan at fp32 already, the guard logged switches 'to fp32' that changed nothing
+    (from a helper's probe of feature combinations)."""
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        edgellm.load(tiny.path, n_ctx=128, units=["reference"], quality_guard=True)
+        edgellm.load(tiny.path, n_ctx=128, units=["neon"], precision="quality", quality_guard=True)
+    said = [r.getMessage() for r in caplog.records if "switches change nothing" in r.getMessage()]
+    assert len(said) == 2 and "(reference)" in said[0] and "(neon)" in said[1]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        edgellm.load(tiny.path, n_ctx=128, units=["neon"], precision=parse_plan(DECODE_INT8, name="d8"),
+                     quality_guard=True)
+    assert not [r for r in caplog.records if "switches change nothing" in r.getMessage()]
