@@ -42,8 +42,24 @@ def per_token_bytes(cfg: ModelConfig, kv_bytes: float) -> float:
     return act + cfg.n_layers * 2 * cfg.kv_dim * kv_bytes
 
 
-def _why_not_roof(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], T: int, kv_bytes: float) -> str:
-    """'' when every GEMM of the layer is at the roof at T tokens, else the first reason not."""
+def _flat_past_target(fixed_s: float, work_s: float, work_at_limit_s: float, T: int, limit: int,
+                      share: float) -> bool:
+    """A fixed cost per call (or per layer) that must be at most `share` of the work it comes
+    with. A unit so fast that it is over that share even at the largest chunk (a fast GPU's
+    launches, an NPU's calls) would send every chunk to the maximum: there the test is met once
+    the per-token cost at T is within `share` of its cost at the largest chunk, where growing
+    the chunk stops paying. A target the largest chunk meets keeps the plain test."""
+    if fixed_s <= share * work_at_limit_s:
+        return False
+    return (fixed_s + work_s) / T <= (1 + share) * (fixed_s + work_at_limit_s) / limit
+
+
+def _why_not_roof(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], T: int, kv_bytes: float,
+                  limit: int | None = None) -> str:
+    """'' when every GEMM of the layer is at the roof at T tokens, else the first reason not.
+    limit: the largest chunk (padded): a test that no chunk up to it can pass passes once T's
+    figure is within its tolerance of the figure at limit."""
+    limit = max(limit or T, T)
     for op in layer_ops(cfg):
         if op.kind not in MATMUL_KINDS:
             continue
@@ -61,20 +77,46 @@ def _why_not_roof(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], T: i
             return f"{op.name} reaches {att / 1e9:.0f} of {best / 1e9:.0f} GFLOPS on its GEMM-by-rows curve"
         c = op_cost(op, cfg, T, 0, fmt, kv_bytes)
         ridge = att / unit.bandwidth
-        if c.intensity < ridge:
-            return f"{op.name} is memory-bound (AI {c.intensity:.1f} < ridge {ridge:.1f} FLOP/B)"
-        if unit.launch_s > LAUNCH_SHARE * c.flops / att:
-            return f"{op.name}'s launch overhead is over {LAUNCH_SHARE:.0%} of its compute"
+        # fp32 activations in and out cap a GEMM's intensity (qkv: near 180 FLOP/B) however long
+        # the chunk: against a higher ridge it is memory-bound at every size. At the roof = its
+        # memory-bound rate within ROOF_FRACTION of what it can reach: the compute roof, or the
+        # memory-bound rate at the largest chunk when that is under the roof
+        reachable = min(att, op_cost(op, cfg, limit, 0, fmt, kv_bytes).intensity * unit.bandwidth)
+        if c.intensity * unit.bandwidth < ROOF_FRACTION * reachable:
+            return (f"{op.name} is memory-bound (AI {c.intensity:.1f} < ridge {ridge:.1f} FLOP/B: "
+                    f"{c.intensity * unit.bandwidth / 1e9:.0f} of the {reachable / 1e9:.0f} GFLOPS it can reach)")
+        far_s = op_cost(op, cfg, limit, 0, fmt, kv_bytes).flops / unit.attainable(prec, limit)
+        if unit.launch_s > LAUNCH_SHARE * c.flops / att and not _flat_past_target(
+                unit.launch_s, c.flops / att, far_s, T, limit, LAUNCH_SHARE):
+            return (f"{op.name}'s launch overhead is over {LAUNCH_SHARE:.0%} of its compute"
+                    f"{_unreachable(unit.launch_s, far_s, limit, LAUNCH_SHARE)}")
     ops = layer_ops(cfg)
-    gemm_s = 0.0
-    for op in ops:
+    gemm_s, calls_s = _layer_gemm_s(unit, cfg, formats, T, kv_bytes), len(ops) * unit.launch_s
+    far_s = _layer_gemm_s(unit, cfg, formats, limit, kv_bytes)
+    if calls_s > LAYER_CALLS_SHARE * gemm_s and not _flat_past_target(
+            calls_s, gemm_s, far_s, T, limit, LAYER_CALLS_SHARE):
+        return (f"the layer's {len(ops)} calls ({calls_s * 1e6:.0f} us) are over "
+                f"{LAYER_CALLS_SHARE:.0%} of its GEMM time ({gemm_s * 1e6:.0f} us)"
+                f"{_unreachable(calls_s, far_s, limit, LAYER_CALLS_SHARE)}")
+    return ""
+
+
+def _unreachable(fixed_s: float, work_at_limit_s: float, limit: int, share: float) -> str:
+    """The note on a fixed-cost reason whose target no chunk meets (see _flat_past_target)."""
+    if fixed_s <= share * work_at_limit_s:
+        return ""
+    return (f", and still at {limit} tokens: the chunk stops where its per-token cost is within "
+            f"{share:.0%} of the {limit}-token one")
+
+
+def _layer_gemm_s(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], T: int, kv_bytes: float) -> float:
+    """Seconds of compute of the layer's GEMMs on `unit` at T tokens."""
+    s = 0.0
+    for op in layer_ops(cfg):
         if op.kind in MATMUL_KINDS:
             prec, fmt = unit.precision_for(op, formats.get(op.name, "f32"))
-            gemm_s += op_cost(op, cfg, T, 0, fmt, kv_bytes).flops / unit.attainable(prec, T)
-    if len(ops) * unit.launch_s > LAYER_CALLS_SHARE * gemm_s:
-        return (f"the layer's {len(ops)} calls ({len(ops) * unit.launch_s * 1e6:.0f} us) are over "
-                f"{LAYER_CALLS_SHARE:.0%} of its GEMM time ({gemm_s * 1e6:.0f} us)")
-    return ""
+            s += op_cost(op, cfg, T, 0, fmt, kv_bytes).flops / unit.attainable(prec, T)
+    return s
 
 
 def choose_chunk(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], *, n_ctx: int,
@@ -82,7 +124,7 @@ def choose_chunk(unit: Unit, cfg: ModelConfig, formats: Mapping[str, str], *, n_
     lines = []
     roof, last_why = None, ""
     for T in range(ALIGN, max_tokens + 1, ALIGN):
-        why = _why_not_roof(unit, cfg, formats, unit.padded(T), kv_bytes)
+        why = _why_not_roof(unit, cfg, formats, unit.padded(T), kv_bytes, unit.padded(max_tokens))
         if not why:
             roof = T
             break

@@ -99,6 +99,13 @@ class Unit:
             return own, fmt
         return effective(asked, self.computes(op, weight_format)), fmt
 
+    def keeps_file_format(self, op: OpSpec, weight_format: str) -> bool:
+        """Whether op's weights stay resident in the file's own format here: such a unit (neon,
+        opencl) runs a fused projection in one format per call, so its load rejects one whose
+        tensors mix formats (ops.MixedFormat), and the op runs elsewhere."""
+        return op.kind in MATMUL_KINDS and self.stores_quantized \
+            and self._resident_format(op, weight_format) == weight_format
+
     def computes(self, op: OpSpec, weight_format: str) -> tuple[str, ...]:
         """The compute precisions this unit has kernels for, for `op` with weights in `weight_format`."""
         if op.kind not in MATMUL_KINDS:
@@ -166,7 +173,8 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
     rows = 1 if (op.last_row_only and prefill) else t
     op_curve = dict(unit.op_curves).get(op.kind)
     if op_curve:
-        peak = _interpolate(op_curve, t)
+        # at the rows it computes: a last-row op (the output norm) in a chunk runs one row
+        peak = _interpolate(op_curve, rows)
     else:
         peak = unit.attainable(prec, rows)
     if prec == "fp32" and unit.quant_fp32_slowdown and fmt in ("q4_0", "q4_1"):

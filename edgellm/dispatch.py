@@ -20,7 +20,7 @@ from .costmodel import FFN_INNER_KINDS, FUSED_OP_S, Estimate, Unit, cpu_unit, es
 from .device.profile import DeviceProfile
 from .errors import ConfigError
 from .model.config import ModelConfig
-from .ops import ACT_BYTES, MATMUL_KINDS, OpSpec, layer_ops, model_ops
+from .ops import ACT_BYTES, MATMUL_KINDS, OpSpec, layer_ops, mixed_formats, model_ops, op_cost
 
 log = logging.getLogger("edgellm")
 PHASES = ("prefill", "decode")
@@ -83,6 +83,7 @@ class Plan:
     # from the chunk's and is predicted faster; used for steps of <= short_max_tokens tokens
     prefill_short: PhasePlan | None = None
     short_max_tokens: int = 0
+    ttft_phase: str = "prefill"   # the placement key the engine runs the prompt with (prompt_phase)
 
     def phase(self, name: str) -> PhasePlan:
         if name == "prefill_short" and self.prefill_short is not None:
@@ -112,7 +113,7 @@ class Plan:
             "units": [{"name": u.name, "kind": u.kind, "available": u.available, "reason": u.reason}
                       for u in self.units],
             "warnings": list(self.warnings),
-            "short_prefill_max_tokens": self.short_max_tokens,
+            "short_prefill_max_tokens": self.short_max_tokens, "ttft_placement": self.ttft_phase,
             "ops": [{"layer": p.scope, "op": p.op, "phase": key, "unit": p.unit, "precision": p.precision,
                      "weight_format": p.weight_format, "flops": p.flops, "bytes": p.bytes,
                      "intensity": round(p.intensity, 3), "bound": p.bound,
@@ -264,6 +265,10 @@ class Dispatcher:
                   unit_for_cost: Unit | None = None) -> tuple[Estimate | None, str]:
         """u's estimate for op (layers asking different precisions: their mean), or (None, why not)."""
         fmt = self.formats.get(op.name, "f32")
+        mixed = mixed_formats(fmt)
+        if mixed and u.keeps_file_format(op, fmt):
+            return None, (f"runs a projection in one weight format per call, and {op.name}'s tensors mix "
+                          f"{', '.join(mixed)} (its load rejects it)")
         parts = []
         for ask, count in self._asks(op, phase, context + tokens):
             prec, _ = u.precision_for(op, fmt, ask)
@@ -305,7 +310,7 @@ class Dispatcher:
         opts = [self._options(op, phase, tokens, context) for op in ops]
         for op, (ok, no) in zip(ops, opts):
             if not ok:
-                raise ConfigError(f"op {op.name}: no available unit can run it: {no}")
+                raise ConfigError(self._none_runs(op, no))
         if self.override:
             choice = [self._forced(op, ok) for op, (ok, _) in zip(ops, opts)]
             return self._total(ops, choice, opts, start, end, tokens, phase), choice, opts
@@ -324,9 +329,19 @@ class Dispatcher:
         ms, path = min(best.values(), key=lambda c: c[0])
         return ms, path, opts
 
+    def _none_runs(self, op: OpSpec, no: Mapping[str, str]) -> str:
+        """The error of an op no unit can run: the op, the profile, and each unit's reason."""
+        reasons = "; ".join(f"{unit}: {why}" for unit, why in no.items())
+        msg = f"op {op.name} ({op.kind}): no unit can run it with the {self.profile.name} profile ({reasons})"
+        if op.kind not in MATMUL_KINDS and any("no fp32 throughput figure" in why for why in no.values()):
+            # norms, rope, attention and the elementwise ops have fp32 kernels only
+            msg += f"; {op.kind} computes in fp32 only: the profile needs an fp32 peak for a unit that runs it"
+        return msg
+
     def _in_bytes(self, op: OpSpec, tokens: int, phase: str) -> float:
-        rows = 1 if (op.last_row_only and phase == "prefill") else tokens
-        return ACT_BYTES * rows * (op.k or op.n)
+        """Activation bytes a handoff into op moves: what the op IR says it reads from its
+        producers (attention: q and the step's new k and v, not q alone; a last-row op: one row)."""
+        return op_cost(op, self.cfg, tokens, 0, "f32", self.kv_bytes, phase == "prefill").in_bytes
 
     def _total(self, ops, choice, opts, start, end, tokens, phase) -> float:
         ms, prev = 0.0, start
@@ -547,13 +562,25 @@ class Dispatcher:
         prefill = self.place("prefill", choice.tokens, 0)
         decode = self.place("decode", 1, prompt_tokens)
         short, short_max = self._short_prefill(prefill, choice.tokens, prompt_tokens)
+        # TTFT is priced with the placement the engine runs this prompt with, not the chunk's
+        key = self.prompt_phase(prompt_tokens, short_max if short is not None else 0)
+        runs = {"decode": decode, "prefill_short": short, "prefill": prefill}[key]
         ttft = 0.0
         for c0 in range(0, prompt_tokens, choice.tokens):
             t = min(choice.tokens, prompt_tokens - c0)
-            ttft += self.step_ms(prefill, t, c0, head=(c0 + t >= prompt_tokens))
+            ttft += self.step_ms(runs, t, c0, head=(c0 + t >= prompt_tokens))
         tps = 1e3 / decode.step_ms if decode.step_ms > 0 else math.inf
         return Plan(self.profile.name, self.units, prefill, decode, choice, prompt_tokens, ttft, tps,
-                    tuple(self.warnings), short, short_max)
+                    tuple(self.warnings), short, short_max, key)
+
+    @staticmethod
+    def prompt_phase(prompt_tokens: int, short_max: int) -> str:
+        """The placement key the engine runs a prompt of `prompt_tokens` with, every chunk of it
+        (ModelRunner.forward): one token is a decode step; 2..short_max tokens take the short
+        prefill's placement; longer prompts the chunk's."""
+        if prompt_tokens == 1:
+            return "decode"
+        return "prefill_short" if prompt_tokens <= short_max else "prefill"
 
     def _short_prefill(self, prefill: PhasePlan, chunk: int, context: int) -> tuple[PhasePlan | None, int]:
         """A placement for short prefill steps at `context` (a chat turn after a cached prefix):
@@ -574,15 +601,26 @@ class Dispatcher:
         return (short, best) if best else (None, 0)
 
     def step_ms(self, plan: PhasePlan, tokens: int, context: int, head: bool = True) -> float:
-        """Predicted time of one step of `tokens` at `context` with plan's placement."""
+        """Predicted time of one step of `tokens` at `context` with plan's placement; a layer the
+        engine runs as one fused native call is priced as place() prices it (each op at the fused
+        per-op cost, one call per step, and the lead and tail inside that call)."""
         lops, (emb, onorm, head_op) = layer_ops(self.cfg), model_ops(self.cfg)
         by_op = {p.op: p.unit for p in plan.placements}
+        fused = self._fused_unit(plan, tokens, context)
+        layer_cost = lead_cost = tail_cost = None
+        if fused is not None:
+            layer_cost = tail_cost = replace(fused, launch_s=FUSED_OP_S)
+            if by_op[emb.name] == fused.name:
+                lead_cost = replace(fused, launch_s=0.0)      # looked up serially inside the call
+            if not by_op[onorm.name] == by_op[head_op.name] == fused.name:
+                tail_cost = None                              # its own calls
 
-        def chain(ops, start, end=None):
+        def chain(ops, start, end=None, cost_unit=None):
             ms, prev = 0.0, start
             for op in ops:
                 u = self.unit(by_op[op.name])
-                e, _ = self._estimate(u, op, plan.phase, tokens, context)
+                e, _ = self._estimate(u, op, plan.phase, tokens, context,
+                                      unit_for_cost=cost_unit if cost_unit and cost_unit.name == u.name else None)
                 ms += e.ms + handoff_ms(self.unit(prev), u, self._in_bytes(op, tokens, plan.phase))
                 prev = u.name
             if end is not None:
@@ -590,5 +628,22 @@ class Dispatcher:
             return ms
 
         home = by_op[lops[-1].name]
-        ms = chain([emb], by_op["embedding"], home) + self.cfg.n_layers * chain(lops, home, home)
-        return ms + (chain([onorm, head_op], home) if head else 0.0)
+        ms = chain([emb], by_op["embedding"], home, lead_cost) + self.cfg.n_layers * chain(lops, home, home, layer_cost)
+        if fused is not None:
+            ms += fused.fused_decode_s * 1e3      # the step's one native call
+        return ms + (chain([onorm, head_op], home, cost_unit=tail_cost) if head else 0.0)
+
+    def _fused_unit(self, plan: PhasePlan, tokens: int, context: int) -> Unit | None:
+        """The unit whose native layer step runs plan's layers, as _fused_step allows it and the
+        engine fuses them: every layer op on that one unit, its step able to read this KV cache,
+        each op at the unit's own precision. None: the layer runs op by op."""
+        lops = layer_ops(self.cfg)
+        names = {plan.unit(op.name) for op in lops}
+        if len(names) != 1:
+            return None
+        u = self.unit(names.pop())
+        if u.fused_decode_s is None or self.kv_bytes not in u.fused_kv_bytes:
+            return None
+        if not all(self._native_precision(u, op, plan.phase, context + tokens) for op in lops):
+            return None
+        return u

@@ -79,24 +79,59 @@ def model_ops(cfg: ModelConfig) -> tuple[OpSpec, ...]:
     )
 
 
-# op name -> the GGUF tensor (of each layer: "blk.{i}.") whose type is the op's weight format
-_WEIGHT_TENSORS = {"qkv": "attn_q.weight", "attn_out": "attn_output.weight",
-                   "ffn_gate_up": "ffn_gate.weight", "ffn_down": "ffn_down.weight"}
+class MixedFormat(str):
+    """The weight format of a fused projection whose tensors differ in format (Q4_0 q with F16
+    k and v, say). It reads as its first part's format wherever one name is needed (a profile's
+    shapes, a precision search); `parts` gives each segment's format and rows, for its bytes and
+    for the units that run a projection in one format per call (they cannot take it)."""
+
+    parts: tuple[tuple[str, int], ...]   # (format, output rows) per segment, in output order
+
+    def __new__(cls, parts: tuple[tuple[str, int], ...]) -> "MixedFormat":
+        obj = super().__new__(cls, parts[0][0])
+        obj.parts = tuple(parts)
+        return obj
+
+    def __getnewargs__(self):   # pickle and copy rebuild it from its parts, not its name
+        return (self.parts,)
+
+    def formats(self) -> tuple[str, ...]:
+        return tuple(sorted({f for f, _ in self.parts}))
+
+
+def mixed_formats(weight_format: str) -> tuple[str, ...]:
+    """The distinct formats of a mixed projection's parts; () for a single format."""
+    return weight_format.formats() if isinstance(weight_format, MixedFormat) else ()
 
 
 def weight_formats(model) -> dict[str, str]:
     """op name -> the model file's storage format of its weights ("q4_1", "f32", ...); ops
-    without a weight matrix read fp32 norms or nothing: "f32". A layer op whose layers differ
-    (a mixed-precision file) gets the format most layers have: placement is per op, for all layers."""
+    without a weight matrix read fp32 norms or nothing: "f32". A fused projection reads every
+    one of its tensors (q, k, v; gate, up): parts in different formats give a MixedFormat. A
+    layer op whose layers differ (a mixed-precision file) gets the format most layers have:
+    placement is per op, for all layers."""
+    from .model import layout
+
     cfg = model.config
     fmt = {op.name: "f32" for op in (*layer_ops(cfg), *model_ops(cfg))}
-    for op, tensor in _WEIGHT_TENSORS.items():
-        types = [model.tensor_type(f"blk.{i}.{tensor}").name.lower() for i in range(cfg.n_layers)]
-        fmt[op] = max(dict.fromkeys(types), key=types.count)
+    for op in layout.SEGMENTS:
+        per_layer = []
+        for i in range(cfg.n_layers):
+            segs, _ = layout.projection(cfg, i, op)
+            per_layer.append(tuple((model.tensor_type(name).name.lower(), rows) for name, rows in segs))
+        parts = max(dict.fromkeys(per_layer), key=per_layer.count)
+        fmt[op] = parts[0][0] if len({f for f, _ in parts}) == 1 else MixedFormat(parts)
     fmt["embedding"] = model.tensor_type("token_embd.weight").name.lower()
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     fmt["lm_head"] = model.tensor_type(head).name.lower()
     return fmt
+
+
+def weight_bytes(op: OpSpec, weight_format: str) -> float:
+    """Bytes of op's weight matrix held in `weight_format` (each part at its own for a mix)."""
+    if isinstance(weight_format, MixedFormat):
+        return sum(op.k * rows * WEIGHT_BYTES[f] for f, rows in weight_format.parts)
+    return op.k * op.n * WEIGHT_BYTES[weight_format]
 
 
 # FLOPs booked per element of an elementwise op's output width
@@ -126,7 +161,7 @@ def op_cost(op: OpSpec, cfg: ModelConfig, tokens: int, context: int, weight_form
     T = 1 if (op.last_row_only and prefill) else tokens
     a = ACT_BYTES
     if op.kind in MATMUL_KINDS:
-        wb = op.k * op.n * WEIGHT_BYTES[weight_format]
+        wb = weight_bytes(op, weight_format)
         return OpCost(2.0 * T * op.k * op.n, wb, a * T * (op.k + op.n), 0.0, a * T * op.k)
     if op.kind in ELEMENTWISE_FLOPS:
         f = elementwise_flops(op.kind, T, op.n)

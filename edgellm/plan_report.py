@@ -12,6 +12,12 @@ _HEAD = f"  {'op':<12} {'shape':>16} {'MFLOP':>9} {'MB':>8} {'AI':>7} {'unit':<1
         f"{'weights':<7} {'bound':<8} {'ms':>8}  reason"
 
 
+# why TTFT is priced with the placement it is: the one the engine runs the prompt with
+_TTFT_PLACEMENT = {"decode": "the decode placement: a one-token prompt runs as a decode step",
+                   "prefill_short": "the prefill_short placement: the prompt is one short step",
+                   "prefill": "the prefill placement, chunk by chunk"}
+
+
 def _shape(p: Placement, phase: PhasePlan, by_name) -> str:
     rows = 1 if (p.scope == "model" and p.op != "embedding" and phase.phase == "prefill") else phase.tokens
     op = by_name[p.op]
@@ -43,8 +49,8 @@ def render(plan: Plan, *, model_name: str, soc: str, ops_by_name) -> str:
                        f"{p.predicted_ms:>8.4f}  {p.reason}")
     for w in plan.warnings:
         out.append(f"warning: {w}")
-    out.append(f"predicted: TTFT {plan.predicted_ttft_ms:.1f} ms for {plan.prompt_tokens} prompt tokens, "
-               f"decode {plan.predicted_decode_tps:.1f} tok/s")
+    out.append(f"predicted: TTFT {plan.predicted_ttft_ms:.1f} ms for {plan.prompt_tokens} prompt tokens "
+               f"({_TTFT_PLACEMENT[plan.ttft_phase]}), decode {plan.predicted_decode_tps:.1f} tok/s")
     return "\n".join(out)
 
 

@@ -1,0 +1,92 @@
+"""Placement and TTFT: what the dispatcher prices against what the engine runs."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from edgellm.costmodel import cpu_unit, gpu_unit, handoff_ms
+from edgellm.dispatch import Dispatcher
+from tests.profiles import cpu_only, soc
+from tests.test_dispatch import CFG, OPS, Q41
+
+
+def test_attentions_handoff_moves_q_k_and_v():
+    """Handing attention's input to a unit that is not zero-copy charged 4 x T x 576 bytes (q
+    alone, its output width) though it reads q and the step's new k and v: 4 x T x 960."""
+    p = soc(npu=False)
+    p = replace(p, gpu=replace(p.gpu, unified_memory=False))
+    neon, gpu = cpu_unit("neon", p), gpu_unit(p)
+    assert not gpu.zero_copy
+    d = Dispatcher(p, CFG, Q41, probe=False, units=[neon, gpu])
+    T = 256
+    ok, no = d._options(OPS["attention"], "prefill", T, 0)
+    placed = d._placement(OPS["attention"], "prefill", T, "opencl", "neon", ok, no)
+    qkv_bytes = 4 * T * (CFG.q_dim + 2 * CFG.kv_dim)
+    assert placed.transfer_ms == pytest.approx(handoff_ms(neon, gpu, qkv_bytes))
+    assert placed.transfer_ms > handoff_ms(neon, gpu, 4 * T * CFG.q_dim)
+
+
+def _plan(prompt_tokens, profile=None):
+    d = Dispatcher(profile or soc(), CFG, Q41, probe=False)
+    return d, d.plan(prompt_tokens=prompt_tokens, n_ctx=2048, memory_budget=512 * 2**20)
+
+
+def test_a_one_token_prompt_is_priced_as_the_decode_step_the_engine_runs():
+    """TTFT added up every chunk with the chunk's prefill placement (GPU and NPU on an
+    RK3588-like SoC, 33 ms) while the engine runs a 1-token prompt as a decode step (neon, 3.6)."""
+    d, plan = _plan(1)
+    assert {p.unit for p in plan.prefill.placements} != {p.unit for p in plan.decode.placements}
+    assert plan.predicted_ttft_ms == pytest.approx(d.step_ms(plan.decode, 1, 0))
+    assert plan.ttft_phase == "decode" and plan.to_json()["ttft_placement"] == "decode"
+    assert plan.predicted_ttft_ms < d.step_ms(plan.prefill, 1, 0)
+
+
+def test_a_short_prompt_is_priced_with_the_short_prefill_placement():
+    """A 32-token prompt runs the prefill_short placement (2..short_max tokens) in the engine;
+    TTFT priced it with the chunk's (36.5 ms on rk3588 against 14.2 for what runs)."""
+    d, plan = _plan(32)
+    assert plan.prefill_short is not None and plan.short_max_tokens >= 32
+    assert Dispatcher.prompt_phase(32, plan.short_max_tokens) == "prefill_short"
+    assert plan.predicted_ttft_ms == pytest.approx(d.step_ms(plan.prefill_short, 32, 0))
+    assert plan.predicted_ttft_ms < d.step_ms(plan.prefill, 32, 0)
+
+
+def test_a_long_prompt_runs_every_chunk_with_the_chunk_placement():
+    d, plan = _plan(300)
+    c = plan.chunk.tokens
+    assert Dispatcher.prompt_phase(300, plan.short_max_tokens) == "prefill" and c < 300
+    want = d.step_ms(plan.prefill, c, 0, head=False) + d.step_ms(plan.prefill, 300 - c, c)
+    assert plan.predicted_ttft_ms == pytest.approx(want)
+
+
+def test_ttft_prices_the_fused_native_step_as_the_table_does():
+    """step_ms() charged each op of a fused native step a full call: one full chunk's TTFT was
+    45.86 ms against the table's 45.29 per step (Pi 5), and step_ms of the decode plan was not
+    its table figure either."""
+    p = cpu_only()
+    # per-op calls dearer than numpy's (50 us), the fused step one call: the layer is fused
+    neon = replace(cpu_unit("neon", p), launch_s=50e-6, fused_decode_s=50e-6)
+    d = Dispatcher(p, CFG, Q41, probe=False, units=[neon, cpu_unit("reference", p)])
+    chunk = d.plan(prompt_tokens=1, n_ctx=2048, memory_budget=2**30).chunk.tokens
+    plan = d.plan(prompt_tokens=chunk, n_ctx=2048, memory_budget=2**30)
+    assert all(q.reason.startswith("fused prefill chunk on neon") for q in plan.prefill.placements
+               if q.scope == "layer")
+    assert plan.predicted_ttft_ms == pytest.approx(plan.prefill.step_ms)
+    assert d.step_ms(plan.decode, 1, chunk) == pytest.approx(plan.decode.step_ms)
+
+
+def test_a_profile_with_no_fp32_figure_is_a_readable_error_naming_each_units_reason():
+    """A profile with only an int8 peak passed the schema, then plan failed with a Python dict in
+    the message: `op attn_norm: no available unit can run it: {'neon': ...}`."""
+    from edgellm.errors import ConfigError
+
+    p = cpu_only()
+    p = replace(p, clusters=tuple(replace(c, peak_per_core={"int8": c.peak_per_core["int8"]}) for c in p.clusters))
+    with pytest.raises(ConfigError) as e:
+        Dispatcher(p, CFG, Q41, probe=False).plan(prompt_tokens=8, n_ctx=256, memory_budget=2**30)
+    msg = str(e.value)
+    assert "{" not in msg and "'" not in msg, msg
+    assert msg.startswith("op attn_norm (rmsnorm): no unit can run it with the test-cpu profile")
+    assert "neon: no fp32 throughput figure" in msg and "reference: no fp32 throughput figure" in msg
+    assert "opencl: unavailable" in msg and "needs an fp32 peak" in msg
