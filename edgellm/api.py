@@ -210,6 +210,9 @@ class Engine:
 
     def _stream(self, text_fn, t0: float, cfg: GenerationConfig, cancel: CancelToken,
                 chat: bool = False) -> Iterator[str]:
+        # the clock starts when the app first asks for a piece: this body runs then, and time the
+        # app spent between stream() and its first next() counted as tokenizing and TTFT
+        t0 = max(t0, time.perf_counter())
         ids = self._prompt_ids(text_fn(), chat)
         yield from self._generate_ids(ids, cfg, cancel, t0, time.perf_counter())
 

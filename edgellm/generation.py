@@ -36,7 +36,8 @@ class GenerationStats:
         runs = f" ({self.decode_runs})" if self.decode_runs else ""
         # (the first token comes from the prefill: a rate needs two; "0.0 tok/s" read as a stall)
         rate = f" at {self.decode_tps:.1f} tok/s{runs}" if self.generated_tokens > 1 else ""
-        return (f"prompt {self.prompt_tokens} tok{cached}, TTFT {self.ttft_ms:.0f} ms (tokenize "
+        ttft = f"{self.ttft_ms:.0f} ms" if self.generated_tokens or self.ttft_ms else "- (no token)"
+        return (f"prompt {self.prompt_tokens} tok{cached}, TTFT {ttft} (tokenize "
                 f"{self.tokenize_ms:.1f}, prefill {self.prefill_ms:.0f}), decode {self.generated_tokens} tok"
                 f"{rate}, peak RSS {self.peak_rss_mb:.0f} MiB, stop: {self.stop_reason}")
 
@@ -79,6 +80,7 @@ class Generation:
         self.history = list(ids)
         self.last_tok: int | None = None
         self.t_first: float | None = None
+        self.t_last: float | None = None       # when the last token was taken (decode_ms ends there)
         self._t_step: float | None = None      # when the last decode step began (decode runs' length)
         self._run_len = 1
         self._stop_ids = () if cfg.ignore_eos else tuple(sorted(engine.tokenizer.eot_ids))
@@ -125,10 +127,13 @@ class Generation:
             if len(self.pending):
                 part, self.pending = self.pending[: self.chunk], self.pending[self.chunk :]
                 # a part that more parts follow stores its K/V only: no head, no last-layer output
+                t = time.perf_counter()
                 logits = runner.forward(self.seq, part, cancel=self.cancel, logits=not len(self.pending))
+                # the prompt's own forward time: a scheduler's queue and other requests' steps
+                # between its chunks were counted before
+                self.stats.prefill_ms += (time.perf_counter() - t) * 1e3
                 if len(self.pending):
                     return None
-                self.stats.prefill_ms = (time.perf_counter() - self.t_tok) * 1e3
             else:
                 k = self._run_length()
                 if k:
@@ -221,6 +226,7 @@ class Generation:
             return "", "eos"
         self.history.append(tok)
         st.generated_tokens += 1
+        self.t_last = time.perf_counter()
         hit, text = self.stopper.feed(self.decoder.push(tok))
         if hit:
             return text, "stop"
@@ -243,8 +249,10 @@ class Generation:
         if reason != "stop":
             hit, rest = self.stopper.feed(self.decoder.flush())  # bytes of an unfinished UTF-8 character
             rest += "" if hit else self.stopper.flush()
-        if self.t_first is not None:
-            st.decode_ms = (time.perf_counter() - self.t_first) * 1e3
+        if self.t_first is not None and self.t_last is not None:
+            # to the last token taken: an EOS step, or a pause before the app closed the stream,
+            # is not decode time of the tokens counted
+            st.decode_ms = (self.t_last - self.t_first) * 1e3
             if st.generated_tokens > 1 and st.decode_ms > 0:
                 st.decode_tps = (st.generated_tokens - 1) / (st.decode_ms / 1e3)
         st.peak_rss_mb = peak_rss_mb()
