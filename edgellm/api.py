@@ -474,6 +474,20 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     EDGELLM_PREFAULT=0. Engine.wait_loaded() waits for it.
     progress(stage, done, total) is called while pulling and while preparing weights.
     """
+    # one load at a time: two loads in two threads swapped the neon unit's configured pool
+    # between them (an engine's fused step held the other's thread count), and both passed the
+    # NPU unit's one-configuration check before either registered
+    with _LOAD_LOCK:
+        return _load(model, device, n_ctx=n_ctx, threads=threads, prefill_chunk=prefill_chunk, kv=kv,
+                     kv_precision=kv_precision, window=window, sinks=sinks, units=units, precision=precision,
+                     quality_guard=quality_guard, prefault=prefault, pin=pin, progress=progress)
+
+
+_LOAD_LOCK = threading.RLock()
+
+
+def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, window, sinks, units, precision,
+          quality_guard, prefault, pin, progress) -> Engine:
     from .device.topology import PinResult, current_affinity, detect_clusters, pin_threads, select_big
 
     from .precision import load_plan
@@ -489,6 +503,8 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     guard = QualityGuard.from_option(quality_guard)
     if not isinstance(pin, bool):
         raise ConfigError(f"pin must be True or False, got {pin!r}")
+    if prefault is not None and not isinstance(prefault, bool):   # ("no" turned it on)
+        raise ConfigError(f"prefault must be True, False or None, got {prefault!r}")
     if threads is not None and (not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS):
         raise ConfigError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
     if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1):
@@ -536,7 +552,8 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
         prefill_chunk = ring_cap
         plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
                                memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
-        plan = replace(plan, chunk=replace(plan.chunk, derivation=plan.chunk.derivation + (
+        said = tuple(d.replace("(set by the caller)", "(the ring's cap, below)") for d in plan.chunk.derivation)
+        plan = replace(plan, chunk=replace(plan.chunk, derivation=said + (
             f"ring: at most half the {kv_cfg.window - kv_cfg.sinks} tokens a chunk may take (window "
             f"{kv_cfg.window} less {kv_cfg.sinks} sinks), so a chunk's first tokens keep context",)))
     plan = replace(plan, warnings=plan.warnings + tuple(plan_notes))

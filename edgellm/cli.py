@@ -729,9 +729,12 @@ def plan(
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     if ctx is not None and ctx < 1:
         raise ConfigError(f"--ctx must be >= 1, got {ctx}")
-    if ctx is not None and prompt_tokens > ctx:   # (the plan quietly grew the context to the prompt)
-        raise ConfigError(f"--prompt-tokens {prompt_tokens} does not fit --ctx {ctx}: `run` would refuse the "
-                          f"prompt (ContextFull); raise --ctx or shorten the prompt")
+    default_ctx = min(DEFAULT_CTX, mf.config.context_length)
+    # (the plan quietly grew the context; past the trained context the error below says that)
+    if mf.config.context_length >= prompt_tokens > (ctx if ctx is not None else default_ctx):
+        raise ConfigError(f"--prompt-tokens {prompt_tokens} does not fit --ctx {ctx if ctx is not None else default_ctx}"
+                          f"{'' if ctx is not None else ' (the default)'}: `run` would refuse the prompt "
+                          f"(ContextFull); raise --ctx or shorten the prompt")
     n_ctx = max(ctx if ctx is not None else min(DEFAULT_CTX, mf.config.context_length), prompt_tokens)
     if n_ctx > mf.config.context_length:   # as load() caps it, so the plan is the one `run` gets
         if prompt_tokens > mf.config.context_length:

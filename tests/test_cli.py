@@ -1,5 +1,6 @@
 """The command line on a tiny synthetic model: run, info, bench, errors as one line."""
 import json
+from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -353,3 +354,13 @@ def test_kv_options_the_chosen_layout_ignores_are_said_to_be(tiny):
     assert r.exit_code == 0 and "--ctx does not size a --kv ring" in r.stderr
     r = runner.invoke(app, base)
     assert r.exit_code == 0 and "warning" not in r.stderr
+
+
+def test_plan_refuses_a_prompt_longer_than_the_default_ctx(tiny):
+    """Without --ctx, plan grew the context to the prompt (context 5000, TTFT 7.6 s) while `run`
+    refuses that prompt at the default context."""
+    r = runner.invoke(app, ["plan", "--model", tiny, "--ctx", "64", "--prompt-tokens", "100"])
+    assert r.exit_code == 1 and "--prompt-tokens 100 does not fit --ctx 64" in r.stderr, r.output
+    big = write_tiny_model(Path(tiny).parent / "long.gguf", tensor_type=QT.Q8_0, seed=5, context_length=4096).path
+    r = runner.invoke(app, ["plan", "--model", big, "--prompt-tokens", "3000"])
+    assert r.exit_code == 1 and "--prompt-tokens 3000 does not fit --ctx 2048 (the default)" in r.stderr, r.output

@@ -32,6 +32,10 @@ class KVConfig:
                               f"got {self.precision!r}")
         if not 1 <= self.block_tokens <= 4096:
             raise ConfigError(f"block_tokens must be in 1..4096, got {self.block_tokens}")
+        if self.kind == "ring":   # (a float or str window raised a TypeError below, or in the plan)
+            for name, v in (("window", self.window), ("sinks", self.sinks)):
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise ConfigError(f"ring {name} must be an int, found {v!r}")
         if self.kind == "ring" and not 0 <= self.sinks < self.window:
             raise ConfigError(f"ring needs 0 <= sinks < window, got sinks={self.sinks}, window={self.window}")
 
