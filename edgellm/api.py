@@ -85,7 +85,8 @@ class Engine:
         self.prefault = None        # model.prefault.Prefault: the weights' background paging-in, or None
                                     # (the KV pool's background commit is self.kv.commit)
         self._load_rss_final = False
-        self.last_stats = GenerationStats()
+        self._stats_latest = GenerationStats()     # the last generation started, any thread's
+        self._stats_mine = threading.local()      # the last one this thread started
         self._cancel = CancelToken()
         self.plan = None        # the dispatcher's Plan (set by load): units, placement, chunk, reasons
         self.profile = None     # the DeviceProfile it planned with
@@ -139,6 +140,17 @@ class Engine:
             return
         with self.turn():
             gen._end("cancelled")
+
+    @property
+    def last_stats(self) -> GenerationStats:
+        """The statistics of the last generation this thread started, else of the last any
+        thread started. (One engine-wide value: a thread read another thread's request, e.g.
+        prompt 1 tok and 3 generated after its own 211-token prompt and 40 tokens.)"""
+        return getattr(self._stats_mine, "stats", None) or self._stats_latest
+
+    @last_stats.setter
+    def last_stats(self, stats: GenerationStats) -> None:
+        self._stats_latest = self._stats_mine.stats = stats
 
     # -- text <-> ids --------------------------------------------------------------------------
     @property

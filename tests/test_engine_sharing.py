@@ -272,3 +272,23 @@ def test_pin_false_leaves_the_apps_threads_where_it_put_them(tmp_path_factory):
     assert kept.startswith(f"{[whole[-1]]} False pin=False"), kept
     with pytest.raises(ConfigError, match="pin must be True or False"):
         edgellm.load(tm.path, n_ctx=64, pin="no")
+
+
+def test_each_thread_reads_its_own_last_stats(engine):
+    """last_stats was one engine-wide value: a thread read another thread's request's figures
+    after its own generate() (from a helper's probe of the run statistics)."""
+    started, seen = threading.Event(), []
+
+    def other():
+        s = engine.stream(PROMPTS[1], **GREEDY)
+        next(s)                  # a generation of this thread has started (and set its stats)
+        started.set()
+        list(s)
+
+    engine.generate(PROMPTS[0], **GREEDY)
+    t = threading.Thread(target=other)
+    t.start()
+    assert started.wait(60)
+    seen.append(engine.last_stats.prompt_tokens)      # this thread's own, after the other began
+    t.join(60)
+    assert seen == [len(engine.tokenize(PROMPTS[0]))] != [len(engine.tokenize(PROMPTS[1]))]
