@@ -221,7 +221,8 @@ def run_shared_prefix(engine: Engine, prefix_tokens: int, suffix_tokens: list[in
             "peak_rss_mb": round(max(rss), 1),
             "load_ms": round(engine.load_ms, 1),
             **memory_fields(engine),
-            "shared_prefix_tokens": prefix_tokens, "gen_tokens": gen_tokens, "runs": runs,
+            # the prefix as run: the newline that ends it can add a token to the length asked for
+            "shared_prefix_tokens": len(engine.tokenize(prefix)), "gen_tokens": gen_tokens, "runs": runs,
             "threads": engine.threads,
         })
     return records

@@ -616,6 +616,9 @@ def bench(
     check_out_path(json_path, "--json")
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
     eng = _load(model, max(2048, need), threads, device=device, units=units, precision=precision)
+    if need > eng.n_ctx:   # (it failed after the load and the first runs, advising a --ctx bench has not)
+        raise ConfigError(f"these runs need {need} tokens of context (prompt, generated tokens and margin) but "
+                          f"{eng.config.name} holds {eng.n_ctx}, its trained context: shorten --prompt-tokens")
     eng.wait_loaded()   # the weights' paging-in belongs to load: its RSS, not the first run's TTFT
     # the cold start an app sees: importing the runtime, the device profile, the model, its
     # weights paged in (load_ms, the engine's own figure, starts after the first two)
@@ -661,7 +664,10 @@ def bench(
                        f"({r['decode_weight_mb']:.1f} MB of weights per token at the faster of {bws} GB/s, measured "
                        f"before and after the runs)")
         elif "decode_weight_mb" in r:
-            typer.echo(f"decode at {r['prompt_tokens']}: no memory floor (the bandwidth probe failed)")
+            why = ("no decode step to compare: --gen-tokens 1 produces its one token from the prefill"
+                   if r.get("decode_tps") == 0 and any(r.get("read_bandwidth_gbs") or ()) else
+                   "no memory floor (the bandwidth probe failed)")
+            typer.echo(f"decode at {r['prompt_tokens']}: {why}")
     if shared_prefix:
         for r in recs:
             typer.echo(f"shared prefix: {r['cached_prefix_tokens']} of {r['prompt_tokens']} tokens cached: TTFT "

@@ -364,3 +364,13 @@ def test_plan_refuses_a_prompt_longer_than_the_default_ctx(tiny):
     big = write_tiny_model(Path(tiny).parent / "long.gguf", tensor_type=QT.Q8_0, seed=5, context_length=4096).path
     r = runner.invoke(app, ["plan", "--model", big, "--prompt-tokens", "3000"])
     assert r.exit_code == 1 and "--prompt-tokens 3000 does not fit --ctx 2048 (the default)" in r.stderr, r.output
+
+
+def test_bench_says_up_front_when_its_runs_do_not_fit_and_why_a_floor_is_missing(tiny, tmp_path):
+    """bench over the model's trained context failed after the first runs, advising a --ctx it
+    does not have; with --gen-tokens 1 it said the bandwidth probe had failed, which it had not
+    (from a helper's probe of the run statistics)."""
+    r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "300", "--runs", "1", "--no-floor"])
+    assert r.exit_code == 1 and "these runs need" in r.stderr and "its trained context" in r.stderr, r.output
+    r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--runs", "1", "--gen-tokens", "1"])
+    assert r.exit_code == 0 and "no decode step to compare: --gen-tokens 1" in r.stdout, r.output
