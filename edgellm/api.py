@@ -198,6 +198,7 @@ class Engine:
                             self._cancel_token(cancel))
 
     def generate(self, prompt: str, **kwargs) -> str:
+        """The whole completion of prompt as one str (stream()'s pieces joined; same keywords)."""
         return "".join(self.stream(prompt, **kwargs))
 
     def chat_stream(self, messages: Sequence[dict], *, config: GenerationConfig | None = None,
@@ -237,6 +238,7 @@ class Engine:
         return self.tokenize(text, add_bos=False if bos and text.startswith(bos) else None)
 
     def chat(self, messages: Sequence[dict], **kwargs) -> str:
+        """The assistant's answer to messages as one str (chat_stream()'s pieces joined)."""
         return "".join(self.chat_stream(messages, **kwargs))
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -272,7 +274,9 @@ class Engine:
     # -- caches and sessions -------------------------------------------------------------------
     def warm(self, text: str) -> int:
         """Precompute the KV of `text` (a system prompt, say) into the prefix cache, so a later
-        prompt that starts with it computes only the rest. Returns the tokens now cached."""
+        prompt that starts with it computes only the rest. Returns the tokens computed; a later
+        prompt reuses their whole blocks (block_tokens each) whose tokens it shares, so a text
+        whose last token tokenizes otherwise inside the longer prompt gives up that block."""
         # a rendered chat turn starting with the BOS text the template wrote: tokenized as a chat
         # prompt is (one BOS), or the chat that follows never matched the warmed blocks
         ids = self._prompt_ids(text, chat=True)
