@@ -32,7 +32,7 @@ import weakref
 from typing import Iterator, Sequence
 
 from .engine import CancelToken
-from .errors import ConfigError, EdgeLLMError
+from .errors import ConfigError, ContextFull, EdgeLLMError
 from .generation import Generation, GenerationStats
 from .model.chat_template import ChatTemplate
 from .model.tokenizer import check_unicode
@@ -50,7 +50,7 @@ class _Job:
         self.config = config
         self.submitted = time.perf_counter()
         self.cancel_token = CancelToken()
-        self.stats = GenerationStats()
+        self._stats = GenerationStats()    # until a Generation runs it (then the live one)
         self.error: BaseException | None = None
         # every piece so far, kept: any number of readers, each from the start, and result()
         # after a stream (a queue let only the first reader see the end: the next one waited
@@ -63,6 +63,12 @@ class _Job:
         self.t_tok = 0.0                    # when tokenization ended (the Generation's clock)
         self.tokenize_ms = 0.0
         self.blocks = 0                     # KV blocks it may take: prompt + max_tokens (admission)
+
+    @property
+    def stats(self) -> GenerationStats:
+        """The live statistics once the request runs (mid-stream they read 0 before), else its
+        own: a request that ended waiting still has its prompt's tokens and tokenize time."""
+        return self.gen.stats if self.gen is not None else self._stats
 
     def cancel(self) -> None:
         self.cancel_token.cancel()
@@ -98,8 +104,11 @@ class _Job:
 
     def _finish(self, error: BaseException | None = None) -> None:
         self.error = error
-        if self.gen is not None:
-            self.stats = self.gen.stats
+        st = self.stats
+        if self.ids is not None and not st.prompt_tokens:
+            st.prompt_tokens, st.tokenize_ms = len(self.ids), self.tokenize_ms
+        if error is not None and not st.stop_reason:   # (a ContextFull at start left it "")
+            st.stop_reason = "context_full" if isinstance(error, ContextFull) else "error"
         with self._cv:
             self._done.set()
             self._cv.notify_all()
@@ -243,7 +252,7 @@ class _Worker:
             for req in [r for r in self._waiting if r.cancel_token.cancelled]:
                 self._waiting.remove(req)
                 req.stats.stop_reason = "cancelled"
-                req._finish()
+                req._finish()   # (with the prompt's figures: they read 0 before)
 
     def _tokenize(self, req: _Job) -> None:
         try:

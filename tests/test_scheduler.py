@@ -268,3 +268,20 @@ def test_submitted_messages_are_copied(engine):
             msgs[0]["content"] = "something else entirely"
             msgs.append({"role": "assistant", "content": "x"})
         assert r.result(timeout=30) == want and r.stats.prompt_tokens == n_prompt
+
+
+def test_request_stats_are_live_and_say_how_a_request_ended(engine):
+    """Request.stats read 0 tokens mid-stream (the live object was swapped in only at the end),
+    a request cancelled while waiting showed prompt_tokens 0, and one refused with ContextFull had
+    stop_reason "" (from a helper's probe of the run statistics)."""
+    with Scheduler(engine, chunk=8) as s:
+        r = s.submit("hello world", temperature=0, max_tokens=12, ignore_eos=True)
+        pieces = r.stream()
+        for _ in range(4):
+            next(pieces)
+        assert r.stats.generated_tokens >= 3 and r.stats.prompt_tokens == len(engine.tokenize("hello world"))
+        list(pieces)
+        too_long = s.submit(long_prompt(engine, 1100), **GREEDY)
+        with pytest.raises(ContextFull):
+            too_long.result(timeout=30)
+        assert too_long.stats.stop_reason == "context_full" and too_long.stats.prompt_tokens > 1000
