@@ -194,8 +194,7 @@ class Engine:
         temperature, top_k, top_p, min_p, repeat_penalty, seed, stop). Options are validated
         here, before the first piece is asked for."""
         check_unicode(prompt, "prompt")   # (a lone surrogate raised only at the first piece)
-        return self._stream(lambda: prompt, time.perf_counter(), generation_config(config, **kwargs),
-                            self._cancel_token(cancel))
+        return self._stream(lambda: prompt, generation_config(config, **kwargs), self._cancel_token(cancel))
 
     def generate(self, prompt: str, **kwargs) -> str:
         """The whole completion of prompt as one str (stream()'s pieces joined; same keywords)."""
@@ -205,10 +204,9 @@ class Engine:
                     cancel: CancelToken | None = None, **kwargs) -> Iterator[str]:
         """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...]. The template is
         rendered inside the TTFT clock, as part of tokenization."""
-        t0 = time.perf_counter()
         cfg = generation_config(config, **kwargs)
         ChatTemplate.check_conversation(messages)
-        return self._stream(lambda: self.render_chat(messages), t0, cfg, self._cancel_token(cancel), chat=True)
+        return self._stream(lambda: self.render_chat(messages), cfg, self._cancel_token(cancel), chat=True)
 
     def _cancel_token(self, cancel: CancelToken | None) -> CancelToken:
         """The request's token: the caller's as it is (one cancelled before the request starts
@@ -221,11 +219,10 @@ class Engine:
             raise ConfigError(f"cancel: expected an edgellm.engine.CancelToken, found {type(cancel).__name__}")
         return cancel
 
-    def _stream(self, text_fn, t0: float, cfg: GenerationConfig, cancel: CancelToken,
-                chat: bool = False) -> Iterator[str]:
-        # the clock starts when the app first asks for a piece: this body runs then, and time the
-        # app spent between stream() and its first next() counted as tokenizing and TTFT
-        t0 = max(t0, time.perf_counter())
+    def _stream(self, text_fn, cfg: GenerationConfig, cancel: CancelToken, chat: bool = False) -> Iterator[str]:
+        # the clock starts when the app first asks for a piece, when this body runs (started at
+        # the call, the app's time before its first next() counted as tokenizing and TTFT)
+        t0 = time.perf_counter()
         ids = self._prompt_ids(text_fn(), chat)
         yield from self._generate_ids(ids, cfg, cancel, t0, time.perf_counter())
 
