@@ -47,7 +47,12 @@ def fsync_dir(d: str | os.PathLike) -> None:
 
 # Temporary names carry their writer's pid ("pid1234"), so that one a killed writer left (SIGKILL,
 # a phone's low-memory killer: nothing can clean up) is recognised by the next writer and removed.
-_TAGGED = re.compile(r"^\..*?[.-]pid(\d+)[.-]")
+# Only the exact shapes edgellm makes: a file ".NAME.pidN.RANDOM.tmp|part" (mkstemp), a folder
+# ".pull-pidN-RANDOM" (mkdtemp). A looser match ("-pidN-" or ".pidN." anywhere) took a user's
+# ".notes.pid999999.txt" and, with rmtree, a ".backup-pid999998-old" folder from the folder
+# `quantize -o` wrote to.
+_TAGGED_FILE = re.compile(r"^\..+\.pid(\d+)\.[A-Za-z0-9_]+\.(?:tmp|part)$")
+_TAGGED_DIR = re.compile(r"^\.pull-pid(\d+)-[A-Za-z0-9_]+$")
 
 
 def writer_tag() -> str:
@@ -58,7 +63,7 @@ def writer_tag() -> str:
 def writer_alive(name: str) -> bool | None:
     """Whether the writer named in a temporary file's name still runs; None when the name
     carries no writer (not a tagged temporary name) or the pid cannot be checked."""
-    m = _TAGGED.match(name)
+    m = _TAGGED_FILE.match(name) or _TAGGED_DIR.match(name)
     if not m:
         return None
     pid = int(m.group(1))
@@ -81,13 +86,17 @@ def remove_dead_writers(d: str | os.PathLike) -> int:
         return 0
     n = 0
     for e in entries:
-        if writer_alive(e.name) is False:
-            try:
-                if e.is_dir(follow_symlinks=False):
-                    shutil.rmtree(e.path)
-                else:
-                    os.unlink(e.path)
-                n += 1
-            except OSError:
-                pass
+        try:
+            is_dir = e.is_dir(follow_symlinks=False)
+            if not (_TAGGED_DIR if is_dir else _TAGGED_FILE).match(e.name) or writer_alive(e.name) is not False:
+                continue
+            if is_dir:
+                shutil.rmtree(e.path)
+            elif e.is_file(follow_symlinks=False):
+                os.unlink(e.path)
+            else:
+                continue
+            n += 1
+        except OSError:
+            pass
     return n

@@ -450,3 +450,22 @@ def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(tmp_path):
     rep = requantize_gguf(m.path, tmp_path / "dst.gguf", {})
     assert Path(rep.dst).is_file() and not orphan.exists() and not other.exists()
     assert live.exists() and untagged.exists()          # a running writer's; not a writer's at all
+
+
+def test_the_next_write_leaves_a_users_own_dot_files_alone(tmp_path):
+    """The orphan sweep matched '.pidN.' or '-pidN-' anywhere in a hidden name: quantize -o into a
+    user's folder deleted their '.notes.pid999999.txt' and, with rmtree, a '.backup-pid999998-old'
+    folder (from a helper's probe of the written GGUF files)."""
+    import subprocess
+    m = write_tiny_model(tmp_path / "src.gguf", tensor_type=QT.Q8_0, **SMALL)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    notes = tmp_path / f".notes.pid{dead}.txt"
+    notes.write_text("mine")
+    backup = tmp_path / f".backup-pid{dead}-old"
+    backup.mkdir()
+    (backup / "data").write_text("mine too")
+    not_a_folder_we_make = tmp_path / f".x.pid{dead}.abc.tmp"
+    not_a_folder_we_make.mkdir()
+    requantize_gguf(m.path, tmp_path / "dst.gguf", {})
+    assert notes.exists() and (backup / "data").exists() and not_a_folder_we_make.exists()
