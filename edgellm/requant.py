@@ -27,6 +27,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -364,6 +365,13 @@ def _plan_jobs(mf: Any, formats: Mapping[str, str]) -> list[_Job]:
     return jobs
 
 
+def _free_bytes(d: str) -> int | None:
+    try:
+        return shutil.disk_usage(d).free
+    except OSError:
+        return None
+
+
 def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, formats: Mapping[str, str],
                     *, progress: Callable[[int, int], None] | None = None) -> Report:
     """Write a copy of the GGUF `src_path` to `dst_path` in which each tensor named in `formats`
@@ -401,6 +409,10 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     d = os.path.dirname(os.path.abspath(dst_path))
     if not os.path.isdir(d):
         raise ConfigError(f"{dst_path}: the output directory {d} does not exist")
+    free = _free_bytes(d)
+    if free is not None and free < predicted:   # known before any work: said now, not ~40 MB in
+        raise ConfigError(f"{dst_path}: the file needs {predicted / 2**20:.1f} MiB but {d} has "
+                          f"{free / 2**20:.1f} MiB free")
     # the writer's pid in the name: a file whose writer has died (SIGKILL, a phone's low-memory
     # killer) is an orphan the next writer in this folder removes
     remove_dead_writers(d)
@@ -442,12 +454,17 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, dst_path)
-    except BaseException:
+    except BaseException as e:
         writer.close()
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        if isinstance(e, OSError) and e.errno is None:
+            # numpy's tofile reports a short write as "N requested and M written", no errno and no
+            # path: a full disk or a file-size limit (ulimit -f)
+            raise ConfigError(f"{dst_path}: cannot write it: {e} (the disk is full or a file-size limit "
+                              f"was reached)") from None
         raise
     fsync_dir(d)
     return Report(src=src_path, dst=dst_path, tensors=tuple(reports), mapped=mapped,

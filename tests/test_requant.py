@@ -469,3 +469,22 @@ def test_the_next_write_leaves_a_users_own_dot_files_alone(tmp_path):
     not_a_folder_we_make.mkdir()
     requantize_gguf(m.path, tmp_path / "dst.gguf", {})
     assert notes.exists() and (backup / "data").exists() and not_a_folder_we_make.exists()
+
+
+def test_a_full_disk_is_said_up_front_or_named(tmp_path, monkeypatch):
+    """A full disk ended quantize with "69120 requested and 40640 written" and no path, ~40 MB in
+    (from a helper's probe of the written GGUF files). The predicted size is checked against the
+    free space first, and a short write still names the file and the likely cause."""
+    import edgellm.requant as rq
+    m = write_tiny_model(tmp_path / "src.gguf", tensor_type=QT.Q8_0, **SMALL)
+    monkeypatch.setattr(rq, "_free_bytes", lambda d: 1000)
+    with pytest.raises(ConfigError, match=r"dst.gguf: the file needs .* MiB but .* has 0.0 MiB free"):
+        requantize_gguf(m.path, tmp_path / "dst.gguf", {})
+    monkeypatch.setattr(rq, "_free_bytes", lambda d: None)
+
+    def short_write(self, *a, **k):
+        raise OSError("69120 requested and 40640 written")
+    monkeypatch.setattr(rq._Writer, "write_tensor_data", short_write)
+    with pytest.raises(ConfigError, match=r"dst.gguf: cannot write it: .*the disk is full or a file-size limit"):
+        requantize_gguf(m.path, tmp_path / "dst.gguf", {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.gguf"]
