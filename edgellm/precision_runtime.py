@@ -97,6 +97,14 @@ def _cache_key(src: str, formats: Mapping[str, str]) -> str:
     return sha256(desc.encode()).hexdigest()
 
 
+def _identity(src: str, formats: Mapping[str, str]) -> str:
+    """What a cached copy is of: the source's path and the formats (its key adds the source's size
+    and mtime). A copy of the same identity under another key is stale; one of another identity
+    (the same file name elsewhere, the same plan name with other formats) is not."""
+    desc = json.dumps({"src": os.path.abspath(src), "formats": sorted(formats.items())})
+    return sha256(desc.encode()).hexdigest()[:8]
+
+
 def _matches(mf, formats: Mapping[str, str]) -> bool:
     from .requant import GGUF_TYPE_FOR
 
@@ -131,9 +139,9 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
         log.warning("precision plan %r requantizes %d tensors that the file already stores in 4 bits (%s) "
                     "into another 4-bit format: a second rounding for few bytes saved; `edgellm precision plan` "
                     "measures what each layer tolerates", plan.name, len(again), mf.tensor_type(again[0]).name)
-    key = _cache_key(mf.path, formats)
-    stem = Path(mf.path).name.removesuffix(".gguf")
-    path = cache_dir() / f"{stem}-{plan.name or 'plan'}-{key[:16]}.gguf"
+    key, ident = _cache_key(mf.path, formats), _identity(mf.path, formats)
+    stem, plan_name = Path(mf.path).name.removesuffix(".gguf"), plan.name or "plan"
+    path = cache_dir() / f"{stem}-{plan_name}-{ident}-{key[:16]}.gguf"
     remove_dead_writers(path.parent)     # (a writer killed mid-write left its part behind)
     if path.exists():
         try:
@@ -152,10 +160,15 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
             why = str(e)
         log.warning("requantized model cache %s is unusable (%s); writing it again", path, why)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # older copies of this model under this plan (the model file re-pulled or touched: the key
-    # changed) are stale: each was a whole model's size, kept for good
-    for old in path.parent.glob(f"{glob_escape(stem)}-{glob_escape(plan.name or 'plan')}-*.gguf"):
-        if old != path and re.fullmatch(r"[0-9a-f]{16}", old.name[len(stem) + len(plan.name or "plan") + 2:-5]):
+    # older copies of the same source and formats (the model file re-pulled or touched: the key
+    # changed) are stale: each was a whole model's size, kept for good. Copies of another source
+    # or other formats stay (they were deleted too: two models named alike, or two plans of one
+    # name, requantized the whole model on every load), and so do names of another shape.
+    head = f"{stem}-{plan_name}-"
+    for old in path.parent.glob(f"{glob_escape(head)}*.gguf"):
+        tail = old.name[len(head):-len(".gguf")]
+        if old != path and (re.fullmatch(rf"{ident}-[0-9a-f]{{16}}", tail)
+                            or re.fullmatch(r"[0-9a-f]{16}", tail)):   # (a name from before identities)
             for f in (old, _fingerprint_file(old)):
                 f.unlink(missing_ok=True)
     try:

@@ -419,3 +419,21 @@ def test_a_guard_that_can_change_nothing_says_so(home, tiny, caplog):
         edgellm.load(tiny.path, n_ctx=128, units=["neon"], precision=parse_plan(DECODE_INT8, name="d8"),
                      quality_guard=True)
     assert not [r for r in caplog.records if "switches change nothing" in r.getMessage()]
+
+
+def test_cached_copies_of_other_sources_or_formats_stay(home, tmp_path):
+    """The cache deleted every copy of a model file name under a plan name whose key differed:
+    two models named alike in two folders, or two plans of one name with other formats,
+    requantized the whole model on every load (from a helper's probe of the written GGUFs)."""
+    import shutil
+    a, b = tmp_path / "d1", tmp_path / "d2"
+    a.mkdir()
+    b.mkdir()
+    write_tiny_model(a / "m.gguf", tensor_type=QT.Q8_0, seed=3, n_layers=5)
+    shutil.copy(a / "m.gguf", b / "m.gguf")
+    plan = load_plan("fast")                         # FFNs of layers 2.. to int4-32
+    notes = [plan_model(open_model(str(d / "m.gguf")), plan)[1] for d in (a, b, a, b)]
+    assert ["written" in n for n in notes] == [True, True, False, False], notes
+    other = parse_plan("schema: 1\nkv_cache: f16\ndefaults:\n  qkv: {weights: q4_0}\n", name="fast")
+    notes = [plan_model(open_model(str(a / "m.gguf")), p)[1] for p in (other, plan, other)]
+    assert ["written" in n for n in notes] == [True, False, False], notes
