@@ -29,12 +29,13 @@ _X86_FLAGS = {"avx2": "avx2", "fma": "fma", "avx512f": "avx512f", "f16c": "f16c"
 def host_profile() -> DeviceProfile:
     """The measured host profile if there is one, else the estimate (logged once)."""
     from .profile import load_profile
+    from .profile_yaml import user_profiles_dir
 
-    try:
-        return load_profile("host")
-    except ConfigError as e:
-        if "host" not in str(e) or "edgellm profile" not in str(e):
-            raise   # a host profile that exists but is broken is an error, not a silent estimate
+    path = user_profiles_dir() / "host.yaml"
+    # decided by the file's presence, not by an error's text: a host.yaml that is a folder, a
+    # dangling link, or holds a value mentioning "edgellm profile" fell back to the estimate unsaid
+    if os.path.lexists(path):
+        return load_profile(path)   # a host profile that exists but is broken is an error
     log.info("no measured host profile; using estimated figures (run `edgellm profile` to measure)")
     return estimate_host_profile()
 

@@ -355,8 +355,10 @@ def _measured(r: _Reader, v: Any, clusters: tuple[CpuCluster, ...]) -> Measured:
     r.mapping(v, p, ("date", "tool", "memory_read_bandwidth", "clusters"), ("units",))
     names = [c.name for c in clusters]
     per_cluster = r.mapping(v["clusters"], f"{p}.clusters", (), tuple(names))
-    units = v.get("units") or {}
-    if not isinstance(units, dict):
+    units = v.get("units", {})
+    if units is None:
+        units = {}
+    if not isinstance(units, dict):   # (false, 0, '' and [] read as "no units" before)
         r.fail(f"{p}.units", f"expected a mapping of backend name to figures, got {_describe(units)}")
     return Measured(
         date=r.string(v["date"], f"{p}.date"),
@@ -392,7 +394,7 @@ def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
 
     def elementwise(e: Any, q: str) -> ElementwiseFigure:
         r.mapping(e, q, ("op", "tokens", "flops"))
-        if e["op"] not in ELEMENTWISE_FLOPS:
+        if not isinstance(e["op"], str) or e["op"] not in ELEMENTWISE_FLOPS:   # (a list: TypeError)
             r.fail(f"{q}.op", f"expected one of {', '.join(ELEMENTWISE_FLOPS)}, got {_describe(e['op'])}")
         return ElementwiseFigure(op=e["op"], tokens=r.integer(e["tokens"], f"{q}.tokens", lo=1, hi=1 << 30),
                                  flops=r.qty(e["flops"], f"{q}.flops", "compute"))
@@ -453,7 +455,7 @@ def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
     s = os.fspath(name_or_path)
     if not isinstance(s, str):   # a PathLike of bytes
         raise ConfigError(f"device: expected a profile name or a path as text, found {type(s).__name__}")
-    is_path = (isinstance(name_or_path, os.PathLike) or s.endswith((".yaml", ".yml"))
+    is_path = (isinstance(name_or_path, os.PathLike) or s.lower().endswith((".yaml", ".yml"))
                or os.sep in s or "/" in s)
     path = Path(s).expanduser() if is_path else _resolve(s)
     try:

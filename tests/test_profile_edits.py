@@ -1,0 +1,62 @@
+"""A host profile edited or broken by hand (from a helper's probe of `edgellm profile`): every
+case is a ConfigError naming the field or the file, never a traceback or a silent estimate."""
+import os
+
+import pytest
+import yaml
+
+from edgellm.device.host import host_profile
+from edgellm.device.profile_yaml import load_profile
+from edgellm.errors import ConfigError
+
+SHIPPED = os.path.join(os.path.dirname(__file__), "..", "device_profiles", "rk3588.yaml")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "profiles").mkdir(parents=True)
+    return tmp_path / "home" / "profiles"
+
+
+def test_a_broken_host_profile_is_an_error_not_the_estimate(home):
+    """A host.yaml that is a folder or a dangling link fell back to the estimate without a word."""
+    assert "estimate" in host_profile().name                        # none yet: the estimate
+    (home / "host.yaml").mkdir()
+    with pytest.raises(ConfigError, match="host.yaml: not a regular file"):
+        host_profile()
+    (home / "host.yaml").rmdir()
+    (home / "host.yaml").symlink_to(home / "gone.yaml")
+    with pytest.raises(ConfigError, match="host.yaml: no such device profile file"):
+        host_profile()
+
+
+def test_an_upper_case_suffix_is_a_path(tmp_path):
+    """`profile --out Upper.YAML` was accepted, and the `--device Upper.YAML` it advised then
+    failed as an unknown profile name."""
+    p = tmp_path / "Upper.YAML"
+    p.write_text(open(SHIPPED).read())
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert load_profile("Upper.YAML").soc == load_profile(SHIPPED).soc
+    finally:
+        os.chdir(cwd)
+
+
+def test_hand_edited_measured_sections_are_named(tmp_path):
+    """An elementwise op given as a list raised TypeError (unhashable); units: false read as no
+    units."""
+    base = yaml.safe_load(open(SHIPPED).read())
+    measured = {"date": "2026-01-01", "tool": "edgellm profile", "memory_read_bandwidth": "10 GB/s",
+                "clusters": {c["name"]: {"fp32": "10 GFLOPS"} for c in base["cpu"]["clusters"]}}
+    for units, what in (({"reference": {"threads": 1, "call_overhead": "1 us", "gemm": [],
+                                        "precision_flops": {"fp32": "1 GFLOPS"},
+                                        "elementwise": [{"op": ["rmsnorm"], "tokens": 1, "flops": "1 GFLOPS"}]}},
+                         r"elementwise\[0\]\.op"),
+                        (False, r"measured\.units")):
+        doc = dict(base, measured=dict(measured, units=units))
+        p = tmp_path / "edited.yaml"
+        p.write_text(yaml.safe_dump(doc))
+        with pytest.raises(ConfigError, match=what):
+            load_profile(p)
