@@ -555,6 +555,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     ring_cap = _ring_chunk_cap(kv_cfg, prefill_chunk)
     avail = available_bytes()
     big = select_big(detect_clusters())
+    _warn_if_measured_elsewhere(profile, current_affinity())
     threads = threads or len(big)
     dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
                             kv_bytes=kv_cfg.bytes_per_elem, threads=threads, compute=compute)
@@ -655,6 +656,18 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                     ", ".join(sorted({runner._ops["decode"][op][0].__name__.rsplit(".", 1)[-1]
                                       for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down")})))
     return eng
+
+
+def _warn_if_measured_elsewhere(profile, usable: frozenset[int]) -> None:
+    """A host profile measured under another cpuset (taskset -c 0, an app's affinity) plans this
+    process's threads from another core count's figures: said, not silent."""
+    if profile.measured is None:
+        return
+    measured_on = frozenset(c for cl in profile.clusters for c in cl.cores)
+    if measured_on and measured_on != usable:
+        log.warning("profile %s was measured on cores %s, but this process may run on %s: its figures may not fit "
+                    "(run `edgellm profile` again under this process's cores)", profile.name, sorted(measured_on),
+                    sorted(usable))
 
 
 def _guard_can_switch(runner) -> bool:

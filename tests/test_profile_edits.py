@@ -60,3 +60,20 @@ def test_hand_edited_measured_sections_are_named(tmp_path):
         p.write_text(yaml.safe_dump(doc))
         with pytest.raises(ConfigError, match=what):
             load_profile(p)
+
+
+def test_a_profile_measured_on_other_cores_is_said(caplog):
+    """`taskset -c 0 edgellm profile` wrote a 1-core profile that an unrestricted run then planned
+    2 threads with, without a word (and the reverse)."""
+    import logging
+    from types import SimpleNamespace
+
+    from edgellm.api import _warn_if_measured_elsewhere
+    prof = SimpleNamespace(name="host", measured=object(), clusters=[SimpleNamespace(cores=(0,))])
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        _warn_if_measured_elsewhere(prof, frozenset({0, 1}))
+        _warn_if_measured_elsewhere(prof, frozenset({0}))                              # the same cores
+        _warn_if_measured_elsewhere(SimpleNamespace(measured=None, clusters=[]), frozenset({0, 1}))  # shipped
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["profile host was measured on cores [0], but this process may run on [0, 1]: its figures "
+                    "may not fit (run `edgellm profile` again under this process's cores)"]
