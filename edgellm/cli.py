@@ -75,6 +75,9 @@ def friendly(fn):
             _stop_probe_child()
             typer.echo("", err=True)
             raise typer.Exit(130)
+        except SystemExit:   # SIGTERM (main's handler): the probe child too, as for Ctrl-C
+            _stop_probe_child()
+            raise
     return wrapper
 
 
@@ -1132,20 +1135,37 @@ def _log_warnings_to_stderr() -> None:
         lg.addHandler(h)
 
 
-def main() -> None:
-    # SIGTERM (a service manager, `kill`, a CI timeout) unwinds like Ctrl-C: half-written
-    # outputs (a requantized model's temporary file, a bundle's folder) are removed on the way
-    # out; the default action left them behind
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    # numpy's BLAS starts its threads when imported: started with SIGINT and SIGTERM blocked they
-    # keep them blocked, so the kernel hands Ctrl-C to the main thread. One that took it left the
-    # main thread blocked in a read (a chat's prompt ignored about 1 Ctrl-C in 4).
+_terminated = False
+
+
+def _terminate(signum, frame) -> None:
+    """SIGTERM (a service manager, `kill`, a CI timeout) unwinds like Ctrl-C: half-written outputs
+    (a requantized model's temporary file, a bundle's folder) are removed on the way out; the
+    default action left them behind."""
+    global _terminated
+    _terminated = True
+    sys.exit(128 + signum)
+
+
+def _import_numpy_with_signals_held() -> None:
+    """numpy's BLAS starts its threads when imported: started with SIGINT and SIGTERM blocked they
+    keep them blocked, so the kernel hands Ctrl-C to the main thread. One that took it left the
+    main thread blocked in a read (a chat's prompt ignored about 1 Ctrl-C in 4)."""
     if hasattr(signal, "pthread_sigmask"):
         held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             import numpy  # noqa: F401
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        _import_numpy_with_signals_held()
+    except KeyboardInterrupt:   # (one held during the import lands when the mask is restored)
+        sys.stderr.write("\n")
+        sys.exit(130)
     if sys.stdout is None or sys.stderr is None:   # (started with >&- or 2>&-: an AttributeError traceback)
         if sys.stderr is not None:
             sys.stderr.write("edgellm: error: stdout is closed: run me with somewhere to write to\n")
@@ -1161,6 +1181,8 @@ def main() -> None:
     except KeyboardInterrupt:   # Ctrl-C before a command's body (imports, option parsing)
         sys.stderr.write("\n")
         sys.exit(130)
+    if _terminated:   # a SystemExit raised in the handler can be lost inside C code (an import):
+        sys.exit(128 + signal.SIGTERM)   # the command then ran on; at least its exit says so
 
 
 if __name__ == "__main__":

@@ -119,6 +119,12 @@ def _probe() -> tuple[bool, str]:
         proc.kill()
         proc.communicate()
         return False, f"the OpenCL probe did not finish in {timeout_s:g} s (driver hung?)"
+    except BaseException:
+        # SIGTERM (SystemExit) or Ctrl-C while waiting for it: the child must not outlive us (it
+        # went on writing program binaries into EDGELLM_HOME after the command had exited)
+        proc.kill()
+        proc.communicate()
+        raise
     if proc.returncode < 0:
         try:
             sig = signal.Signals(-proc.returncode).name
