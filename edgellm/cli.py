@@ -241,6 +241,43 @@ def _conversation_only(path: Path, chat: bool) -> dict:
     return {"text": meta["text"]} if isinstance(meta.get("text"), str) else {}
 
 
+def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict, tuple | None]:
+    """(the session file, the conversation it holds, its state as read) for --session NAME: a
+    session file carries the conversation so far (chat messages or plain text) beside its KV."""
+    from .errors import ConfigError
+    from .kv.session_file import foreign_file
+
+    if name is None:
+        return None, {}, None
+    session = _session_path(eng, name)
+    check_out_path(session, "--session")
+    why = foreign_file(session)
+    if why is not None:   # (a user's document given by mistake: never overwritten)
+        raise ConfigError(f"--session {session}: {why}")
+    seen = _file_state(session)
+    saved = eng.session_meta if eng.load_session(session) else _conversation_only(session, chat)
+    if "messages" in saved and not chat:
+        raise ConfigError(f"--session {session} holds a chat: continue it with --chat")
+    if "text" in saved and chat:
+        raise ConfigError(f"--session {session} holds plain text: continue it with `edgellm run` without --chat")
+    if saved.get("n_tokens"):
+        typer.echo(f"[session: continuing {saved['n_tokens']} cached tokens from {session}]", err=True)
+    elif saved:
+        typer.echo(f"[session: continuing the conversation in {session}; its KV is recomputed]", err=True)
+    return session, saved, seen
+
+
+def _save_session(eng, session: Path, meta: dict, seen: tuple | None) -> tuple | None:
+    """Saves the conversation (warning when another run saved to the file since it was read);
+    returns the file's new state."""
+    if _file_state(session) != seen:   # (two runs on one session: the last save wins, silently before)
+        typer.echo(f"edgellm: warning: {session} changed since this run read it (another run saved to it); "
+                   f"this conversation replaces that one", err=True)
+    n = eng.save_session(session, meta=meta)
+    typer.echo(f"[session: saved {n} tokens to {session}]", err=True)
+    return _file_state(session)
+
+
 def _session_path(eng, name: str) -> Path:
     """A bare name is an entry of the on-disk cache (per model); anything path-like is a file."""
     from .kv import disk_cache
@@ -295,7 +332,6 @@ def run(
     _start_probe_child()
     from .api import generation_config
     from .errors import ConfigError
-    from .kv.session_file import foreign_file
 
     _check_utf8("the prompt", prompt)
     for stop_text in stop or ():
@@ -306,25 +342,7 @@ def run(
         raise ConfigError("--session needs --kv pool: the ring buffer keeps no sessions")
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units,  # after validating the options
                 precision, quality_guard)
-    # a session file carries the conversation so far (chat messages or plain text) beside its KV
-    if session is not None:
-        session = _session_path(eng, session)
-        check_out_path(session, "--session")
-        why = foreign_file(session)
-        if why is not None:   # (a user's document given by mistake: never overwritten)
-            raise ConfigError(f"--session {session}: {why}")
-    saved, seen = {}, None
-    if session is not None:
-        seen = _file_state(session)
-        saved = eng.session_meta if eng.load_session(session) else _conversation_only(session, chat)
-    if "messages" in saved and not chat:
-        raise ConfigError(f"--session {session} holds a chat: continue it with --chat")
-    if "text" in saved and chat:
-        raise ConfigError(f"--session {session} holds plain text: continue it without --chat")
-    if saved.get("n_tokens"):
-        typer.echo(f"[session: continuing {saved['n_tokens']} cached tokens from {session}]", err=True)
-    elif saved:
-        typer.echo(f"[session: continuing the conversation in {session}; its KV is recomputed]", err=True)
+    session, saved, seen = _open_session(eng, session, chat)
     if chat:
         messages = list(saved.get("messages", [])) + [{"role": "user", "content": prompt}]
         text = eng.render_chat(messages)
@@ -346,11 +364,7 @@ def run(
     if session is not None and eng.last_stats.stop_reason not in ("cancelled", ""):
         meta = ({"messages": messages + [{"role": "assistant", "content": "".join(answer)}]} if chat
                 else {"text": text + "".join(answer)})
-        if _file_state(session) != seen:   # (two runs on one session: the last save wins, silently before)
-            typer.echo(f"edgellm: warning: {session} changed since this run read it (another run saved to it); "
-                       f"this conversation replaces that one", err=True)
-        n = eng.save_session(session, meta=meta)
-        typer.echo(f"[session: saved {n} tokens to {session}]", err=True)
+        _save_session(eng, session, meta, seen)
     if stats:
         typer.echo(f"[load {eng.load_ms:.0f} ms] {eng.last_stats.summary()}", err=True)
     if eng.last_stats.stop_reason == "cancelled":
@@ -384,6 +398,8 @@ def chat(
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
     quality_guard: bool = typer.Option(False, "--quality-guard/--no-quality-guard", help=GUARD_HELP),
+    session: Optional[str] = typer.Option(None, "--session", help="Continue the conversation saved under this "
+                                          "name or .edgesess file, and save it after every answer (--kv pool)"),
 ):
     """Interactive chat. Ctrl-C stops the current answer; Ctrl-D or /exit quits; /reset forgets.
     Earlier turns stay in the KV cache, so each answer starts after computing only the new turn."""
@@ -395,11 +411,20 @@ def chat(
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
     for stop_text in stop or ():
         _check_utf8("--stop", stop_text)
+    from .errors import ConfigError
+
     if sys.stdin is None:   # (started with <&-: an AttributeError traceback)
-        from .errors import ConfigError
         raise ConfigError("stdin is closed: chat reads its turns from stdin")
+    if session is not None and kv == "ring":
+        raise ConfigError("--session needs --kv pool: the ring buffer keeps no sessions")
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units, precision, quality_guard)
+    session, saved, seen = _open_session(eng, session, chat=True)
     messages = [{"role": "system", "content": system}] if system else []
+    if saved.get("messages"):   # the saved conversation goes on; its own system turn, if any, stays
+        if system and saved["messages"][0] != messages[0]:
+            typer.echo("edgellm: warning: --system is ignored: the session's conversation goes on as it was",
+                       err=True)
+        messages = list(saved["messages"])
     if system:   # a template without a system role (Gemma, Mistral v1) refused every turn, /reset too
         eng.render_chat(messages + [{"role": "user", "content": "hello"}])
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D or /exit quits, /reset "
@@ -462,6 +487,8 @@ def chat(
             typer.echo(f"[context full at {eng.n_ctx} tokens: the answer was cut; /reset starts over, --kv ring "
                        f"keeps a chat going past the context]", err=True)
         messages.append({"role": "assistant", "content": "".join(answer)})
+        if session is not None and eng.last_stats.stop_reason != "cancelled":
+            seen = _save_session(eng, session, {"messages": messages}, seen)
         if stats:
             typer.echo(eng.last_stats.summary(), err=True)
 

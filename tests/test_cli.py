@@ -206,7 +206,7 @@ def test_a_chat_session_continues_only_as_a_chat(tiny, tmp_path, monkeypatch):
     before = open(chat, "rb").read()
     _assert_one_line_error(base + ["more", "--session", chat],
                            f"--session {chat} holds a chat: continue it with --chat")
-    _assert_one_line_error(base + ["more", "--chat", "--session", text], "holds plain text: continue it without --chat")
+    _assert_one_line_error(base + ["more", "--chat", "--session", text], "holds plain text: continue it with `edgellm run` without --chat")
     assert open(chat, "rb").read() == before
     r = runner.invoke(app, base + ["more", "--chat", "--session", chat])
     assert r.exit_code == 0 and "[session: continuing" in r.stderr
@@ -374,3 +374,27 @@ def test_bench_says_up_front_when_its_runs_do_not_fit_and_why_a_floor_is_missing
     assert r.exit_code == 1 and "these runs need" in r.stderr and "its trained context" in r.stderr, r.output
     r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--runs", "1", "--gen-tokens", "1"])
     assert r.exit_code == 0 and "no decode step to compare: --gen-tokens 1" in r.stdout, r.output
+
+
+def test_chat_continues_and_saves_a_session(tiny, tmp_path):
+    """`chat` had no --session (run --chat had one): a conversation ended with the process."""
+    import os
+    import subprocess
+    import sys
+
+    from edgellm.kv.session_file import read_header
+    f = tmp_path / "c.edgesess"
+
+    def chat(lines, *extra):
+        return subprocess.run([sys.executable, "-c", "from edgellm.cli import main; main()", "chat", "-m", tiny, "-n",
+                               "2", "--temperature", "0", "--session", str(f), *extra], input=lines,
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "EDGELLM_HOME": str(tmp_path / "home")})
+    r = chat("hello\n")
+    assert r.returncode == 0 and f"[session: saved" in r.stderr, r.stderr
+    assert [m["role"] for m in read_header(f).meta["messages"]] == ["user", "assistant"]
+    r = chat("again\n")
+    assert r.returncode == 0 and "[session: continuing" in r.stderr, r.stderr
+    assert [m["content"] for m in read_header(f).meta["messages"] if m["role"] == "user"] == ["hello", "again"]
+    r = chat("x\n", "--kv", "ring")
+    assert r.returncode == 1 and "--session needs --kv pool" in r.stderr
