@@ -206,7 +206,7 @@ class Engine:
         rendered inside the TTFT clock, as part of tokenization."""
         cfg = generation_config(config, **kwargs)
         ChatTemplate.check_conversation(messages)
-        return self._stream(lambda: self.render_chat(messages), cfg, self._cancel_token(cancel), chat=True)
+        return self._stream(lambda: self.render_chat(messages), cfg, self._cancel_token(cancel))
 
     def _cancel_token(self, cancel: CancelToken | None) -> CancelToken:
         """The request's token: the caller's as it is (one cancelled before the request starts
@@ -219,19 +219,21 @@ class Engine:
             raise ConfigError(f"cancel: expected an edgellm.engine.CancelToken, found {type(cancel).__name__}")
         return cancel
 
-    def _stream(self, text_fn, cfg: GenerationConfig, cancel: CancelToken, chat: bool = False) -> Iterator[str]:
+    def _stream(self, text_fn, cfg: GenerationConfig, cancel: CancelToken) -> Iterator[str]:
         # the clock starts when the app first asks for a piece, when this body runs (started at
         # the call, the app's time before its first next() counted as tokenizing and TTFT)
         t0 = time.perf_counter()
-        ids = self._prompt_ids(text_fn(), chat)
+        ids = self._prompt_ids(text_fn())
         yield from self._generate_ids(ids, cfg, cancel, t0, time.perf_counter())
 
-    def _prompt_ids(self, text: str, chat: bool) -> list[int]:
-        """A request's prompt ids (the API's and the Scheduler's). A chat template that writes
-        {{ bos_token }} itself starts the prompt with BOS: the model's own add_bos would make it
-        two (llama.cpp strips the rendered one, to the same ids)."""
+    def _prompt_ids(self, text: str) -> list[int]:
+        """A request's prompt ids (the API's, warm's and the Scheduler's). A prompt that starts
+        with the BOS text (a chat template writes {{ bos_token }}; an app passes render_chat()'s
+        text to generate) gets no second BOS from the model's add_bos (llama.cpp strips the
+        rendered one in a chat, to the same ids). Applied to every request alike: warm() and
+        generate() tokenizing one text two ways left the warmed blocks unused."""
         tok = self.tokenizer
-        bos = tok.token_text(tok.bos_id) if chat and tok.add_bos and tok.bos_id is not None else ""
+        bos = tok.token_text(tok.bos_id) if tok.add_bos and tok.bos_id is not None else ""
         return self.tokenize(text, add_bos=False if bos and text.startswith(bos) else None)
 
     def chat(self, messages: Sequence[dict], **kwargs) -> str:
@@ -276,7 +278,7 @@ class Engine:
         whose last token tokenizes otherwise inside the longer prompt gives up that block."""
         # a rendered chat turn starting with the BOS text the template wrote: tokenized as a chat
         # prompt is (one BOS), or the chat that follows never matched the warmed blocks
-        ids = self._prompt_ids(text, chat=True)
+        ids = self._prompt_ids(text)
         if not ids:
             raise ConfigError("warm needs a non-empty text")
         if len(ids) >= self.n_ctx:
@@ -490,13 +492,22 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     # one load at a time: two loads in two threads swapped the neon unit's configured pool
     # between them (an engine's fused step held the other's thread count), and both passed the
     # NPU unit's one-configuration check before either registered
+    if getattr(_LOADING, "active", False):   # (a re-entrant lock let it in, and it swapped our pool)
+        raise ConfigError("load() was called from inside another load (its progress callback): load the "
+                          "other model after this load returns")
     with _LOAD_LOCK:
-        return _load(model, device, n_ctx=n_ctx, threads=threads, prefill_chunk=prefill_chunk, kv=kv,
-                     kv_precision=kv_precision, window=window, sinks=sinks, units=units, precision=precision,
-                     quality_guard=quality_guard, prefault=prefault, pin=pin, progress=progress)
+        _LOADING.active = True
+        try:
+            return _load(model, device, n_ctx=n_ctx, threads=threads, prefill_chunk=prefill_chunk, kv=kv,
+                         kv_precision=kv_precision, window=window, sinks=sinks, units=units, precision=precision,
+                         quality_guard=quality_guard, prefault=prefault, pin=pin, progress=progress)
+        finally:
+            _LOADING.active = False
 
 
-_LOAD_LOCK = threading.RLock()
+_LOAD_LOCK = threading.Lock()
+_LOADING = threading.local()          # this thread is inside load()
+_FIRST_AFFINITY: list = []            # the process's cores before edgellm first pinned them
 
 
 def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, window, sinks, units, precision,
@@ -554,8 +565,11 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     n_ctx = int(n_ctx)
     ring_cap = _ring_chunk_cap(kv_cfg, prefill_chunk)
     avail = available_bytes()
+    if not _FIRST_AFFINITY:
+        _FIRST_AFFINITY.append(current_affinity())
     big = select_big(detect_clusters())
-    _warn_if_measured_elsewhere(profile, current_affinity())
+    # (against the cores before edgellm pinned the process: a later load saw the big cores only)
+    _warn_if_measured_elsewhere(profile, _FIRST_AFFINITY[0] if pin else current_affinity())
     threads = threads or len(big)
     dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
                             kv_bytes=kv_cfg.bytes_per_elem, threads=threads, compute=compute)

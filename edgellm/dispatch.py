@@ -575,9 +575,10 @@ class Dispatcher:
 
     @staticmethod
     def prompt_phase(prompt_tokens: int, short_max: int) -> str:
-        """The placement key the engine runs a prompt of `prompt_tokens` with, every chunk of it
-        (ModelRunner.forward): one token is a decode step; 2..short_max tokens take the short
-        prefill's placement; longer prompts the chunk's."""
+        """The placement key ModelRunner.forward picks for one call of `prompt_tokens` tokens (it
+        picks per call, so per chunk): one token is a decode step; 2..short_max tokens take the
+        short prefill's placement; longer calls the chunk's. TTFT prices a prompt by its length
+        here; a prompt whose last chunk is one token runs that token as a decode step."""
         if prompt_tokens == 1:
             return "decode"
         return "prefill_short" if prompt_tokens <= short_max else "prefill"

@@ -143,6 +143,13 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     stem, plan_name = Path(mf.path).name.removesuffix(".gguf"), plan.name or "plan"
     path = cache_dir() / f"{stem}-{plan_name}-{ident}-{key[:16]}.gguf"
     remove_dead_writers(path.parent)     # (a writer killed mid-write left its part behind)
+    legacy = path.with_name(f"{stem}-{plan_name}-{key[:16]}.gguf")   # the name before identities
+    if legacy.exists() and not path.exists():   # the same copy: renamed, not requantized again
+        for old, new in ((legacy, path), (_fingerprint_file(legacy), _fingerprint_file(path))):
+            try:
+                old.replace(new)
+            except OSError:
+                pass
     if path.exists():
         try:
             cached = open_model(path)

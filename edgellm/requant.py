@@ -409,13 +409,13 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     d = os.path.dirname(os.path.abspath(dst_path))
     if not os.path.isdir(d):
         raise ConfigError(f"{dst_path}: the output directory {d} does not exist")
+    # the writer's pid in the name: a file whose writer has died (SIGKILL, a phone's low-memory
+    # killer) is an orphan the next writer in this folder removes (first: its room counts below)
+    remove_dead_writers(d)
     free = _free_bytes(d)
     if free is not None and free < predicted:   # known before any work: said now, not ~40 MB in
         raise ConfigError(f"{dst_path}: the file needs {predicted / 2**20:.1f} MiB but {d} has "
                           f"{free / 2**20:.1f} MiB free")
-    # the writer's pid in the name: a file whose writer has died (SIGKILL, a phone's low-memory
-    # killer) is an orphan the next writer in this folder removes
-    remove_dead_writers(d)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dst_path)}.{writer_tag()}.", suffix=".tmp", dir=d)
     os.close(fd)
     writer = _Writer(tmp, g.metadata.get("general.architecture", "llama"))

@@ -258,7 +258,7 @@ class _Worker:
         try:
             t_start = time.perf_counter()
             text = self.engine.render_chat(req.prompt) if req.chat else req.prompt
-            req.ids = self.engine._prompt_ids(text, req.chat)
+            req.ids = self.engine._prompt_ids(text)
             req.t_tok = time.perf_counter()
             req.tokenize_ms = (req.t_tok - t_start) * 1e3
             req.blocks = self._blocks(len(req.ids) + req.config.max_tokens)

@@ -42,7 +42,7 @@ def test_a_template_that_writes_bos_gets_one_through_run_and_warm(tmp_path, monk
     msgs = [{"role": "user", "content": "hello"}]
     eng.chat(msgs, max_tokens=1, temperature=0)
     alone = eng.last_stats.prompt_tokens
-    ids = eng._prompt_ids(eng.render_chat(msgs), chat=True)
+    ids = eng._prompt_ids(eng.render_chat(msgs))
     assert ids.count(BOS_ID) == 1 and len(ids) == alone
     r = runner.invoke(app, ["run", "hello", "--chat", "-m", path, "-n", "1", "--temperature", "0"])
     assert r.exit_code == 0 and f"prompt {alone} tok" in r.stderr, r.stderr
@@ -50,6 +50,10 @@ def test_a_template_that_writes_bos_gets_one_through_run_and_warm(tmp_path, monk
     eng.clear_cache()
     eng.warm(eng.render_chat(system)[: -len("assistant: ")])
     eng.chat(system + msgs, max_tokens=1, temperature=0)
+    assert eng.last_stats.cached_tokens >= eng.kv.pool.block_tokens
+    # an app that renders itself and calls generate() tokenizes as warm() does (it got a second
+    # BOS there, and 0 cached tokens; from a review of the day's change)
+    eng.generate(eng.render_chat(system + msgs), max_tokens=1, temperature=0)
     assert eng.last_stats.cached_tokens >= eng.kv.pool.block_tokens
 
 

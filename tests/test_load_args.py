@@ -52,3 +52,13 @@ def test_two_loads_at_once_keep_their_own_thread_counts(path):
         for n, e in engines.items():
             step = next((v for v in vars(e.runner).values() if hasattr(v, "_npool")), None)
             assert step is not None and step._npool.threads == n == e.threads
+
+
+def test_a_load_from_inside_a_load_is_refused(path):
+    """The load lock let a progress callback load another engine in the same thread, which swapped
+    the outer engine's neon pool (from a review of the day's change)."""
+    def progress(stage, done, total):
+        edgellm.load(path, n_ctx=64, threads=1, prefault=False)
+    with pytest.raises(ConfigError, match="called from inside another load"):
+        edgellm.load(path, n_ctx=64, threads=2, prefault=False, progress=progress)
+    assert edgellm.load(path, n_ctx=64, threads=1, prefault=False).threads == 1     # and loads go on

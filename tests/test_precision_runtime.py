@@ -437,3 +437,19 @@ def test_cached_copies_of_other_sources_or_formats_stay(home, tmp_path):
     other = parse_plan("schema: 1\nkv_cache: f16\ndefaults:\n  qkv: {weights: q4_0}\n", name="fast")
     notes = [plan_model(open_model(str(a / "m.gguf")), p)[1] for p in (other, plan, other)]
     assert ["written" in n for n in notes] == [True, False, False], notes
+
+
+def test_a_copy_under_the_name_before_identities_is_kept(home, tiny):
+    """The new cache names carry an identity: a valid copy under the old name was deleted and the
+    whole model requantized again (from a review of the day's change)."""
+    import edgellm.precision_runtime as pr
+    mf, plan = open_model(tiny.path), load_plan("fast")
+    first, note = plan_model(mf, plan)
+    assert "written" in note
+    new = Path(first.path)
+    key = new.name.rsplit("-", 1)[1].removesuffix(".gguf")
+    old = new.with_name(f"m-fast-{key}.gguf")
+    new.rename(old)
+    pr._fingerprint_file(new).rename(pr._fingerprint_file(old))
+    again, note = plan_model(open_model(tiny.path), plan)
+    assert "cached" in note and Path(again.path) == new and not old.exists()

@@ -488,3 +488,18 @@ def test_a_full_disk_is_said_up_front_or_named(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"dst.gguf: cannot write it: .*the disk is full or a file-size limit"):
         requantize_gguf(m.path, tmp_path / "dst.gguf", {})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src.gguf"]
+
+
+def test_an_orphans_room_counts_as_free(tmp_path, monkeypatch):
+    """The free-space check ran before the orphan sweep: a killed write's part file, often the
+    room the new file needs, still counted as used (from a review of the day's change)."""
+    import subprocess
+    import edgellm.requant as rq
+    m = write_tiny_model(tmp_path / "src.gguf", tensor_type=QT.Q8_0, **SMALL)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    orphan = tmp_path / f".dst.gguf.pid{dead}.abc123.tmp"
+    orphan.write_bytes(b"x")
+    monkeypatch.setattr(rq, "_free_bytes", lambda d: 0 if orphan.exists() else 1 << 40)
+    requantize_gguf(m.path, tmp_path / "dst.gguf", {})
+    assert (tmp_path / "dst.gguf").is_file() and not orphan.exists()
