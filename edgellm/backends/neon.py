@@ -344,15 +344,17 @@ def _f32(a: np.ndarray) -> np.ndarray:
 _INT_MAX = 2**31 - 1
 
 
-def _need(ok: bool, op: str, what: str) -> None:
+def _need(ok: bool, op: str, what) -> None:
+    """what: the message, or a callable that makes it (only on failure: formatting every
+    message cost several us a call on the op-by-op decode path)."""
     if not ok:
-        raise OpArgumentError(f"neon {op}: {what}")
+        raise OpArgumentError(f"neon {op}: {what() if callable(what) else what}")
 
 
 def _f32_nd(a, ndim: int, op: str, name: str) -> np.ndarray:
     a = np.asarray(a)
-    _need(a.ndim == ndim, op, f"{name} must be {ndim}-D, got shape {a.shape}")
-    _need(all(n <= _INT_MAX for n in a.shape), op, f"{name} has a dimension past 2^31-1: {a.shape}")
+    _need(a.ndim == ndim, op, lambda: f"{name} must be {ndim}-D, got shape {a.shape}")
+    _need(all(n <= _INT_MAX for n in a.shape), op, lambda: f"{name} has a dimension past 2^31-1: {a.shape}")
     return _f32(a)
 
 
@@ -366,10 +368,10 @@ def matmul(x: np.ndarray, w: QMatrix, b: np.ndarray | None = None, precision: st
     lib = _lib()
     x = _f32_nd(x, 2, "matmul", "x")
     T, K = x.shape
-    _need(K == w.k, "matmul", f"x has {K} columns, the weights take {w.k}")
+    _need(K == w.k, "matmul", lambda: f"x has {K} columns, the weights take {w.k}")
     if b is not None:   # (an f64 or strided bias was read as raw f32 on the int8 path)
         b = _f32(b)
-        _need(b.shape == (w.n,), "matmul", f"the bias must have shape ({w.n},), got {b.shape}")
+        _need(b.shape == (w.n,), "matmul", lambda: f"the bias must have shape ({w.n},), got {b.shape}")
     y = np.empty((T, w.n), dtype=np.float32)
     if precision not in QUANT_COMPUTE:
         raise ValueError(f"neon matmul computes in {' or '.join(QUANT_COMPUTE)}, not {precision!r}")
@@ -408,7 +410,7 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x (T, d) -> normalised copy, times w (d,)."""
     x = _f32_nd(x, 2, "rmsnorm", "x")
     w = _f32(w)
-    _need(w.shape == (x.shape[1],), "rmsnorm", f"w must have shape ({x.shape[1]},), got {w.shape}")
+    _need(w.shape == (x.shape[1],), "rmsnorm", lambda: f"w must have shape ({x.shape[1]},), got {w.shape}")
     y = np.empty_like(x)
     if x.size == 0:
         return y
@@ -422,12 +424,12 @@ ROPE_STYLES = ("norm", "neox")
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:
     """x (T, heads, hd) -> rotated copy; cos/sin (T, rope_dim/2)."""
-    _need(style in ROPE_STYLES, "rope", f"style must be one of {', '.join(ROPE_STYLES)}, got {style!r}")
+    _need(style in ROPE_STYLES, "rope", lambda: f"style must be one of {', '.join(ROPE_STYLES)}, got {style!r}")
     x = _f32_nd(x, 3, "rope", "x")
     T, heads, hd = x.shape
     cos, sin = _f32_nd(cos, 2, "rope", "cos"), _f32_nd(sin, 2, "rope", "sin")
     _need(cos.shape == sin.shape and cos.shape[0] == T and 2 * cos.shape[1] <= hd, "rope",
-          f"cos and sin must both be (T={T}, rope_dim/2 <= {hd // 2}), got {cos.shape} and {sin.shape}")
+          lambda: f"cos and sin must both be (T={T}, rope_dim/2 <= {hd // 2}), got {cos.shape} and {sin.shape}")
     y = np.empty_like(x)
     if x.size == 0:
         return y
@@ -440,7 +442,7 @@ def swiglu(gate_up: np.ndarray) -> np.ndarray:
     """gate_up (T, 2 ff): [gate | up] -> silu(gate) * up (T, ff)."""
     gate_up = _f32_nd(gate_up, 2, "swiglu", "gate_up")
     T, ff2 = gate_up.shape
-    _need(ff2 % 2 == 0, "swiglu", f"gate_up's width must be even (gate | up), got {ff2}")
+    _need(ff2 % 2 == 0, "swiglu", lambda: f"gate_up's width must be even (gate | up), got {ff2}")
     y = np.empty((T, ff2 // 2), dtype=np.float32)
     if y.size == 0:
         return y
@@ -466,7 +468,7 @@ def add(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _int_arg(v, op: str, name: str, lo: int = 0) -> int:
     _need(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and lo <= v <= _INT_MAX, op,
-          f"{name} must be an integer in {lo}..2^31-1, got {v!r}")
+          lambda: f"{name} must be an integer in {lo}..2^31-1, got {v!r}")
     return int(v)
 
 
@@ -477,12 +479,12 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     T, H, hd = q.shape
     start = _int_arg(start, "attention", "start")
     k, v = np.asarray(k), np.asarray(v)
-    _need(k.ndim == 3 and k.shape == v.shape, "attention", f"k and v must be (KVH, n, hd) alike, got {k.shape} "
+    _need(k.ndim == 3 and k.shape == v.shape, "attention", lambda: f"k and v must be (KVH, n, hd) alike, got {k.shape} "
           f"and {v.shape}")
     KVH, n, khd = k.shape
     _need(khd == hd and KVH >= 1 and H % KVH == 0, "attention",
-          f"q {q.shape} and k {k.shape}: head_dim must match and H a multiple of KVH")
-    _need(n >= start + T, "attention", f"k and v hold {n} positions, the chunk needs start + T = {start + T}")
+          lambda: f"q {q.shape} and k {k.shape}: head_dim must match and H a multiple of KVH")
+    _need(n >= start + T, "attention", lambda: f"k and v hold {n} positions, the chunk needs start + T = {start + T}")
     # the kernel reads (KVH, start + T, hd) densely: longer k, v are cut to that
     k, v = _f32(k[:, :start + T]), _f32(v[:, :start + T])
     out = np.empty((T, H * hd), dtype=np.float32)
@@ -534,18 +536,18 @@ def attention_pool(q: np.ndarray, pool, table: np.ndarray, layer: int, start: in
     start = _int_arg(start, "attention_pool", "start")
     layer = _int_arg(layer, "attention_pool", "layer")
     n_blocks, n_layers, _, kvh, pool_hd = pool.k.shape   # (blocks, layers, block_tokens, kv heads, hd)
-    _need(hd == pool_hd and H % kvh == 0, "attention_pool", f"q {q.shape} against the pool's {kvh} kv heads of "
+    _need(hd == pool_hd and H % kvh == 0, "attention_pool", lambda: f"q {q.shape} against the pool's {kvh} kv heads of "
           f"{pool_hd}")
-    _need(layer < n_layers, "attention_pool", f"layer {layer} of a {n_layers}-layer pool")
+    _need(layer < n_layers, "attention_pool", lambda: f"layer {layer} of a {n_layers}-layer pool")
     table = np.asarray(table)
     _need(table.ndim == 1 and table.dtype.kind in "iu", "attention_pool",
-          f"the block table must be a 1-D integer array, got {table.dtype} {table.shape}")
+          lambda: f"the block table must be a 1-D integer array, got {table.dtype} {table.shape}")
     need = -(-(start + T) // pool.block_tokens)
-    _need(len(table) >= need, "attention_pool", f"the block table has {len(table)} blocks, positions "
+    _need(len(table) >= need, "attention_pool", lambda: f"the block table has {len(table)} blocks, positions "
           f"0..{start + T - 1} need {need}")
     used = table[:need]
     _need(not len(used) or (used.min() >= 0 and used.max() < n_blocks), "attention_pool",
-          f"block ids must be in 0..{n_blocks - 1}")
+          lambda: f"block ids must be in 0..{n_blocks - 1}")
     table = np.ascontiguousarray(used, dtype=np.int32)   # (an int64 table was read as int32 pairs)
     out = np.empty((T, H * hd), dtype=np.float32)
     if out.size == 0:
