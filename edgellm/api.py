@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import logging
 import math
 import numbers
@@ -99,11 +100,38 @@ class Engine:
         self._turn_depth = threading.local()   # .n: this thread's nesting of turn()
         _engines.add(self)
         self._orphans: list = []                # generations dropped inside a turn: ended at the next
+        self._closed = False
+
+    def close(self) -> None:
+        """Frees the engine's memory now (the KV cache, the prepared weights and native pools,
+        the model's mapping) rather than when the last reference goes: an app that keeps the
+        object (UI state, a registry) while it switches models. Waits for a step in progress;
+        any call that needs the model afterwards raises ConfigError. Also `with load(...) as e:`."""
+        with self.lock:          # (a step in progress ends first)
+            if self._closed:
+                return
+            self.wait_loaded()   # (the background paging-in and KV commit must not outlive them)
+            self._closed = True
+            self.runner = self.kv = self.model = self.prefault = None
+            self._template, self._orphans = None, []
+        gc.collect()             # (reference cycles hold the arrays until a collection runs)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("the engine is closed (Engine.close()): load the model again to use it")
 
     def wait_loaded(self, timeout: float | None = None) -> bool:
         """Waits for load()'s background work (paging the mapped weights in, committing the KV
         pool's memory); True once done. Called before any request, it makes load_rss_mb the
         resident memory of the loaded model."""
+        if self._closed:
+            return True
         jobs = [j for j in (self.prefault, self.kv.commit) if j is not None]
         t_end = None if timeout is None else time.perf_counter() + timeout
         done = all(j.wait(None if t_end is None else max(0.0, t_end - time.perf_counter())) for j in jobs)
@@ -118,6 +146,7 @@ class Engine:
         """Holds the engine for one unit of work (a generation step, warm, a session's load):
         other threads' work waits. A thread's own nested turns pass."""
         with self.lock:
+            self._check_open()
             depth = getattr(self._turn_depth, "n", 0)
             self._turn_depth.n = depth + 1
             try:
@@ -158,6 +187,7 @@ class Engine:
         """The model's chat template, built on first use (a bad one raises ModelFormatError
         then): jinja2 costs ~20 ms and ~5 MB resident that completion-only apps never use, and
         a template chat_builtin knows (SmolLM2's, ChatML) never needs it."""
+        self._check_open()
         if self._template is None:
             self._template = ChatTemplate.from_metadata(self.model.metadata, self.model.path)
             if self._template.fallback_reason:   # (the markup a model never saw: said, not silent)
@@ -304,6 +334,7 @@ class Engine:
 
     def model_sha256(self) -> str:
         if self._model_sha is None:
+            self._check_open()
             h = bulk_sha256()
             with open(self.model.path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 22), b""):

@@ -60,6 +60,7 @@ def peak_rss_mb() -> float:
 class Generation:
     def __init__(self, engine, ids: list[int], cfg, cancel: CancelToken, t0: float, t_tok: float,
                  chunk: int | None = None):
+        engine._check_open()   # (a closed engine has no runner: an AttributeError before)
         self.engine = engine
         self.cfg = cfg
         self.cancel = cancel

@@ -1,0 +1,38 @@
+"""Engine.close(): an app that keeps the Engine object (UI state, a registry) while it switches
+models had no way to free its memory but to drop every reference and wait for a collection."""
+import gc
+import weakref
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import edgellm
+from edgellm.errors import ConfigError
+from edgellm.scheduler import Scheduler
+from tests.synthetic import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("close") / "m.gguf", tensor_type=QT.Q4_0, seed=2).path
+
+
+def test_close_frees_the_kv_and_weights_and_later_calls_are_typed_errors(path):
+    eng = edgellm.load(path, n_ctx=64, threads=1)
+    text = eng.generate("hello", max_tokens=3, temperature=0)
+    pool, runner = weakref.ref(eng.kv.pool), weakref.ref(eng.runner)
+    eng.close()
+    gc.collect()
+    assert pool() is None and runner() is None                  # the arena and the weights are gone
+    for call in (lambda: eng.generate("hello", max_tokens=1), lambda: eng.chat([{"role": "user", "content": "x"}]),
+                 lambda: eng.warm("hello"), lambda: eng.logits([1, 2]), lambda: eng.save_session("/tmp/x.edgesess")):
+        with pytest.raises(ConfigError, match="the engine is closed"):
+            call()
+    with pytest.raises(ConfigError, match="the engine is closed"):
+        Scheduler(eng).submit("hello").result(timeout=30)
+    eng.close()                                                   # twice: nothing
+    assert eng.tokenize("hello") and eng.last_stats.generated_tokens == 3    # what needs no model stays
+    with edgellm.load(path, n_ctx=64, threads=1) as again:        # and as a context manager
+        assert again.generate("hello", max_tokens=3, temperature=0) == text
+    with pytest.raises(ConfigError, match="the engine is closed"):
+        again.generate("hello", max_tokens=1)
