@@ -101,17 +101,24 @@ class Engine:
         _engines.add(self)
         self._orphans: list = []                # generations dropped inside a turn: ended at the next
         self._closed = False
+        self._close_pending = False             # close() asked from inside a step: done at its end
 
     def close(self) -> None:
         """Frees the engine's memory now (the KV cache, the prepared weights and native pools,
         the model's mapping) rather than when the last reference goes: an app that keeps the
         object (UI state, a registry) while it switches models. Waits for a step in progress;
         any call that needs the model afterwards raises ConfigError. Also `with load(...) as e:`."""
+        if getattr(self._turn_depth, "n", 0):
+            # this thread is inside a step (a signal handler, a callback): the lock would let it
+            # in mid-step, so the close waits for the step's turn to end
+            self._close_pending = True
+            return
         with self.lock:          # (a step in progress ends first)
             if self._closed:
                 return
             self.wait_loaded()   # (the background paging-in and KV commit must not outlive them)
             self._closed = True
+            _release_arena(self.kv)   # (a Scheduler's or a stream's last request still held it)
             self.runner = self.kv = self.model = self.prefault = None
             self._template, self._orphans = None, []
         gc.collect()             # (reference cycles hold the arrays until a collection runs)
@@ -159,6 +166,9 @@ class Engine:
                 # KV until some later call took a turn (an idle engine kept it)
                 while depth == 0 and self._orphans:
                     self._orphans.pop()._end("cancelled")
+        if self._close_pending and not getattr(self._turn_depth, "n", 0):
+            self._close_pending = False
+            self.close()
 
     def end_generation(self, gen) -> None:
         """Ends `gen` as cancelled in a turn of its own. Inside a turn of this thread (a garbage
@@ -368,6 +378,7 @@ class Engine:
     def load_session(self, path: str | os.PathLike) -> bool:
         """Restore a saved conversation; the next prompt that extends it continues in place. A
         missing, stale or corrupt file is a cache miss (False, one warning line), never an error."""
+        self._check_open()
         if not isinstance(path, (str, os.PathLike)):
             raise ConfigError(f"load_session: expected a file path, found {type(path).__name__}")
         # (n_ctx, not n_ctx - 1: a conversation that ran to the end of the context saved, then was
@@ -713,6 +724,15 @@ def _warn_if_measured_elsewhere(profile, usable: frozenset[int]) -> None:
         log.warning("profile %s was measured on cores %s, but this process may run on %s: its figures may not fit "
                     "(run `edgellm profile` again under this process's cores)", profile.name, sorted(measured_on),
                     sorted(usable))
+
+
+def _release_arena(store) -> None:
+    """Drops a KV store's arrays (the pool's arena, the ring's window): whatever still holds the
+    store (a finished request in a Scheduler, an unread stream) then holds no memory."""
+    for obj in (getattr(store, "pool", None), getattr(store, "ring", None)):
+        for name in ("k", "v", "k_scale", "v_scale"):
+            if getattr(obj, name, None) is not None:
+                setattr(obj, name, None)
 
 
 def _guard_can_switch(runner) -> bool:

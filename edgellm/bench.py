@@ -42,7 +42,9 @@ def prompt_of_length(engine: Engine, n_tokens: int) -> tuple[str, int]:
     m = n_tokens
     best = None
     for _ in range(8):  # re-tokenizing decoded text can merge across the cut; nudge the cut
-        text = engine.detokenize(ids[:m])
+        # (skip_special: a BOS the tokenizer added is not text; written out, a model that adds
+        # BOS got it twice in the count while the engine strips one)
+        text = engine.detokenize(ids[:m], skip_special=True)
         got = len(engine.tokenize(text))
         if best is None or abs(got - n_tokens) < abs(best[1] - n_tokens):
             best = (text, got)
@@ -179,7 +181,7 @@ def run_shared_prefix(engine: Engine, prefix_tokens: int, suffix_tokens: list[in
         cold, cached, cached_tokens, prefill_tps, decode_tps, rss = [], [], [], [], [], []
         nxt, nxt_tokens = [], []
         for r in range(runs + 1):  # run 0 warms up and is not counted
-            text = prefix + engine.detokenize(engine.tokenize(f"Message {r}: " + base)[:n])
+            text = prefix + engine.detokenize(engine.tokenize(f"Message {r}: " + base)[:n], skip_special=True)
             engine.clear_cache()
             engine.generate(text, config=gen)
             s = engine.last_stats
@@ -192,7 +194,7 @@ def run_shared_prefix(engine: Engine, prefix_tokens: int, suffix_tokens: list[in
             # the next user on the same system prompt: the prefix from the prefix cache's full
             # blocks, after another request (the warm-then-ask case above continues the warmed
             # sequence in place, its last partial block included, with its KV still in cache)
-            other = prefix + engine.detokenize(engine.tokenize(f"Reply {r}: " + base)[:n])
+            other = prefix + engine.detokenize(engine.tokenize(f"Reply {r}: " + base)[:n], skip_special=True)
             engine.generate(other, config=gen)
             s2 = engine.last_stats
             if r == 0:

@@ -425,6 +425,9 @@ def chat(
             typer.echo("edgellm: warning: --system is ignored: the session's conversation goes on as it was",
                        err=True)
         messages = list(saved["messages"])
+    # what /reset keeps: the system turn, --system's or the session's own (messages[:1] kept a
+    # session's first user turn, or dropped its system prompt)
+    system_turn = messages[:1] if messages and messages[0].get("role") == "system" else []
     if system:   # a template without a system role (Gemma, Mistral v1) refused every turn, /reset too
         eng.render_chat(messages + [{"role": "user", "content": "hello"}])
     typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D or /exit quits, /reset "
@@ -453,8 +456,12 @@ def chat(
             if command in ("/exit", "/quit"):
                 return
             if command == "/reset":
-                messages = messages[:1] if system else []
-                typer.echo("[conversation cleared]", err=True)
+                messages = list(system_turn)
+                if session is not None:   # (the cleared state is the session's, even if no answer follows)
+                    session.unlink(missing_ok=True)
+                    seen = None
+                typer.echo("[conversation cleared]" + (f"; {session} removed until the next answer"
+                                                       if session is not None else ""), err=True)
             elif command == "/help":
                 typer.echo("/reset forgets the conversation (the system prompt stays), /exit or /quit (or Ctrl-D) "
                            "quits; Ctrl-C stops an answer", err=True)

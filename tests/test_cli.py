@@ -398,3 +398,28 @@ def test_chat_continues_and_saves_a_session(tiny, tmp_path):
     assert [m["content"] for m in read_header(f).meta["messages"] if m["role"] == "user"] == ["hello", "again"]
     r = chat("x\n", "--kv", "ring")
     assert r.returncode == 1 and "--session needs --kv pool" in r.stderr
+
+
+def test_reset_in_a_saved_chat_keeps_its_system_turn_and_only_that(tiny, tmp_path):
+    """/reset kept messages[:1] when --system was given, which in a saved chat was its first user
+    turn; without --system it dropped the session's own system prompt; and a /reset followed by
+    Ctrl-D left the old conversation in the file (from a helper's probe of the day's features)."""
+    import os
+    import subprocess
+    import sys
+
+    from edgellm.kv.session_file import read_header
+    f = tmp_path / "c.edgesess"
+
+    def chat(lines, *extra):
+        return subprocess.run([sys.executable, "-c", "from edgellm.cli import main; main()", "chat", "-m", tiny, "-n",
+                               "2", "--temperature", "0", "--session", str(f), *extra], input=lines,
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "EDGELLM_HOME": str(tmp_path / "home")})
+    assert chat("My name is Zork.\n", "--system", "Be brief.").returncode == 0
+    r = chat("/reset\n")                                  # then Ctrl-D: no answer after the reset
+    assert r.returncode == 0 and not f.exists(), r.stderr
+    assert chat("Hi\n", "--system", "Be brief.").returncode == 0
+    assert chat("/reset\nAgain\n").returncode == 0       # the session's own system turn stays
+    roles = [(m["role"], m["content"]) for m in read_header(f).meta["messages"]]
+    assert roles[:2] == [("system", "Be brief."), ("user", "Again")] and len(roles) == 3, roles

@@ -36,3 +36,22 @@ def test_close_frees_the_kv_and_weights_and_later_calls_are_typed_errors(path):
         assert again.generate("hello", max_tokens=3, temperature=0) == text
     with pytest.raises(ConfigError, match="the engine is closed"):
         again.generate("hello", max_tokens=1)
+
+
+def test_close_inside_a_step_waits_for_its_end_and_frees_a_schedulers_hold(path):
+    """close() from a signal handler mid-step got in through the re-entrant lock and broke the
+    step (AttributeError); load_session after close was an AttributeError; an idle Scheduler's
+    last request kept the KV arena alive after close (from a helper's probe of the day's features)."""
+    eng = edgellm.load(path, n_ctx=64, threads=1)
+    with eng.turn():
+        eng.close()                   # as a handler would, inside a step of this thread
+        assert eng.runner is not None  # not yet: the step goes on
+    assert eng.runner is None          # done when the turn ended
+    with pytest.raises(ConfigError, match="the engine is closed"):
+        eng.load_session("/nonexistent.edgesess")
+    eng = edgellm.load(path, n_ctx=64, threads=1)
+    with Scheduler(eng) as s:
+        s.submit("hello", max_tokens=2).result(timeout=30)
+        pool = eng.kv.pool
+        eng.close()
+        assert pool.k is None and pool.v is None   # the arena is dropped though the pool is held
