@@ -376,20 +376,26 @@ def test_bench_says_up_front_when_its_runs_do_not_fit_and_why_a_floor_is_missing
     assert r.exit_code == 0 and "no decode step to compare: --gen-tokens 1" in r.stdout, r.output
 
 
-def test_chat_continues_and_saves_a_session(tiny, tmp_path):
-    """`chat` had no --session (run --chat had one): a conversation ended with the process."""
+def _session_chat(tiny, tmp_path, f):
+    """chat(lines, *flags): `edgellm chat --session f` on the tiny model, lines on stdin."""
     import os
     import subprocess
     import sys
-
-    from edgellm.kv.session_file import read_header
-    f = tmp_path / "c.edgesess"
 
     def chat(lines, *extra):
         return subprocess.run([sys.executable, "-c", "from edgellm.cli import main; main()", "chat", "-m", tiny, "-n",
                                "2", "--temperature", "0", "--session", str(f), *extra], input=lines,
                               capture_output=True, text=True, timeout=60,
                               env={**os.environ, "EDGELLM_HOME": str(tmp_path / "home")})
+    return chat
+
+
+def test_chat_continues_and_saves_a_session(tiny, tmp_path):
+    """`chat` had no --session (run --chat had one): a conversation ended with the process."""
+    from edgellm.kv.session_file import read_header
+    f = tmp_path / "c.edgesess"
+
+    chat = _session_chat(tiny, tmp_path, f)
     r = chat("hello\n")
     assert r.returncode == 0 and f"[session: saved" in r.stderr, r.stderr
     assert [m["role"] for m in read_header(f).meta["messages"]] == ["user", "assistant"]
@@ -404,18 +410,10 @@ def test_reset_in_a_saved_chat_keeps_its_system_turn_and_only_that(tiny, tmp_pat
     """/reset kept messages[:1] when --system was given, which in a saved chat was its first user
     turn; without --system it dropped the session's own system prompt; and a /reset followed by
     Ctrl-D left the old conversation in the file (from a helper's probe of the day's features)."""
-    import os
-    import subprocess
-    import sys
-
     from edgellm.kv.session_file import read_header
     f = tmp_path / "c.edgesess"
 
-    def chat(lines, *extra):
-        return subprocess.run([sys.executable, "-c", "from edgellm.cli import main; main()", "chat", "-m", tiny, "-n",
-                               "2", "--temperature", "0", "--session", str(f), *extra], input=lines,
-                              capture_output=True, text=True, timeout=60,
-                              env={**os.environ, "EDGELLM_HOME": str(tmp_path / "home")})
+    chat = _session_chat(tiny, tmp_path, f)
     assert chat("My name is Zork.\n", "--system", "Be brief.").returncode == 0
     r = chat("/reset\n")                                  # then Ctrl-D: no answer after the reset
     assert r.returncode == 0 and not f.exists(), r.stderr
