@@ -118,7 +118,7 @@ class Engine:
                 return
             self.wait_loaded()   # (the background paging-in and KV commit must not outlive them)
             self._closed = True
-            _release_arena(self.kv)   # (a Scheduler's or a stream's last request still held it)
+            self.kv.release()    # (a Scheduler's or a stream's last request still held the store)
             self.runner = self.kv = self.model = self.prefault = None
             self._template, self._orphans = None, []
         gc.collect()             # (reference cycles hold the arrays until a collection runs)
@@ -618,14 +618,13 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     # the chunk's activations may take a quarter of the memory the KV cache leaves free
     plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
                            memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
+    chunk_why = "set by the caller"
     if ring_cap and plan.chunk.tokens > ring_cap:
         prefill_chunk = ring_cap
-        plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
+        chunk_why = (f"the ring's cap (ring: at most half the {kv_cfg.window - kv_cfg.sinks} tokens a chunk may "
+                     f"take, window {kv_cfg.window} less {kv_cfg.sinks} sinks, so a chunk's first tokens keep context)")
+        plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk, chunk_why=chunk_why,
                                memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
-        said = tuple(d.replace("(set by the caller)", "(the ring's cap, below)") for d in plan.chunk.derivation)
-        plan = replace(plan, chunk=replace(plan.chunk, derivation=said + (
-            f"ring: at most half the {kv_cfg.window - kv_cfg.sinks} tokens a chunk may take (window "
-            f"{kv_cfg.window} less {kv_cfg.sinks} sinks), so a chunk's first tokens keep context",)))
     plan = replace(plan, warnings=plan.warnings + tuple(plan_notes))
     for note in plan_notes:
         log.warning("%s", note)
@@ -697,7 +696,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                                         exclude=exclude, compute=compute)
                 warnings = plan.warnings + (note,)
                 plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk,
-                                       memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
+                                       chunk_why=chunk_why, memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
                 plan = replace(plan, warnings=warnings + tuple(w for w in plan.warnings if w not in warnings))
                 placement = plan.placement()
     release_free_pages()
@@ -724,15 +723,6 @@ def _warn_if_measured_elsewhere(profile, usable: frozenset[int]) -> None:
         log.warning("profile %s was measured on cores %s, but this process may run on %s: its figures may not fit "
                     "(run `edgellm profile` again under this process's cores)", profile.name, sorted(measured_on),
                     sorted(usable))
-
-
-def _release_arena(store) -> None:
-    """Drops a KV store's arrays (the pool's arena, the ring's window): whatever still holds the
-    store (a finished request in a Scheduler, an unread stream) then holds no memory."""
-    for obj in (getattr(store, "pool", None), getattr(store, "ring", None)):
-        for name in ("k", "v", "k_scale", "v_scale"):
-            if getattr(obj, name, None) is not None:
-                setattr(obj, name, None)
 
 
 def _guard_can_switch(runner) -> bool:

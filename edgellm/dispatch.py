@@ -530,9 +530,10 @@ class Dispatcher:
                          est.ms + moved, moved, reason.rstrip("; "), alts)
 
     # -- the whole plan --------------------------------------------------------------------------
-    def plan(self, *, prompt_tokens: int, n_ctx: int, memory_budget: float, chunk: int | None = None) -> Plan:
+    def plan(self, *, prompt_tokens: int, n_ctx: int, memory_budget: float, chunk: int | None = None,
+             chunk_why: str = "set by the caller") -> Plan:
         """Place both phases, size the chunk, and predict TTFT for `prompt_tokens` and decode
-        tok/s at that context. chunk: a fixed chunk instead of the roofline's."""
+        tok/s at that context. chunk: a fixed chunk instead of the roofline's, for chunk_why."""
         if prompt_tokens < 1 or prompt_tokens > n_ctx:
             raise ConfigError(f"prompt_tokens must be in 1..n_ctx ({n_ctx}), got {prompt_tokens}")
         if chunk is None:
@@ -558,7 +559,7 @@ class Dispatcher:
         else:
             if chunk < 1:
                 raise ConfigError(f"prefill chunk must be >= 1, got {chunk}")
-            choice = ChunkChoice(chunk, "", chunk, (f"chunk = {chunk} tokens (set by the caller)",))
+            choice = ChunkChoice(chunk, "", chunk, (f"chunk = {chunk} tokens ({chunk_why})",))
         prefill = self.place("prefill", choice.tokens, 0)
         decode = self.place("decode", 1, prompt_tokens)
         short, short_max = self._short_prefill(prefill, choice.tokens, prompt_tokens)

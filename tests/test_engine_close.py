@@ -55,3 +55,13 @@ def test_close_inside_a_step_waits_for_its_end_and_frees_a_schedulers_hold(path)
         pool = eng.kv.pool
         eng.close()
         assert pool.k is None and pool.v is None   # the arena is dropped though the pool is held
+
+
+def test_close_frees_a_rings_window_and_its_pool_view(path):
+    """The ring's pool view holds reshapes of the window: dropping the window's own arrays alone
+    kept them alive (the arena release reached the pool's and the ring's attributes only)."""
+    eng = edgellm.load(path, kv="ring", window=32, sinks=4, threads=1)
+    eng.generate("hello", max_tokens=2)
+    ring = eng.kv.ring
+    eng.close()
+    assert ring.k is None and ring.pool.k is None and ring.pool.v is None

@@ -149,6 +149,11 @@ class KVPool:
         if precision not in PRECISIONS:
             raise ConfigError(f"KV pool: precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
 
+    def release(self) -> None:
+        """Drops the arena (Engine.close): whatever still holds the pool (a finished request in a
+        Scheduler, an unread stream) then holds no memory. Nothing may read it after."""
+        self.k = self.v = self.k_scale = self.v_scale = None
+
     @staticmethod
     def nbytes_for(n_layers: int, n_kv_heads: int, head_dim: int, n_blocks: int,
                    block_tokens: int = 16, precision: str = "f16") -> int:

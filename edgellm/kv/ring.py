@@ -255,6 +255,11 @@ class RingKV:
         self._pending: _Pending | None = None
         self.pool = _PoolView(self)
 
+    def release(self) -> None:
+        """Drops the window's arrays and the pool view's reshapes of them (Engine.close)."""
+        for holder in (self, self.pool):
+            holder.k = holder.v = holder.k_scale = holder.v_scale = None
+
     @staticmethod
     def nbytes_for(n_layers: int, n_kv_heads: int, head_dim: int, window: int, itemsize: int = 4,
                    sinks: int = 0) -> int:

@@ -107,6 +107,10 @@ class PoolStore:
         self.release_last()
         self.prefix.clear()
 
+    def release(self) -> None:
+        """Frees the arena now (Engine.close)."""
+        self.pool.release()
+
     def release_last(self) -> bool:
         """Frees the kept last conversation (its full blocks stay in the prefix cache, evictable);
         True when there was one."""
@@ -225,6 +229,10 @@ class RingStore:
             return
         self.ring.free()
         self.history = []
+
+    def release(self) -> None:
+        """Frees the window now (Engine.close)."""
+        self.ring.release()
 
     def snapshot(self):
         raise ConfigError("sessions are saved from the block pool (kv='pool'); the ring buffer has none yet")
