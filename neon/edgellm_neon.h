@@ -54,6 +54,11 @@ EL_API const char *el_build_info(void);     /* "variant=dotprod simde=1 compiler
  * edgellm/backends/neon_lib.py); 0 off x86 */
 EL_API unsigned el_build_isa(void);
 EL_API void el_use_generic(int on);         /* 1: every kernel runs its _generic twin */
+/* x86 development builds only: which GEMVs run on 512-bit registers, bit 0 the Q4 GEMV, bit 1
+ * the Q8_0 lm_head's; a clear bit runs the AVX2 kernel (same results to fp32 rounding). set >= 0
+ * sets the mask (default 3). Returns the mask now in force, or -1 when this build has no AVX-512
+ * GEMVs (Arm, or an x86 CPU without AVX-512 VNNI + VBMI): there is nothing to choose. */
+EL_API int el_x86_gemv(int set);
 
 /* The arithmetic peak of the calling core (peak_probe.c): iters rounds of 12 independent chains
  * of this build's widest multiply-accumulate for the kind; *ops = multiplies + adds done. The

@@ -5,6 +5,8 @@ int el_generic_flag = 0;
 
 void el_use_generic(int on) { el_generic_flag = on ? 1 : 0; }
 
+int el_x86_wide_gemv = 3;
+
 unsigned el_features(void) {
     unsigned f = EL_FEAT_NEON;
     if (EL_DOTPROD) f |= EL_FEAT_DOTPROD;

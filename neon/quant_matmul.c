@@ -373,7 +373,7 @@ static inline __attribute__((always_inline)) int el_qrows_gemv(const int wt, con
                                                                const el_xq *xq, int x0, int nx_all, float *y,
                                                                const float *bias, int after) {
 #if defined(EL_X5_GEMV)
-    if (nx_all == 1 && wt != EL_Q8_0 && xq->nb <= EL_X5_MAX_NB) {
+    if (el_wide_gemv(1) && nx_all == 1 && wt != EL_Q8_0 && xq->nb <= EL_X5_MAX_NB) {
         const int nb = xq->nb;
         el_qgemv_q4_avx512(wt, w, rb, rows, xq->q + (size_t)x0 * nb * QK, xq->d + (size_t)x0 * nb,
                            xq->s + (size_t)x0 * nb, nb, y, bias, after);
@@ -466,8 +466,8 @@ static void el_qrows_generic(int wt, const uint8_t *w, size_t rb, int rows, cons
     }
 }
 
-#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__) && !defined(EL_X5_GEMV)
-/* (AVX-512 builds run el_f32act_q8_gemv_avx512 instead) */
+#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
+/* (AVX-512 builds run el_f32act_q8_gemv_avx512 instead where el_x86_gemv says so) */
 /* x86 el_matmul_f32act GEMV, Q8_0 (the lm_head, 49152 x 576, 30 MB a token). matmul_float.c's
  * 4-row tile ran it at ~17 GB/s with 2 threads, instruction-bound: per row and block, besides the
  * widening and the FMAs, an extract + add and a quarter of 3 VHADDPS (4 rows' lanes to 4 sums).
@@ -563,9 +563,10 @@ static void el_mm_chunk(const el_mm_ctx *c, int task, int after) {
     if (c->wtype == EL_F32 || c->wtype == EL_F16) {
         el_matmul_float_rows(c->wtype, c->generic, w, rows, c->x + (size_t)x0 * c->K, nx, c->K, y, ldy, bias);
 #if defined(EL_X5_GEMV)
-    } else if (c->f32act && !c->generic && c->wtype == EL_Q8_0 && nx == 1) {
+    } else if (c->f32act && !c->generic && c->wtype == EL_Q8_0 && nx == 1 && el_wide_gemv(2)) {
         el_f32act_q8_gemv_avx512(w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, c->K, y, bias, after);
-#elif EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
+#endif
+#if EL_SIMDE && defined(__AVX2__) && defined(__FMA__)
     } else if (c->f32act && !c->generic && c->wtype == EL_Q8_0 && nx == 1) {
         el_f32act_q8_gemv_avx2(w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, c->K, y, bias, after);
 #endif
@@ -751,4 +752,14 @@ int el_matmul(el_pool *pool, int wtype, const void *const *seg_ptr, const int *s
 int el_matmul_f32act(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
                      const float *x, float *y, int M, int K, const float *bias) {
     return el_matmul_run(pool, wtype, seg_ptr, seg_rows, n_seg, x, y, M, K, bias, NULL, 1);
+}
+
+int el_x86_gemv(int set) {
+#if defined(EL_X5_GEMV)
+    if (set >= 0) __atomic_store_n(&el_x86_wide_gemv, set & 3, __ATOMIC_RELAXED);
+    return __atomic_load_n(&el_x86_wide_gemv, __ATOMIC_RELAXED);
+#else
+    (void)set;
+    return -1;
+#endif
 }

@@ -130,7 +130,8 @@ def available() -> tuple[bool, str]:
             err = _self_check()
             info = lib.el_build_info().decode()
             _state["probe"] = (False, f"numeric self-check failed: {err}") if err else \
-                (True, f"{lib.variant} library ({lib.variant_reason}); {info}")
+                (True, f"{lib.variant} library ({lib.variant_reason}); {info}"
+                       + (f"; {lib.x86_gemv}" if lib.x86_gemv else ""))
         except neon_lib.NeonLibError as e:
             _state["probe"] = (False, str(e))
         except Exception as e:  # a probe must never take the engine down

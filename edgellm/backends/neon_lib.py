@@ -42,6 +42,7 @@ _SIGNATURES = {
     "el_build_info": (ctypes.c_char_p, []),
     "el_build_isa": (c_uint, []),
     "el_use_generic": (None, [c_int]),
+    "el_x86_gemv": (c_int, [c_int]),
     "el_peak_probe": (c_int, [c_int, ctypes.c_long, POINTER(ctypes.c_double)]),
     "el_pool_create": (c_void_p, [c_int, _c_int_p, c_int]),
     "el_pool_destroy": (None, [c_void_p]),
@@ -193,6 +194,51 @@ def choose_variant() -> tuple[str, str]:
     return "dotprod", "not an Arm CPU: SIMDe emulation, dotprod paths"
 
 
+def cpu_vendor_family(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, int] | None:
+    """(vendor_id, cpu family) of an x86 CPU as /proc/cpuinfo gives them; None where unreadable."""
+    vendor, family = None, None
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and vendor is None:
+                    vendor = val.strip()
+                elif key == "cpu family" and family is None:
+                    family = int(val.strip()) if val.strip().isdigit() else None
+                if vendor is not None and family is not None:
+                    return vendor, family
+    except OSError:
+        pass
+    return None
+
+
+# AMD family 19h with AVX-512 (Zen 4) runs a 512-bit operation as two 256-bit halves; there, in one
+# process with the kernels alternated, SmolLM2's decode took 3.59 ms/token with both AVX2 GEMVs
+# against 4.85 with both AVX-512 ones (Zen 4 guest, 128-token prompt; each kernel ~half the gap:
+# the AVX-512 ones stream DRAM-resident rows slower there). On a Zen 5 (family 1Ah, full-width
+# 512-bit units) the AVX-512 GEMVs were the faster (qgemv_avx512.h).
+_AVX2_GEMV_FAMILIES = {("AuthenticAMD", 0x19)}
+
+
+def choose_x86_gemv(lib: ctypes.CDLL, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """Set which GEMVs run on 512-bit registers in an x86 development build (el_x86_gemv) and say
+    why; "" where the build has no choice (Arm, or x86 without AVX-512 VNNI + VBMI)."""
+    if lib.el_x86_gemv(-1) < 0:
+        return ""
+    forced = os.environ.get("EDGELLM_X86_GEMV")
+    if forced:
+        if forced not in ("avx2", "avx512"):
+            raise NeonLibError(f"EDGELLM_X86_GEMV must be avx2 or avx512, got {forced!r}")
+        wide, why = forced == "avx512", "EDGELLM_X86_GEMV"
+    else:
+        cpu = cpu_vendor_family(cpuinfo)
+        wide = cpu not in _AVX2_GEMV_FAMILIES
+        why = "default" if wide else f"{cpu[0]} family {cpu[1]:x}h: 512-bit operations run as two 256-bit halves"
+    lib.el_x86_gemv(3 if wide else 0)
+    return f"x86 GEMVs {'AVX-512' if wide else 'AVX2'} ({why})"
+
+
 def library_path(variant: str) -> Path:
     explicit = os.environ.get("EDGELLM_NEON_LIB")
     if explicit:
@@ -228,6 +274,7 @@ def load(variant: str | None = None, path: str | os.PathLike | None = None, part
     if hasattr(lib, "el_build_isa"):
         _check_isa(lib, path)
     lib.variant, lib.variant_reason, lib.path = variant, why, path
+    lib.x86_gemv = choose_x86_gemv(lib) if hasattr(lib, "el_x86_gemv") else ""
     return lib
 
 
