@@ -211,9 +211,7 @@ def variant_flags(variant: str, cpu: str | None = None, kind: str = "gcc") -> li
     instruction (zig cannot tune without selecting the core's features: its base stays generic)."""
     if variant not in VARIANTS:
         raise ToolchainError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
-    if cpu is not None and not re.fullmatch(r"[a-z0-9][a-z0-9.\-]*", cpu):
-        raise ToolchainError(f"--cpu {cpu!r} is not a CPU name (lower-case letters, digits, '-', '.'; "
-                             f"e.g. {CPU_EXAMPLES})")
+    check_cpu_name(cpu)
     if kind == "zig":
         if cpu is None or variant == "base":
             return list(ZIG_FLAGS[variant])
@@ -224,6 +222,12 @@ def variant_flags(variant: str, cpu: str | None = None, kind: str = "gcc") -> li
     # loader picks this library on the dotprod and fp16 HWCAPs alone (phones' firmware may hide
     # SVE): the library must not need more than its name says
     return ["-march=armv8-a", f"-mtune={cpu}"] if variant == "base" else [f"-mcpu={cpu}+dotprod+fp16+nosve"]
+
+
+def check_cpu_name(cpu: str | None) -> None:
+    if cpu is not None and not re.fullmatch(r"[a-z0-9][a-z0-9.\-]*", cpu):
+        raise ToolchainError(f"--cpu {cpu!r} is not a CPU name (lower-case letters, digits, '-', '.'; "
+                             f"e.g. {CPU_EXAMPLES})")
 
 
 def core_flags(cpu: str, kind: str = "gcc") -> list[str]:
@@ -317,7 +321,9 @@ def stop_on_sigterm():
 
 def _is_bundle(out: Path) -> bool:
     """An empty folder, or one whose bundle.json is edgellm's (its format, target, variants and
-    files) and that holds no folders: a project folder with a bundle.json of its own is neither."""
+    files) and that holds no folders and no file the bundle does not list: a project folder with
+    a bundle.json of its own is neither, nor a bundle the user added notes to (a rebuild
+    replaces the whole folder)."""
     if not out.is_dir():
         return False
     entries = list(out.iterdir())
@@ -330,7 +336,8 @@ def _is_bundle(out: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (isinstance(meta, dict) and meta.get("format") == 1 and isinstance(meta.get("files"), dict)
-            and isinstance(meta.get("variants"), dict) and meta.get("target") in TARGETS)
+            and isinstance(meta.get("variants"), dict) and meta.get("target") in TARGETS
+            and all(p.name == "bundle.json" or p.name in meta["files"] for p in entries))
 
 
 def _sha256(path: Path) -> str:
@@ -353,6 +360,7 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
     bundle (holds bundle.json) or empty. Raises ToolchainError (no compiler, bad target or cpu)
     or BuildError (the compiler failed, with its output)."""
     say = progress or (lambda _msg: None)
+    check_cpu_name(cpu)      # before anything is probed or printed
     variants = list(dict.fromkeys(variants))
     if not variants or any(v not in VARIANTS for v in variants):
         raise ToolchainError(f"variants must be a non-empty subset of {', '.join(VARIANTS)}; got {variants}")
@@ -365,7 +373,7 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
     out = Path(os.path.expanduser(out)).resolve() if out is not None else Path.cwd() / f"edgellm-bundle-{name}"
     if out.exists() and not _is_bundle(out):
         raise ToolchainError(f"{out} exists and is not an edgellm bundle (no edgellm bundle.json, or it holds "
-                             f"folders): choose another --out")
+                             f"folders or files the bundle does not list): choose another --out")
     if cpu is not None and "dotprod" in variants:
         # a core without dot products or fp16 arithmetic (Cortex-A53, A72: Armv8.0) cannot run
         # the dotprod variant: gcc fails on it after the whole build, and such a library would
@@ -385,7 +393,9 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as e:
-        raise ToolchainError(f"cannot write the bundle at {out}: {e.strerror or e}") from None
+        file_above = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        why = f"{file_above} is a file, not a folder" if file_above else (e.strerror or str(e))
+        raise ToolchainError(f"cannot write the bundle at {out}: {why}") from None
     snap = None
     try:
         # the sources as they are now, compiled and hashed from one copy: an edit during the

@@ -528,6 +528,44 @@ def test_out_that_is_no_bundle_is_refused_before_any_work(tmp_path, monkeypatch)
             tc.build_bundle(out=out, src_dir=src, progress=None)
 
 
+def test_a_bundle_with_files_it_does_not_list_is_not_replaced(tmp_path):
+    """A bundle folder the user added a file to (or a folder holding a copied bundle.json) was
+    replaced whole by the next build: the added files were deleted."""
+    src = _tiny_src(tmp_path)
+    out = tc.build_bundle(out=tmp_path / "b", variants=["base"], src_dir=src, progress=None)
+    (out / "NOTES.txt").write_text("my notes")
+    with pytest.raises(tc.ToolchainError, match="files the bundle does not list"):
+        tc.build_bundle(out=out, variants=["base"], src_dir=src, progress=None)
+    assert (out / "NOTES.txt").read_text() == "my notes"
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "bundle.json").write_bytes((out / "bundle.json").read_bytes())
+    (flat / "thesis.txt").write_text("chapter 1")
+    with pytest.raises(tc.ToolchainError, match="not an edgellm bundle"):
+        tc.build_bundle(out=flat, variants=["base"], src_dir=src, progress=None)
+    assert (flat / "thesis.txt").read_text() == "chapter 1"
+    (out / "NOTES.txt").unlink()            # the bundle's own files alone: rebuilt in place
+    assert tc.build_bundle(out=out, variants=["base"], src_dir=src, progress=None) == out
+
+
+def test_a_bad_cpu_name_is_refused_before_anything_is_printed(tmp_path):
+    """`--cpu cortex-a78+nodotprod` first said it would build the base variant only, and
+    `--cpu Cortex-A78` printed the compiler line, before the name was refused."""
+    src, said = _tiny_src(tmp_path), []
+    for bad in ("cortex-a78+nodotprod", "Cortex-A78"):
+        with pytest.raises(tc.ToolchainError, match="not a CPU name"):
+            tc.build_bundle(out=tmp_path / "x", cpu=bad, src_dir=src, progress=said.append,
+                            env={"PATH": ""})     # (no compiler needed: refused before the lookup)
+    assert said == [] and not (tmp_path / "x").exists()
+
+
+def test_an_out_below_a_file_says_so(tmp_path):
+    src = _tiny_src(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(tc.ToolchainError, match=r"afile is a file, not a folder"):
+        tc.build_bundle(out=tmp_path / "afile" / "sub", variants=["base"], src_dir=src, progress=None)
+
+
 def test_cpu_features_from_the_compiler():
     try:
         t = tc.find_toolchain("aarch64-linux-gnu")
