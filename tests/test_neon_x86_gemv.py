@@ -117,8 +117,15 @@ def test_the_environment_overrides_the_cpu(tmp_path, monkeypatch):
         neon_lib.choose_x86_gemv(lib, zen4)
 
 
-def test_a_build_without_the_choice_says_nothing(tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGELLM_X86_GEMV", "avx2")     # (not even read: there is nothing to set)
-    lib = _Lib(built=False)
-    assert neon_lib.choose_x86_gemv(lib, _cpuinfo(tmp_path, "AuthenticAMD", 25)) == ""
+def test_a_build_without_the_choice_says_so_when_asked(tmp_path, monkeypatch):
+    """The override was ignored without a word on a build without AVX-512 GEMVs, and a bad value
+    went unnoticed there while it disabled the unit on an AVX-512 build."""
+    lib, zen4 = _Lib(built=False), _cpuinfo(tmp_path, "AuthenticAMD", 25)
+    monkeypatch.delenv("EDGELLM_X86_GEMV", raising=False)
+    assert neon_lib.choose_x86_gemv(lib, zen4) == ""
+    monkeypatch.setenv("EDGELLM_X86_GEMV", "avx512")
+    assert neon_lib.choose_x86_gemv(lib, zen4) == "EDGELLM_X86_GEMV=avx512 ignored: this build has no AVX-512 GEMVs"
+    monkeypatch.setenv("EDGELLM_X86_GEMV", "bogus")
+    with pytest.raises(neon_lib.NeonLibError, match="must be avx2 or avx512, got 'bogus'"):
+        neon_lib.choose_x86_gemv(lib, zen4)
     assert lib.mask == -1

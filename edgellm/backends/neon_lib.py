@@ -13,6 +13,8 @@ import platform
 from ctypes import POINTER, c_float, c_int, c_size_t, c_uint, c_void_p
 from pathlib import Path
 
+from . import elf_check
+
 EL_F32, EL_F16, EL_Q4_0, EL_Q4_1, EL_Q8_0 = 0, 1, 2, 3, 8
 EL_KV_I8 = 16   # an int8 KV pool (kv_type only): k and v each point to an el_kv_i8
 
@@ -223,13 +225,14 @@ _AVX2_GEMV_FAMILIES = {("AuthenticAMD", 0x19)}
 
 def choose_x86_gemv(lib: ctypes.CDLL, cpuinfo: str = "/proc/cpuinfo") -> str:
     """Set which GEMVs run on 512-bit registers in an x86 development build (el_x86_gemv) and say
-    why; "" where the build has no choice (Arm, or x86 without AVX-512 VNNI + VBMI)."""
-    if lib.el_x86_gemv(-1) < 0:
-        return ""
+    why; "" where the build has no choice (Arm, or x86 without AVX-512 VNNI + VBMI) and nobody
+    asked for one."""
     forced = os.environ.get("EDGELLM_X86_GEMV")
+    if forced and forced not in ("avx2", "avx512"):
+        raise NeonLibError(f"EDGELLM_X86_GEMV must be avx2 or avx512, got {forced!r}")
+    if lib.el_x86_gemv(-1) < 0:
+        return f"EDGELLM_X86_GEMV={forced} ignored: this build has no AVX-512 GEMVs" if forced else ""
     if forced:
-        if forced not in ("avx2", "avx512"):
-            raise NeonLibError(f"EDGELLM_X86_GEMV must be avx2 or avx512, got {forced!r}")
         wide, why = forced == "avx512", "EDGELLM_X86_GEMV"
     else:
         cpu = cpu_vendor_family(cpuinfo)
@@ -242,7 +245,8 @@ def choose_x86_gemv(lib: ctypes.CDLL, cpuinfo: str = "/proc/cpuinfo") -> str:
 def library_path(variant: str) -> Path:
     explicit = os.environ.get("EDGELLM_NEON_LIB")
     if explicit:
-        return Path(explicit)
+        # absolute: a bare file name made dlopen search the system's library path, not here
+        return Path(os.path.abspath(os.path.expanduser(explicit)))
     found = sorted(package_dir().glob(f"_neon_{variant}*.so"))
     if not found:
         raise NeonLibError(f"the {variant} NEON library is not built (no edgellm/_neon_{variant}*.so): the "
@@ -252,6 +256,23 @@ def library_path(variant: str) -> Path:
     return found[0]
 
 
+def _explicit_variant(lib: ctypes.CDLL, path: Path) -> tuple[str, str]:
+    """(variant, why) of a library EDGELLM_NEON_LIB names: what it was built as, not what this CPU
+    would pick (the plan called an x86 base build "dotprod library", and EDGELLM_NEON_VARIANT
+    the reason, though it was not what decided). On Arm a dotprod build the CPU cannot run is
+    refused before any kernel dies of SIGILL."""
+    variant = "dotprod" if lib.el_features() & FEAT_DOTPROD else "base"
+    why = f"EDGELLM_NEON_LIB={path}"
+    if platform.machine().lower() in ("aarch64", "arm64") and variant == "dotprod":
+        cap = _hwcap()
+        if not (cap & _HWCAP_ASIMDDP and cap & _HWCAP_ASIMDHP):
+            raise NeonLibError(f"{path} is a dotprod build and this CPU lacks asimddp or asimdhp: load a base build")
+    forced = os.environ.get("EDGELLM_NEON_VARIANT")
+    if forced and forced != variant:
+        why += f"; EDGELLM_NEON_VARIANT={forced} does not apply to it"
+    return variant, why
+
+
 def load(variant: str | None = None, path: str | os.PathLike | None = None, partial: bool = False) -> ctypes.CDLL:
     """The library with every function's signature declared. partial: allow missing symbols
     (kernel development builds of a few sources)."""
@@ -259,6 +280,9 @@ def load(variant: str | None = None, path: str | os.PathLike | None = None, part
     if variant is None:
         variant, why = choose_variant()
     path = Path(path) if path is not None else library_path(variant)
+    wrong = elf_check.problem(path)
+    if wrong:
+        raise NeonLibError(wrong)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
@@ -273,6 +297,8 @@ def load(variant: str | None = None, path: str | os.PathLike | None = None, part
         fn.restype, fn.argtypes = res, args
     if hasattr(lib, "el_build_isa"):
         _check_isa(lib, path)
+    if os.environ.get("EDGELLM_NEON_LIB") and path == library_path(variant):
+        variant, why = _explicit_variant(lib, path)
     lib.variant, lib.variant_reason, lib.path = variant, why, path
     lib.x86_gemv = choose_x86_gemv(lib) if hasattr(lib, "el_x86_gemv") else ""
     return lib
