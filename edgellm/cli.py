@@ -91,6 +91,10 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = ()) -> None:
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{flag} {p}: is a directory; give a file path")
+    if p.exists() and not p.is_file():
+        # the file is written beside and renamed over the path: a device (as root, /dev/null) or
+        # a pipe there was replaced by a regular file, and /dev/full "took" the whole write
+        raise ConfigError(f"{flag} {p}: is not a regular file (a device, pipe or socket); give a file path")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise ConfigError(f"{flag} {p}: the folder {parent} does not exist")
@@ -98,6 +102,23 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = ()) -> None:
         raise ConfigError(f"{flag} {p}: the folder {parent} is not writable")
     if suffixes and p.suffix.lower() not in suffixes:
         raise ConfigError(f"{flag} {p}: expected a file ending in {', '.join(suffixes)}")
+
+
+def _check_analysis_args(formats: tuple[str, ...], ops: tuple[str, ...], max_tokens: int) -> None:
+    """The analysis's own checks, made before the model loads and "measuring N forward passes"
+    is printed; an empty list is refused (--ops "" ran and measured nothing)."""
+    from . import requant
+    from .errors import ConfigError
+    from .sensitivity import ANALYZED_OPS, _check_names
+
+    if not formats:
+        raise ConfigError("--formats names no weight format")
+    if not ops:
+        raise ConfigError("--ops names no op")
+    _check_names(formats, requant.FORMATS, "weight format")
+    _check_names(ops, ANALYZED_OPS, "op")
+    if max_tokens < 2:
+        raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
 
 
 def write_output(path: Path, flag: str, data: bytes) -> None:
@@ -941,6 +962,7 @@ def precision_analyze(
     check_out_path(json_out, "--json")
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     op_list = tuple(o.strip() for o in ops.split(",") if o.strip())
+    _check_analysis_args(fmts, op_list, max_tokens)
     text = load_calibration(calib)
     eng = edgellm.load(model, n_ctx=max(max_tokens + 1, 256), units=["reference"], progress=Progress())
     n = forward_passes(eng.config.n_layers, op_list, fmts, ("int8",))
@@ -1095,6 +1117,8 @@ def precision_plan(
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     check_out_path(out, "--out", (".yaml", ".yml"))
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
+    _check_analysis_args(fmts, SEARCH_OPS, max_tokens)
+    profile = device_profile(device)      # a bad name is refused now, not after minutes of analysis
     text = load_calibration(calib)
     ref = edgellm.load(model, n_ctx=max(max_tokens + 1, 256), units=["reference"], progress=Progress())
     mf, cfg = ref.model, ref.config
@@ -1105,7 +1129,6 @@ def precision_plan(
                    progress=lambda d, t: prog("analyzing", d, t))
     ids = ref.tokenize(text)[: sens.n_tokens]
     del ref
-    profile = device_profile(device)
     host = device in (None, "host")
     files = weight_formats(mf)
     disp = Dispatcher(profile, cfg, files, probe=host)

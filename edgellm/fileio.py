@@ -1,6 +1,7 @@
 """Small file-system helpers shared by the writers of models, sessions and profiles."""
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -14,6 +15,9 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) 
     made if missing; on any failure the temp file is removed and the error raised. mode: the
     file's permissions (default: the temp file's 0600, for caches; a user's output wants 0644)."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        # the rename would replace a device or a pipe with a regular file (as root: /dev/null)
+        raise OSError(errno.EINVAL, "not a regular file (a device, pipe or socket)", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
     try:
