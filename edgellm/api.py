@@ -399,7 +399,7 @@ class Engine:
         self.session_meta = dict(data.meta)
         return True
 
-    def _generate_ids(self, ids: list[int], cfg: GenerationConfig, cancel: CancelToken | None,
+    def _generate_ids(self, ids: list[int], cfg: GenerationConfig, cancel: CancelToken,
                       t0: float, t_tok: float) -> Iterator[str]:
         gen = Generation(self, ids, cfg, cancel, t0, t_tok)
         self.last_stats = gen.stats
