@@ -1,6 +1,7 @@
 """The `edgellm` command line: run, chat, info, pull, bench."""
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import logging
@@ -354,9 +355,8 @@ def run(
     from .api import generation_config
     from .errors import ConfigError
 
-    _check_utf8("the prompt", prompt)
-    for stop_text in stop or ():
-        _check_utf8("--stop", stop_text)
+    prompt = _utf8_arg("the prompt", prompt)
+    stop = [_utf8_arg("--stop", s) for s in stop or ()]
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
     if session is not None and kv == "ring":   # (refused at save time before: after the whole answer)
@@ -427,11 +427,11 @@ def chat(
     _start_probe_child()
     from .api import generation_config
 
+    stop = [_utf8_arg("--stop", s) for s in stop or ()]
+    system = _utf8_arg("--system", system) if system is not None else None
     # (the same sampling options and defaults as `run`: a chat sampled without min_p before)
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
-    for stop_text in stop or ():
-        _check_utf8("--stop", stop_text)
+                            min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop))
     from .errors import ConfigError
 
     if sys.stdin is None:   # (started with <&-: an AttributeError traceback)
@@ -468,8 +468,9 @@ def chat(
         except KeyboardInterrupt:     # at the prompt (or just after an answer): not a quit
             typer.echo("\n(Ctrl-D or /exit quits)", err=True)
             continue
-        except UnicodeDecodeError:
-            _err("that line is not valid UTF-8; it was skipped")
+        except UnicodeDecodeError as e:
+            enc = "UTF-8" if codecs.lookup(e.encoding).name == "utf-8" else e.encoding
+            _err(f"that line is not valid {enc}; it was skipped")
             failed += 1
             continue
         command = line.strip()
@@ -546,17 +547,24 @@ def _read_line() -> str:
         os.close(w)
 
 
-def _check_utf8(what: str, text: str) -> None:
-    """An argument holding bytes that are not UTF-8 (Python keeps them as lone surrogates) is
-    refused here, by name: it failed later with the API's advice about a position in the
-    rendered template, and a --stop of such bytes could never match."""
+def _utf8_arg(what: str, text: str) -> str:
+    """An argument as text. Python decodes argv with the locale's encoding and keeps bytes it
+    cannot decode as lone surrogates: under an ASCII locale (LC_ALL=C without UTF-8 mode) valid
+    UTF-8 such as an emoji came out so, and was refused as "not valid UTF-8"; its bytes are read
+    as UTF-8 here. Bytes that are not UTF-8 either are refused by name (they failed later with the
+    API's advice about a position in the rendered template, and a --stop of such bytes could
+    never match)."""
     from .errors import ConfigError
 
     try:
         text.encode("utf-8")
+        return text
     except UnicodeEncodeError as e:
-        bad = text[e.start].encode("utf-8", "surrogateescape")
-        raise ConfigError(f"{what} is not valid UTF-8 (byte 0x{bad.hex()} at character {e.start + 1})") from None
+        try:
+            return os.fsencode(text).decode("utf-8")
+        except (UnicodeError, ValueError):
+            bad = text[e.start].encode("utf-8", "surrogateescape")
+            raise ConfigError(f"{what} is not valid UTF-8 (byte 0x{bad.hex()} at character {e.start + 1})") from None
 
 
 def _decode_line(raw) -> str:
@@ -567,7 +575,10 @@ def _decode_line(raw) -> str:
     if not raw:
         raise EOFError
     if isinstance(raw, bytes):
-        raw = raw.decode(getattr(sys.stdin, "encoding", None) or "utf-8")
+        enc = getattr(sys.stdin, "encoding", None) or "utf-8"
+        # ASCII (PYTHONIOENCODING=ascii, a C locale without UTF-8 mode) is read as UTF-8, its
+        # superset: valid UTF-8 input was refused there
+        raw = raw.decode("utf-8" if codecs.lookup(enc).name == "ascii" else enc)
     return raw[:-1] if raw.endswith("\n") else raw
 
 
