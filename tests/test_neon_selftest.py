@@ -213,12 +213,15 @@ def test_rebuild_replaces_a_bundle_and_refuses_other_folders(tmp_path):
     src = _tiny_src(tmp_path)
     out = tmp_path / "out"
     try:
-        tc.build_bundle(out=out, variants=["base"], src_dir=src, progress=None)
+        tc.build_bundle(out=out, src_dir=src, progress=None)           # both variants
     except tc.ToolchainError as e:
         pytest.fail(f"{e}\n{INSTALL_HINT}")
-    (out / "stale").write_text("x")
+    stale = tc.LIB_NAME.format("dotprod")
+    assert (out / stale).is_file()
+    # the old bundle's own files go, the new ones replace them (a file the old bundle.json does
+    # not list is the user's: refused, test_a_bundle_with_files_it_does_not_list_is_not_replaced)
     tc.build_bundle(out=out, variants=["base"], src_dir=src, progress=None)
-    assert not (out / "stale").exists() and (out / "bundle.json").is_file()
+    assert not (out / stale).exists() and (out / "bundle.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"
     precious = tmp_path / "precious"
     precious.mkdir()
