@@ -12,7 +12,7 @@ of another kind adds a fixed transfer overhead plus a copy unless the memory is 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from .device.profile import CpuCluster, DeviceProfile
@@ -146,6 +146,28 @@ def _interpolate(curve: tuple[tuple[int, float], ...], tokens: int) -> float:
     return curve[-1][1]
 
 
+class LayerFormats(str):
+    """The weight format of a layer op whose layers store it in different formats (a precision
+    plan that requantizes some layers only). It reads as its most common format wherever one name
+    is needed (a unit's kernel choice, the format a placement shows); estimate() costs the op as
+    the mean over its layers, each at its own format (bytes per weight and kernel): the layer's
+    time is multiplied by n_layers, so one name for all layers priced a plan changing a minority
+    of layers as if it changed none, and one changing all but one as if it changed all."""
+
+    layers: tuple[str, ...]                # the format of each layer, in layer order
+    compute: object                        # the plan's precision_runtime.ComputeTable, or None:
+                                           # pairs each layer's format with that layer's ask
+
+    def __new__(cls, layers: tuple[str, ...], compute=None) -> "LayerFormats":
+        layers = tuple(layers)
+        obj = super().__new__(cls, max(dict.fromkeys(layers), key=layers.count))
+        obj.layers, obj.compute = layers, compute
+        return obj
+
+    def __getnewargs__(self):   # pickle and copy rebuild it from its layers, not its name
+        return (self.layers, self.compute)
+
+
 @dataclass(frozen=True)
 class Estimate:
     ms: float                  # predicted time of the op on the unit, transfers excluded
@@ -160,6 +182,8 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
              kv_bytes: float, prefill: bool, asked: str | None = None) -> Estimate | None:
     """Predicted time of `op` on `unit` (at the precision a plan `asked` for, if given); None when
     the unit has no figure for its precision or cannot compute at or above `asked`."""
+    if isinstance(weight_format, LayerFormats):
+        return _layers_mean(unit, op, cfg, tokens, context, weight_format, kv_bytes, prefill, asked)
     prec, fmt = unit.precision_for(op, weight_format, asked)
     if prec is None:
         return None
@@ -185,6 +209,30 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
     body = max(compute_s, memory_s)
     bound = "launch" if unit.launch_s > body else ("compute" if compute_s >= memory_s else "memory")
     return Estimate((body + unit.launch_s) * 1e3, prec, fmt, cost, bound, peak / unit.bandwidth)
+
+
+def _layers_mean(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int, lf: LayerFormats,
+                 kv_bytes: float, prefill: bool, asked: str | None) -> Estimate | None:
+    """estimate() of a layer op whose layers differ in format: the mean over the layers of each
+    layer's own estimate (None when the unit cannot run one of them). With the plan's compute
+    table, only the layers asking `asked` are averaged: the dispatcher weights each ask by the
+    layers asking it, so the pair (format, ask) of every layer is costed together."""
+    layers = lf.layers
+    if asked is not None and lf.compute is not None:
+        asks = lf.compute.asked("prefill" if prefill else "decode", op.name, context + tokens)
+        layers = tuple(f for f, a in zip(lf.layers, asks) if a == asked) or lf.layers
+    parts = []
+    for f in dict.fromkeys(layers):
+        e = estimate(unit, op, cfg, tokens, context, f, kv_bytes, prefill, asked)
+        if e is None:
+            return None
+        parts.append((e, layers.count(f)))
+    n = len(layers)
+    main = max(parts, key=lambda p: p[1])[0]
+    mean = OpCost(*(sum(getattr(e.cost, k) * c for e, c in parts) / n
+                    for k in ("flops", "weight_bytes", "act_bytes", "kv_bytes", "in_bytes")))
+    return replace(main, ms=sum(e.ms * c for e, c in parts) / n, cost=mean,
+                   precision="+".join(dict.fromkeys(e.precision for e, _ in parts)))
 
 
 def handoff_ms(src: Unit, dst: Unit, nbytes: float) -> float:

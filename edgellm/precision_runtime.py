@@ -132,6 +132,13 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     formats = {n: f for n, f in formats.items() if mf.tensor_type(n) != GGUF_TYPE_FOR[f]}
     if not formats:
         return mf, f"precision plan {plan.name!r}: weights as the file stores them"
+    emb_asked = plan.weight_format(None, "embedding", cfg.n_layers)
+    if cfg.tied_embeddings and "token_embd.weight" in formats and emb_asked == "gguf":
+        # one tensor is the head and the embedding table: the plan's head format is the table's,
+        # whatever its embedding entry says (the embedding-float rule meant to keep it)
+        log.warning("precision plan %r stores lm_head in %s, and this model ties its embeddings: the embedding "
+                    "table (token_embd.weight) is stored in %s too, though the plan's embedding says 'gguf'",
+                    plan.name, formats["token_embd.weight"], GGUF_TYPE_FOR[formats["token_embd.weight"]].name)
     again = [n for n, f in formats.items() if _bits(mf.tensor_type(n).name) <= 5 and _bits(GGUF_TYPE_FOR[f].name) <= 5]
     if again:
         # measured on SmolLM2-135M Q4_1: the `fast` preset's Q4_0 FFN costs KL 0.15 against
@@ -211,7 +218,9 @@ def _fingerprint_file(path: Path) -> Path:
 
 def planned_formats(mf, plan: PrecisionPlan) -> dict[str, str]:
     """ops.weight_formats of the model `plan` would make of `mf`, without writing it (for
-    `edgellm plan --precision`, which may plan for another device)."""
+    `edgellm plan --precision`, which may plan for another device). A layer op whose layers the
+    plan stores differently is a costmodel.LayerFormats: each layer is costed at its own format."""
+    from .costmodel import LayerFormats
     from .ops import weight_formats
     from .requant import GGUF_TYPE_FOR
 
@@ -223,9 +232,10 @@ def planned_formats(mf, plan: PrecisionPlan) -> dict[str, str]:
         f = plan.weight_format(layer, op, cfg.n_layers)
         return file_fmt[eop] if f == "gguf" else GGUF_TYPE_FOR[f].name.lower()
 
+    compute = ComputeTable(plan, cfg.n_layers)
     for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down"):
-        per_layer = [fmt(i, op, op) for i in range(cfg.n_layers)]
-        out[op] = max(dict.fromkeys(per_layer), key=per_layer.count)
+        per_layer = tuple(fmt(i, op, op) for i in range(cfg.n_layers))
+        out[op] = per_layer[0] if len(set(per_layer)) == 1 else LayerFormats(per_layer, compute)
     out["lm_head"] = fmt(None, "lm_head", "lm_head")
     out["embedding"] = out["lm_head"] if cfg.tied_embeddings else fmt(None, "embedding", "embedding")
     return out

@@ -14,6 +14,11 @@ that assumption is checked, not trusted.
 A site is changed only when the change saves time: an error that buys nothing is not taken.
 Activation changes are made for the objective's phase only (ttft: prefill, decode: decode), so
 the other phase keeps fp32 compute.
+
+A model with tied embeddings keeps its head's weights: the head is the embedding table (one
+tensor, which requant.plan_formats stores in the head's format), and the embedding-float rule
+keeps the embedding in the file's format or a float one; a plan that requantized the head would
+say `embedding: {weights: gguf}` and store the table in the head's format.
 """
 from __future__ import annotations
 
@@ -103,7 +108,11 @@ def search(sens, times: dict[str, dict[tuple[str, str], float]], budget_kl: floa
         raise ConfigError(f"the KL budget must be a positive number of nats, got {budget_kl!r}")
     if sens.n_layers != n_layers:
         raise ConfigError(f"the sensitivities are for {sens.n_layers} layers, the model has {n_layers}")
-    kl = {(e.layer, e.op, e.kind, e.format): max(e.kl, KL_FLOOR) for e in sens.entries}
+    # a KL that is not a number (a damaged measurement) is no measurement: max(nan, floor) is nan,
+    # and no sum with a nan is ever over the budget
+    kl = {(e.layer, e.op, e.kind, e.format): max(e.kl, KL_FLOOR) for e in sens.entries if math.isfinite(e.kl)}
+    if sens.tied_embeddings:   # (see the module doc)
+        kl = {k: v for k, v in kl.items() if k[1:3] != ("lm_head", "weights")}
     sites = [(i, op) for i in range(n_layers) for op in SEARCH_OPS if op != "lm_head" and op in times]
     sites += [(None, "lm_head")] if "lm_head" in times else []
     state = {s: ("gguf", "fp32") for s in sites}
@@ -118,7 +127,7 @@ def search(sens, times: dict[str, dict[tuple[str, str], float]], budget_kl: floa
             for kind, fmt, new in moves:
                 k = kl.get((site[0], site[1], kind, fmt))
                 saved = t_now - times[site[1]][new]
-                if k is None or not saved > 0 or spent + k > budget_kl:
+                if k is None or not saved > 0 or not spent + k <= budget_kl:
                     continue
                 score = saved / k
                 if best is None or score > best[0]:

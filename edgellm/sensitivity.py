@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -35,13 +36,16 @@ from . import requant
 from .backends import reference
 from .errors import ConfigError
 from .fileio import write_atomic
+from .model.ggml_types import GGMLQuantizationType
 
 __all__ = ["analyze", "Sensitivity", "Entry", "Skipped", "cache_dir", "cache_path", "forward_passes",
            "fake_quant_int8", "ANALYZED_OPS", "ACTIVATION_FORMATS", "DEFAULT_FORMATS", "DEFAULT_OPS"]
 
 log = logging.getLogger("edgellm")
 
-SCHEMA_VERSION = 1
+# 2: lm_head weight entries of a model with tied embeddings quantize the embedding lookup too
+# (schema 1 measured the head's matmul alone and understated them); entries are checked on read
+SCHEMA_VERSION = 2
 # op name (precision plan / engine) -> the field of the reference unit's prepared weights holding
 # its matrix: a LayerWeights field, or the PreparedWeights field for lm_head (a model op)
 _WEIGHT_FIELD = {"qkv": "wqkv", "attn_out": "wo", "ffn_gate_up": "w_gate_up", "ffn_down": "w_down",
@@ -52,6 +56,9 @@ ACTIVATION_FORMATS = ("int8", "fp16")
 DEFAULT_FORMATS = ("q8_0", "int8", "q4_0", "int4-32")
 DEFAULT_OPS = ANALYZED_OPS
 ACT_BLOCK = 32                        # int8 activation block along K, as the neon unit's kernels
+# A mean KL below zero is fp64 rounding of a sum over the vocabulary (at most ~1e-15 nats for
+# identical distributions); further below, it is no measurement.
+KL_ROUNDING = 1e-9
 
 
 # -- results -----------------------------------------------------------------------------------
@@ -91,6 +98,8 @@ class Sensitivity:
     forward_passes: int = 0              # forward passes the analysis ran (baseline included)
     from_cache: bool = dataclasses.field(default=False, compare=False)   # this call read it back (not stored)
     seconds: float = 0.0                 # wall time of the analysis (not of a cache read)
+    tied_embeddings: bool = False        # the head is the embedding table: its weight entries
+                                         # quantized the lookup too (one tensor holds both)
 
     def get(self, layer: int | None, op: str, fmt: str, kind: str = "weights") -> Entry:
         for e in self.entries:
@@ -158,13 +167,48 @@ class Sensitivity:
                 raise ValueError(f"{w[:-1]}: expected an object")
             skipped.append(Skipped(layer(s, w), field(s, "op", str, w), field(s, "kind", str, w),
                                    field(s, "format", str, w), field(s, "reason", str, w)))
-        return cls(model_sha256=field(d, "model_sha256", str, ""),
+        tied = d.get("tied_embeddings", "missing")
+        if not isinstance(tied, bool):
+            raise ValueError(f"tied_embeddings: expected a boolean, found {tied!r}")
+        s = cls(model_sha256=field(d, "model_sha256", str, ""),
                    calibration_sha256=field(d, "calibration_sha256", str, ""),
                    n_layers=field(d, "n_layers", int, ""), n_tokens=field(d, "n_tokens", int, ""),
                    formats=strs("formats"), ops=strs("ops"), activations=strs("activations"),
                    entries=tuple(entries), skipped=tuple(skipped),
                    forward_passes=field(d, "forward_passes", int, ""),
-                   seconds=float(field(d, "seconds", (int, float), "")))
+                   seconds=float(field(d, "seconds", (int, float), "")), tied_embeddings=tied)
+        _check_measured(s)
+        return s
+
+
+def _check_measured(s: Sensitivity) -> None:
+    """ValueError unless the entries are the measurements the header claims: exactly one entry
+    (or skip) per (layer, op, kind, format) of its n_layers, ops, formats and activations, each
+    with a finite KL >= 0 and an SQNR that is a number. The search trusts them: a NaN KL made it
+    ignore its budget, and a missing entry reads as a change it may not make, silently."""
+    claimed = {(li, op, kind, fmt)
+               for op in s.ops for li in ((None,) if op in MODEL_LEVEL_OPS else range(s.n_layers))
+               for kind, fmts in (("weights", s.formats), ("activations", s.activations)) for fmt in fmts}
+    seen = set()
+    for where, items in (("entries", s.entries), ("skipped", s.skipped)):
+        for i, e in enumerate(items):
+            key = (e.layer, e.op, e.kind, e.format)
+            if key not in claimed:
+                raise ValueError(f"{where}.{i}: layer {e.layer} op {e.op} {e.kind} {e.format} is outside the "
+                                 f"analysis ({s.n_layers} layers; ops {', '.join(s.ops)}; formats "
+                                 f"{', '.join(s.formats)}; activations {', '.join(s.activations) or 'none'})")
+            if key in seen:
+                raise ValueError(f"{where}.{i}: layer {e.layer} op {e.op} {e.kind} {e.format} appears twice")
+            seen.add(key)
+            if where == "entries" and not (math.isfinite(e.kl) and e.kl >= -KL_ROUNDING):
+                raise ValueError(f"{where}.{i}.kl: expected a finite KL >= 0, found {e.kl!r}")
+            if where == "entries" and math.isnan(e.sqnr_db):
+                raise ValueError(f"{where}.{i}.sqnr_db: expected a number, found nan")
+    missing = sorted(claimed - seen, key=lambda k: (k[0] is None, k[0] or 0, k[1:]))
+    if missing:
+        li, op, kind, fmt = missing[0]
+        raise ValueError(f"{len(missing)} of the {len(claimed)} measurements it claims are missing "
+                         f"(first: layer {li} op {op} {kind} {fmt})")
 
 
 def _enc_float(x: float):
@@ -342,8 +386,10 @@ def analyze(engine, text: str, *, formats: Sequence[str] = DEFAULT_FORMATS,
     (edgellm.calibration.load_calibration()); its first `max_tokens` tokens are used (fewer if
     the context is smaller). formats: requant.FORMATS names ("f32" measures the harness: KL 0);
     ops: names in ANALYZED_OPS (lm_head is measured once, layer None; for a model with tied
-    embeddings only the head's matmul changes, not the embedding lookup); activations: names in
-    ACTIVATION_FORMATS. progress(done, total) is called after each measurement.
+    embeddings its weight formats change the embedding lookup too, which reads the same tensor:
+    requant.plan_formats stores the one token_embd.weight in the head's format; its activation
+    formats change the head's input only); activations: names in ACTIVATION_FORMATS.
+    progress(done, total) is called after each measurement.
 
     Cost: forward_passes(n_layers, ops, formats, activations) forward passes over n_tokens
     tokens with all logits, i.e. 1 + (n_layers * layer_ops + model_ops) * (formats +
@@ -364,14 +410,15 @@ def analyze(engine, text: str, *, formats: Sequence[str] = DEFAULT_FORMATS,
         raise ConfigError("the calibration text is empty")
     runner = engine.runner
     cfg = runner.cfg
-    for op in ops:
+    tied = cfg.tied_embeddings and "lm_head" in ops
+    for op in ops + (("embedding",) if tied else ()):
         for phase, table in runner._ops.items():
             mod, w = table[op]
             if mod is not reference:
                 raise ConfigError(f"sensitivity analysis swaps weights in the reference unit's fp32 copy, but "
                                   f"{op} runs on {getattr(mod, 'NAME', mod)!r} in {phase}; load the model "
                                   f"with units=['reference']")
-            if _matrix(w, op, 0 if op not in MODEL_LEVEL_OPS else None) is None:
+            if op != "embedding" and _matrix(w, op, 0 if op not in MODEL_LEVEL_OPS else None) is None:
                 raise ConfigError(f"the reference unit holds no {op} weights (placement left them out)")
     ids = engine.tokenize(text)[: min(max_tokens, engine.n_ctx)]
     if len(ids) < 2:
@@ -381,7 +428,8 @@ def analyze(engine, text: str, *, formats: Sequence[str] = DEFAULT_FORMATS,
     model_sha = engine.model_sha256()
     calib_sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
     expect = dict(model_sha256=model_sha, calibration_sha256=calib_sha, n_tokens=len(ids),
-                  formats=formats, ops=ops, activations=activations, n_layers=cfg.n_layers)
+                  formats=formats, ops=ops, activations=activations, n_layers=cfg.n_layers,
+                  tied_embeddings=cfg.tied_embeddings)
     path = cache_path(model_sha, _cache_key(model_sha, calib_sha, formats, ops, activations, len(ids)))
     if cache:
         hit = _read_cache(path, expect)
@@ -425,7 +473,9 @@ def analyze(engine, text: str, *, formats: Sequence[str] = DEFAULT_FORMATS,
                 skipped.append(Skipped(li, op, "weights", fmt, str(e)))
                 tick()
                 continue
-            with _swapped_weights(runner, op, li, conv.dequantized):
+            # a tied head's table is also the one every token's embedding is gathered from
+            lookup = _swapped_embedding(runner, conv.dequantized) if tied and op == "lm_head" else nullcontext()
+            with _swapped_weights(runner, op, li, conv.dequantized), lookup:
                 kl = _mean_kl(ref_lp, ref_p, run())
             entries.append(Entry(li, op, "weights", fmt, kl, conv.sqnr_db))
             del conv
@@ -440,7 +490,7 @@ def analyze(engine, text: str, *, formats: Sequence[str] = DEFAULT_FORMATS,
     result = Sensitivity(model_sha256=model_sha, calibration_sha256=calib_sha, n_layers=cfg.n_layers,
                          n_tokens=len(ids), formats=formats, ops=ops, activations=activations,
                          entries=tuple(entries), skipped=tuple(skipped), forward_passes=passes,
-                         seconds=time.perf_counter() - t0)
+                         seconds=time.perf_counter() - t0, tied_embeddings=cfg.tied_embeddings)
     if cache:
         _write_cache(path, result)
     return result
@@ -488,6 +538,13 @@ def _swapped_weights(runner, op: str, layer: int | None, matrix: np.ndarray) -> 
         return mod, dataclasses.replace(prepared, layers=tuple(layers))
 
     return _Swap(runner, op, make)
+
+
+def _swapped_embedding(runner, table: np.ndarray) -> _Swap:
+    """The embedding lookup reading `table` (vocab, d) fp32 in place of the file's rows."""
+    emb = reference.EmbeddingTable(np.ascontiguousarray(table, dtype=np.float32), GGMLQuantizationType.F32,
+                                   table.shape[1])
+    return _Swap(runner, "embedding", lambda mod, prepared: (mod, dataclasses.replace(prepared, embedding=emb)))
 
 
 def _swapped_module(runner, op: str, unit: _ActQuantUnit) -> _Swap:

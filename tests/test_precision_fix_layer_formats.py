@@ -1,0 +1,75 @@
+"""The cost model prices each layer of a precision plan at that layer's own weight format: a plan
+that changes one layer changes the predicted step by that layer's share, not by nothing (a
+minority format) or by every layer's (a majority one)."""
+from __future__ import annotations
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+from edgellm.costmodel import Unit, estimate
+from edgellm.device.profile import load_profile
+from edgellm.dispatch import Dispatcher
+from edgellm.model.loader import open_model
+from edgellm.ops import OpSpec
+from edgellm.precision import load_plan, parse_plan
+from edgellm.precision_runtime import ComputeTable, planned_formats
+from tests.synthetic import write_tiny_model
+
+N_LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    # wide enough that the FFN's weights, not call overheads, set its decode time
+    tm = write_tiny_model(tmp_path_factory.mktemp("lf") / "w.gguf", tensor_type=QT.Q4_1, n_layers=N_LAYERS,
+                          d_model=1024, d_ff=4096, n_heads=8, n_kv_heads=4, seed=3)
+    return open_model(tm.path)
+
+
+def _plan(layers) -> object:
+    body = "".join(f"  {i}: {{ffn_gate_up: {{weights: q8_0}}}}\n" for i in layers)
+    return parse_plan("schema: 1\nkv_cache: f16\n" + (f"layers:\n{body}" if body else ""), name="p")
+
+
+def _decode_ms(mf, plan) -> float:
+    d = Dispatcher(load_profile("rk3588"), mf.config, planned_formats(mf, plan), probe=False,
+                   compute=ComputeTable(plan, mf.config.n_layers))
+    return d.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30).decode.step_ms
+
+
+def test_one_layers_format_moves_the_prediction_by_its_share(wide):
+    quality = _decode_ms(wide, load_plan("quality"))
+    every = _decode_ms(wide, _plan(range(N_LAYERS)))
+    share = (every - quality) / N_LAYERS
+    assert abs(share) > 1e-3 * quality          # q8_0 against Q4_1: a change the model can see
+    only0 = _decode_ms(wide, _plan([0]))
+    but0 = _decode_ms(wide, _plan(range(1, N_LAYERS)))
+    # the old model took the most common format for all layers: only0 == quality, but0 == every
+    assert only0 - quality == pytest.approx(share, rel=0.05)
+    assert every - but0 == pytest.approx(share, rel=0.05)
+
+
+def test_layer_formats_pairs_each_layers_format_with_its_ask():
+    """Layer 0 q8_0 with an int8 ask, layer 1 q4_1 with fp32: the int8 estimate is layer 0's
+    alone and the fp32 one layer 1's (the dispatcher weights each ask by its layers)."""
+    from edgellm.costmodel import LayerFormats
+    # memory-bound (slow DRAM): each layer's format sets its time
+    neon = Unit("neon", "cpu", {"fp32": 4e9, "int8": 8e9}, 1e8, 0.0, quant_precision="int8",
+                quant_precisions=("int8", "fp32"), stores_quantized=True)
+    op = OpSpec("ffn_down", "matmul", "layer", k=256, n=256)
+    plan = parse_plan("schema: 1\nkv_cache: f16\nlayers:\n  0: {ffn_down: {weights: q8_0, compute: int8}}\n",
+                      name="p")
+    table = ComputeTable(plan, 2)
+    lf = LayerFormats(("q8_0", "q4_1"), table)
+
+    def one(fmt, ask):   # (a matmul's cost reads no model config)
+        return estimate(neon, op, None, 8, 0, fmt, 2.0, True, ask)
+
+    assert estimate(neon, op, None, 8, 0, lf, 2.0, True, "int8").ms == pytest.approx(one("q8_0", "int8").ms)
+    assert estimate(neon, op, None, 8, 0, lf, 2.0, True, "fp32").ms == pytest.approx(one("q4_1", "fp32").ms)
+    assert one("q8_0", "int8").ms != pytest.approx(one("q4_1", "int8").ms)    # (so pairing is seen)
+    # without a plan's asks: the mean of the layers, each at its own format
+    both = estimate(neon, op, None, 8, 0, LayerFormats(("q8_0", "q4_1")), 2.0, True, None)
+    assert both.ms == pytest.approx((one("q8_0", None).ms + one("q4_1", None).ms) / 2)
+    assert both.cost.weight_bytes == pytest.approx((one("q8_0", None).cost.weight_bytes
+                                                    + one("q4_1", None).cost.weight_bytes) / 2)
