@@ -108,8 +108,12 @@ def weight_formats(model) -> dict[str, str]:
     """op name -> the model file's storage format of its weights ("q4_1", "f32", ...); ops
     without a weight matrix read fp32 norms or nothing: "f32". A fused projection reads every
     one of its tensors (q, k, v; gate, up): parts in different formats give a MixedFormat. A
-    layer op whose layers differ (a mixed-precision file) gets the format most layers have:
-    placement is per op, for all layers."""
+    layer op whose layers differ (a mixed-precision file, `edgellm quantize`'s output) gets a
+    costmodel.LayerFormats, which reads as the format most layers have (placement is per op, for
+    all layers) and is costed layer by layer (as one name, the plan of such a file predicted the
+    time of its majority format for every layer); where a layer itself mixes formats, the most
+    common layer's."""
+    from .costmodel import LayerFormats
     from .model import layout
 
     cfg = model.config
@@ -120,7 +124,10 @@ def weight_formats(model) -> dict[str, str]:
             segs, _ = layout.projection(cfg, i, op)
             per_layer.append(tuple((model.tensor_type(name).name.lower(), rows) for name, rows in segs))
         parts = max(dict.fromkeys(per_layer), key=per_layer.count)
-        fmt[op] = parts[0][0] if len({f for f, _ in parts}) == 1 else MixedFormat(parts)
+        if len(set(per_layer)) > 1 and all(len({f for f, _ in p}) == 1 for p in per_layer):
+            fmt[op] = LayerFormats(tuple(p[0][0] for p in per_layer))
+        else:
+            fmt[op] = parts[0][0] if len({f for f, _ in parts}) == 1 else MixedFormat(parts)
     fmt["embedding"] = model.tensor_type("token_embd.weight").name.lower()
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
     fmt["lm_head"] = model.tensor_type(head).name.lower()

@@ -73,3 +73,27 @@ def test_layer_formats_pairs_each_layers_format_with_its_ask():
     assert both.ms == pytest.approx((one("q8_0", None).ms + one("q4_1", None).ms) / 2)
     assert both.cost.weight_bytes == pytest.approx((one("q8_0", None).cost.weight_bytes
                                                     + one("q4_1", None).cost.weight_bytes) / 2)
+
+
+def test_a_mixed_layer_file_is_costed_as_its_plan(wide, tmp_path):
+    """The engine plans a requantized file from the file's own formats (ops.weight_formats), which
+    gave each layer op its majority format: `quantize`'s output of a one-layer change predicted
+    the unchanged model's time."""
+    from edgellm.costmodel import LayerFormats
+    from edgellm.ops import weight_formats
+    from edgellm.requant import requantize_gguf
+
+    dst = tmp_path / "only0.gguf"
+    requantize_gguf(wide.path, dst, {"blk.0.ffn_gate.weight": "q8_0", "blk.0.ffn_up.weight": "q8_0"})
+    mf = open_model(dst)
+    fmts = weight_formats(mf)
+    assert isinstance(fmts["ffn_gate_up"], LayerFormats)
+    assert fmts["ffn_gate_up"].layers == ("q8_0",) + ("q4_1",) * (N_LAYERS - 1) and fmts["ffn_gate_up"] == "q4_1"
+
+    def file_ms(m):
+        d = Dispatcher(load_profile("rk3588"), m.config, weight_formats(m), probe=False)
+        return d.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30).decode.step_ms
+
+    # the file's one changed layer moves its prediction as the plan's did
+    share = (_decode_ms(wide, _plan(range(N_LAYERS))) - _decode_ms(wide, load_plan("quality"))) / N_LAYERS
+    assert file_ms(mf) - file_ms(wide) == pytest.approx(share, rel=0.05)
