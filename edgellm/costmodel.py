@@ -214,18 +214,21 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
 def _layers_mean(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int, lf: LayerFormats,
                  kv_bytes: float, prefill: bool, asked: str | None) -> Estimate | None:
     """estimate() of a layer op whose layers differ in format: the mean over the layers of each
-    layer's own estimate (None when the unit cannot run one of them). With the plan's compute
-    table, only the layers asking `asked` are averaged: the dispatcher weights each ask by the
-    layers asking it, so the pair (format, ask) of every layer is costed together."""
+    layer's own estimate (None when the unit cannot run the majority format). With the plan's
+    compute table, only the layers asking `asked` are averaged: the dispatcher weights each ask
+    by the layers asking it, so the pair (format, ask) of every layer is costed together."""
     layers = lf.layers
     if asked is not None and lf.compute is not None:
         asks = lf.compute.asked("prefill" if prefill else "decode", op.name, context + tokens)
         layers = tuple(f for f, a in zip(lf.layers, asks) if a == asked) or lf.layers
+    main_e = estimate(unit, op, cfg, tokens, context, str(lf), kv_bytes, prefill, asked)
+    if main_e is None:
+        return None
     parts = []
     for f in dict.fromkeys(layers):
-        e = estimate(unit, op, cfg, tokens, context, f, kv_bytes, prefill, asked)
-        if e is None:
-            return None
+        # a layer format the unit has no figure for is costed as the majority's, as all layers
+        # were before: it does not take the op from a unit that runs it (an NPU's fp16 layer)
+        e = estimate(unit, op, cfg, tokens, context, f, kv_bytes, prefill, asked) or main_e
         parts.append((e, layers.count(f)))
     n = len(layers)
     main = max(parts, key=lambda p: p[1])[0]
