@@ -16,7 +16,11 @@ plus max_tokens beside what the running requests may still take, counted in bloc
 were shared; otherwise it waits, in priority order, for one to finish. Started all at once,
 requests that each fit alone ran each other out of room: the oldest stopped mid-answer with
 stop_reason "context_full" and a later one raised ContextFull. One that does not fit even alone
-runs alone, as it would on the engine.
+runs alone, as it would on the engine. Only this Scheduler's requests are counted: another
+Scheduler, or Engine.generate from another thread, on the same engine can still run them out of
+room (one Scheduler per engine). A ring store (kv="ring") runs one request at a time: each
+sequence on it opens a window of its own, which load() counted once (40 queued requests took
+846 MiB).
 
 A request whose every handle the app drops (its Request and the iterators of its stream()) is
 cancelled, as Engine.stream ends a stream the app stops reading; it ran on to max_tokens, holding
@@ -25,6 +29,7 @@ its KV.
 from __future__ import annotations
 
 import itertools
+import numbers
 import os
 import threading
 import time
@@ -90,6 +95,9 @@ class _Job:
 
     def result(self, timeout: float | None = None) -> str:
         """The whole text (again on each call); TimeoutError when not finished within timeout."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or timeout != timeout):
+            raise ConfigError(f"timeout must be a number of seconds or None, got {timeout!r}")
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         if self.error is not None:
@@ -157,6 +165,10 @@ class Scheduler:
     engine (and its mapped model) alive."""
 
     def __init__(self, engine, *, chunk: int = 128, policy: str = "interleave"):
+        from .api import Engine
+
+        if not isinstance(engine, Engine):   # (the worker died on its first request, which then hung)
+            raise ConfigError(f"Scheduler needs an edgellm Engine (edgellm.load()), got {type(engine).__name__}")
         if policy not in ("interleave", "fifo"):
             raise ConfigError(f"policy must be 'interleave' or 'fifo', got {policy!r}")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
@@ -184,7 +196,7 @@ class Scheduler:
                               f"process (pid {os.getpid()})")
         if (prompt is None) == (messages is None):
             raise ConfigError("submit needs exactly one of prompt or messages")
-        if isinstance(priority, bool) or not isinstance(priority, (int, float)) or priority != priority:
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Real) or priority != priority:
             raise ConfigError(f"priority must be a number (higher goes first), got {priority!r}")
         if messages is not None:
             ChatTemplate.check_conversation(messages)
@@ -217,6 +229,7 @@ class _Worker:
         self.engine, self.chunk, self.policy = engine, chunk, policy
         self._cv = threading.Condition()
         self._incoming: list[_Job] = []
+        self._taken: list[_Job] = []      # taken from _incoming, being tokenized (outside the lock)
         self._waiting: list[_Job] = []    # tokenized, waiting for KV room (admission)
         self._active: list[_Job] = []
         self._closed = False
@@ -231,8 +244,8 @@ class _Worker:
     def stop(self, cancel: bool) -> None:
         with self._cv:
             self._closed = True
-            if cancel:
-                for r in self._incoming + self._waiting + self._active:
+            if cancel:   # (the batch being tokenized too: it was missed, and close() ran it to the end)
+                for r in self._incoming + self._taken + self._waiting + self._active:
                     r.cancel()
             self._cv.notify()
 
@@ -244,8 +257,11 @@ class _Worker:
                 if self._closed and not self._incoming and not self._active and not self._waiting:
                     return
                 new, self._incoming = self._incoming, []
+                self._taken = new
             for req in new:
                 self._tokenize(req)
+            with self._cv:
+                self._taken = []
             self._admit()
             self._tick()
             # (a cancelled waiting request ends here, without a sequence)
@@ -263,8 +279,8 @@ class _Worker:
             req.tokenize_ms = (req.t_tok - t_start) * 1e3
             req.blocks = self._blocks(len(req.ids) + req.config.max_tokens)
             self._waiting.append(req)
-        except EdgeLLMError as e:
-            req._finish(e)
+        except BaseException as e:   # one request's failure must not end the worker (all would hang)
+            req._finish(_as_error(req, e))
 
     def _blocks(self, tokens: int) -> int:
         """KV blocks a sequence of this many tokens may take (0: the store has no pool to share)."""
@@ -284,6 +300,8 @@ class _Worker:
             held = sum(r.blocks for r in self._active)
             if pool is not None and self._active and held + req.blocks > pool.n_blocks:
                 return
+            if pool is None and self._active:   # a ring: one window at a time (module doc)
+                return
             self._waiting.pop(0)
             self._start(req)
 
@@ -294,8 +312,8 @@ class _Worker:
                                  chunk=self.chunk)
             req.gen.stats.tokenize_ms = req.tokenize_ms
             self._active.append(req)
-        except EdgeLLMError as e:
-            req._finish(e)
+        except BaseException as e:
+            req._finish(_as_error(req, e))
 
     def _tick(self) -> None:
         if self.policy == "fifo":
@@ -309,9 +327,15 @@ class _Worker:
             try:
                 req._put(req.gen.step())
             except BaseException as e:  # a request's failure must not stop the others
-                req._finish(e if isinstance(e, EdgeLLMError) else EdgeLLMError(f"request {req.id} failed: {e!r}"))
+                req._finish(_as_error(req, e))
                 self._active.remove(req)
                 continue
             if req.gen.done:
                 req._finish()
                 self._active.remove(req)
+
+
+def _as_error(req: _Job, e: BaseException) -> EdgeLLMError:
+    """What a request's handle raises for an exception in the worker: ours as they are, any
+    other (a KVInvariantError is an AssertionError) wrapped, so that result() raises it."""
+    return e if isinstance(e, EdgeLLMError) else EdgeLLMError(f"request {req.id} failed: {e!r}")

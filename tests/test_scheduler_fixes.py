@@ -1,0 +1,94 @@
+"""Scheduler faults a probe found: close() missed the batch being tokenized (it ran to the end:
+173 s for 100 queued requests), a ring engine opened a window per queued request (846 MiB for
+40), a bad engine or a non-EdgeLLM exception in tokenization killed the worker (every later
+result() hung), numpy priorities and non-number timeouts."""
+import threading
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import edgellm
+from edgellm.errors import ConfigError, EdgeLLMError
+from edgellm.scheduler import Scheduler
+from tests.synthetic import write_tiny_model
+
+GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("schedfix") / "tiny.gguf", tensor_type=QT.F32, seed=6,
+                            context_length=1024).path
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    return edgellm.load(model_path, n_ctx=1024, threads=1)
+
+
+@pytest.mark.parametrize("bad", (None, "model.gguf", 3))
+def test_a_scheduler_needs_an_engine(bad):
+    with pytest.raises(ConfigError, match="Scheduler needs an edgellm Engine"):
+        Scheduler(bad)
+
+
+def test_close_cancels_the_batch_being_tokenized(engine, monkeypatch):
+    inside, release = threading.Event(), threading.Event()
+    real = engine._prompt_ids
+
+    def slow_ids(text):
+        inside.set()
+        release.wait(10)
+        return real(text)
+
+    monkeypatch.setattr(engine, "_prompt_ids", slow_ids)
+    s = Scheduler(engine, chunk=4)
+    reqs = [s.submit(f"hello {i}", temperature=0, max_tokens=200, ignore_eos=True) for i in range(5)]
+    assert inside.wait(10)                 # the worker holds the batch, outside the lock
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    release.set()
+    closer.join(60)
+    assert not closer.is_alive()
+    assert [r.stats.stop_reason for r in reqs] == ["cancelled"] * 5
+    assert all(r.stats.generated_tokens <= 1 for r in reqs)
+
+
+def test_an_unexpected_exception_fails_its_request_not_the_worker(engine, monkeypatch):
+    real = engine._prompt_ids
+
+    def ids(text):
+        if text == "boom":
+            raise AssertionError("an invariant broke")
+        return real(text)
+
+    monkeypatch.setattr(engine, "_prompt_ids", ids)
+    with Scheduler(engine, chunk=4) as s:
+        bad, good = s.submit("boom", **GREEDY), s.submit("hello world", **GREEDY)
+        with pytest.raises(EdgeLLMError, match="an invariant broke"):
+            bad.result(timeout=30)
+        assert good.result(timeout=30) == engine.generate("hello world", **GREEDY)
+
+
+def test_a_ring_engine_runs_one_request_at_a_time(model_path):
+    e = edgellm.load(model_path, n_ctx=256, kv="ring", window=64, sinks=4, threads=1)
+    prompts = ["hello world", "the quick brown fox", "zzz top"]
+    want = [e.generate(p, **GREEDY) for p in prompts]
+    with Scheduler(e, chunk=4) as s:
+        reqs = [s.submit(p, **GREEDY) for p in prompts]
+        most = 0
+        while not all(r.done for r in reqs):
+            most = max(most, len(s._worker._active))
+        got = [r.result(timeout=30) for r in reqs]
+    assert most == 1 and got == want
+
+
+def test_numpy_priorities_and_typed_timeouts(engine):
+    with Scheduler(engine, chunk=4) as s:
+        r = s.submit("hello", priority=np.int64(3), **GREEDY)
+        s.submit("hello", priority=np.float32(0.5), **GREEDY).result(timeout=30)
+        for bad in ("1", float("nan"), True):
+            with pytest.raises(ConfigError, match="timeout must be a number of seconds"):
+                r.result(timeout=bad)
+        assert r.result(timeout=30) == engine.generate("hello", **GREEDY)
