@@ -230,7 +230,10 @@ def planned_formats(mf, plan: PrecisionPlan) -> dict[str, str]:
 
     def fmt(layer, op, eop):
         f = plan.weight_format(layer, op, cfg.n_layers)
-        return file_fmt[eop] if f == "gguf" else GGUF_TYPE_FOR[f].name.lower()
+        if f != "gguf":
+            return GGUF_TYPE_FOR[f].name.lower()
+        kept = file_fmt[eop]     # the file's own format: a mixed file's is the layer's own
+        return kept.layers[layer] if isinstance(kept, LayerFormats) else kept
 
     compute = ComputeTable(plan, cfg.n_layers)
     for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down"):

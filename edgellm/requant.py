@@ -409,6 +409,8 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     d = os.path.dirname(os.path.abspath(dst_path))
     if not os.path.isdir(d):
         raise ConfigError(f"{dst_path}: the output directory {d} does not exist")
+    if os.path.isdir(dst_path):
+        raise ConfigError(f"{dst_path}: is a directory; give a file path")
     if os.path.exists(dst_path) and not os.path.isfile(dst_path):
         # the file is written beside it and renamed over it: a device (/dev/null as root) or a
         # pipe would be replaced by a regular file

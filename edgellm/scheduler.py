@@ -230,6 +230,7 @@ class _Worker:
         self._cv = threading.Condition()
         self._incoming: list[_Job] = []
         self._taken: list[_Job] = []      # taken from _incoming, being tokenized (outside the lock)
+        self._starting: _Job | None = None   # between _waiting and _active: its Generation being made
         self._waiting: list[_Job] = []    # tokenized, waiting for KV room (admission)
         self._active: list[_Job] = []
         self._closed = False
@@ -245,8 +246,9 @@ class _Worker:
         with self._cv:
             self._closed = True
             if cancel:   # (the batch being tokenized too: it was missed, and close() ran it to the end)
-                for r in self._incoming + self._taken + self._waiting + self._active:
-                    r.cancel()
+                for r in self._incoming + self._taken + self._waiting + [self._starting] + self._active:
+                    if r is not None:
+                        r.cancel()
             self._cv.notify()
 
     def run(self) -> None:
@@ -302,7 +304,9 @@ class _Worker:
                 return
             if pool is None and self._active:   # a ring: one window at a time (module doc)
                 return
-            self._waiting.pop(0)
+            with self._cv:    # (in one of the lists stop() cancels at every moment)
+                self._waiting.pop(0)
+                self._starting = req
             self._start(req)
 
     def _start(self, req: _Job) -> None:
@@ -311,9 +315,13 @@ class _Worker:
             req.gen = Generation(self.engine, req.ids, req.config, req.cancel_token, req.submitted, req.t_tok,
                                  chunk=self.chunk)
             req.gen.stats.tokenize_ms = req.tokenize_ms
-            self._active.append(req)
+            with self._cv:
+                self._active.append(req)
         except BaseException as e:
             req._finish(_as_error(req, e))
+        finally:
+            with self._cv:
+                self._starting = None
 
     def _tick(self) -> None:
         if self.policy == "fifo":

@@ -67,3 +67,9 @@ def test_precision_arguments_are_refused_before_any_analysis(tmp_path, monkeypat
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 1 and says in r.output, (args, r.output)
         assert "forward passes" not in r.output, args
+
+
+def test_requantizing_onto_a_directory_says_directory(tmp_path, tiny):
+    (tmp_path / "outdir").mkdir()
+    with pytest.raises(ConfigError, match="outdir: is a directory; give a file path"):
+        requantize_gguf(tiny, tmp_path / "outdir", {})

@@ -78,3 +78,13 @@ def test_a_library_named_by_path_says_what_it_is(monkeypatch):
     lib = neon_lib.load()
     assert lib.variant == "base"
     assert lib.variant_reason == f"EDGELLM_NEON_LIB={base}; EDGELLM_NEON_VARIANT=dotprod does not apply to it"
+
+
+@pytest.mark.parametrize("phentsize", (0, 8))
+def test_a_damaged_program_header_size_is_a_reason_not_a_struct_error(tmp_path, phentsize):
+    data = bytearray(_installed().read_bytes())
+    data[54:56] = phentsize.to_bytes(2, "little")          # e_phentsize
+    lib = tmp_path / "damaged.so"
+    lib.write_bytes(bytes(data))
+    with pytest.raises(neon_lib.NeonLibError, match=f"is damaged \\(program header entries of {phentsize} bytes\\)"):
+        neon_lib.load("dotprod", path=lib)

@@ -97,3 +97,14 @@ def test_a_mixed_layer_file_is_costed_as_its_plan(wide, tmp_path):
     # the file's one changed layer moves its prediction as the plan's did
     share = (_decode_ms(wide, _plan(range(N_LAYERS))) - _decode_ms(wide, load_plan("quality"))) / N_LAYERS
     assert file_ms(mf) - file_ms(wide) == pytest.approx(share, rel=0.05)
+
+
+def test_a_plan_on_a_mixed_file_keeps_the_files_own_layer_formats(wide, tmp_path):
+    """A layer the plan leaves as the file stores it took the op's majority format: planning
+    layer 5 on a file whose layer 0 is q8_0 predicted layer 0 as q4_1."""
+    from edgellm.requant import requantize_gguf
+
+    dst = tmp_path / "l0.gguf"
+    requantize_gguf(wide.path, dst, {"blk.0.ffn_gate.weight": "q8_0", "blk.0.ffn_up.weight": "q8_0"})
+    got = planned_formats(open_model(dst), _plan([N_LAYERS - 1]))["ffn_gate_up"]
+    assert got.layers == ("q8_0",) + ("q4_1",) * (N_LAYERS - 2) + ("q8_0",)

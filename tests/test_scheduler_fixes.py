@@ -92,3 +92,28 @@ def test_numpy_priorities_and_typed_timeouts(engine):
             with pytest.raises(ConfigError, match="timeout must be a number of seconds"):
                 r.result(timeout=bad)
         assert r.result(timeout=30) == engine.generate("hello", **GREEDY)
+
+
+def test_close_cancels_a_request_whose_generation_is_being_made(engine, monkeypatch):
+    """Between leaving the waiting list and joining the active one, a request was in no list
+    close() cancels: it ran to max_tokens."""
+    import edgellm.scheduler as sched
+
+    inside, release = threading.Event(), threading.Event()
+    real = sched.Generation
+
+    def slow_generation(*a, **kw):
+        inside.set()
+        release.wait(10)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sched, "Generation", slow_generation)
+    s = Scheduler(engine, chunk=4)
+    req = s.submit("hello", temperature=0, max_tokens=200, ignore_eos=True)
+    assert inside.wait(10)
+    closer = threading.Thread(target=s.close)
+    closer.start()
+    release.set()
+    closer.join(60)
+    assert not closer.is_alive()
+    assert req.stats.stop_reason == "cancelled" and req.stats.generated_tokens <= 1

@@ -35,6 +35,8 @@ def problem(path: Path) -> str | None:
                 return f"{path} is not a shared library (ELF type {e_type})"
             phoff, shoff = struct.unpack_from("<QQ", head, 32)
             phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 54)
+            if phentsize < 56:      # an ELF64 program header: a damaged copy can say anything
+                return f"{path} is damaged (program header entries of {phentsize} bytes)"
             need = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
             if size >= phoff + phentsize * phnum:
                 f.seek(phoff)
@@ -45,6 +47,8 @@ def problem(path: Path) -> str | None:
                         need = max(need, p_offset + p_filesz)
             if size < need:
                 return f"{path} is truncated ({size} bytes; its headers need {need})"
+    except struct.error:      # a table shorter than its header says
+        return f"{path} is damaged (its program header table is cut short)"
     except OSError as e:
         return f"cannot read {path}: {e.strerror or e}"
     return None
