@@ -82,6 +82,6 @@ def test_chat_lines_under_an_ascii_stdin(monkeypatch):
     assert cli._decode_line("emojis 🎉🔥\n".encode()) == "emojis 🎉🔥"
     monkeypatch.setattr(cli.sys, "stdin", io.TextIOWrapper(io.BytesIO(), encoding="latin-1"))
     assert cli._decode_line("été\n".encode("latin-1")) == "été"
+    monkeypatch.setattr(cli.sys, "stdin", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
     with pytest.raises(UnicodeDecodeError):
-        monkeypatch.setattr(cli.sys, "stdin", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
         cli._decode_line(b"\xff\n")

@@ -123,16 +123,28 @@ EL_X86_ISA = (("sse4_2", "SSE42"), ("popcnt", "POPCNT"), ("avx", "AVX"), ("avx2"
               ("gfni", "GFNI"), ("vaes", "VAES"), ("vpclmulqdq", "VPCLMULQDQ"), ("avx512_fp16", "AVX512FP16"))
 
 
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
-    """The running CPU's feature flags as /proc/cpuinfo lists them (Linux), None where unreadable."""
+def _cpuinfo(keys: tuple[str, ...], cpuinfo: str) -> dict[str, str] | None:
+    """The first value of each of `keys` in /proc/cpuinfo (the first CPU's), None where the file
+    cannot be read; a key it lacks is absent."""
+    found: dict[str, str] = {}
     try:
         with open(cpuinfo, encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key in keys and key not in found:
+                    found[key] = val.strip()
+                    if len(found) == len(keys):
+                        break
     except OSError:
-        pass
-    return None
+        return None
+    return found
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str] | None:
+    """The running CPU's feature flags as /proc/cpuinfo lists them (Linux), None where unreadable."""
+    flags = (_cpuinfo(("flags",), cpuinfo) or {}).get("flags")
+    return None if flags is None else frozenset(flags.split())
 
 
 def numpy_cpu_features() -> dict[str, bool] | None:
@@ -198,21 +210,10 @@ def choose_variant() -> tuple[str, str]:
 
 def cpu_vendor_family(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, int] | None:
     """(vendor_id, cpu family) of an x86 CPU as /proc/cpuinfo gives them; None where unreadable."""
-    vendor, family = None, None
-    try:
-        with open(cpuinfo, encoding="ascii", errors="replace") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id" and vendor is None:
-                    vendor = val.strip()
-                elif key == "cpu family" and family is None:
-                    family = int(val.strip()) if val.strip().isdigit() else None
-                if vendor is not None and family is not None:
-                    return vendor, family
-    except OSError:
-        pass
-    return None
+    d = _cpuinfo(("vendor_id", "cpu family"), cpuinfo) or {}
+    if "vendor_id" not in d or not d.get("cpu family", "").isdigit():
+        return None
+    return d["vendor_id"], int(d["cpu family"])
 
 
 # AMD family 19h with AVX-512 (Zen 4) runs a 512-bit operation as two 256-bit halves; there, in one
