@@ -328,7 +328,7 @@ class Engine:
             seq, n = self.kv.open(ids)
             try:
                 if n < len(ids):
-                    self.runner.forward(seq, ids[n:], logits=False)
+                    self.runner.forward(seq, ids[n:], logits=False, prompt=True)
             except BaseException:   # (ContextFull beside other requests, a cancel): nothing kept
                 self.kv.close(seq, keep=False)
                 raise

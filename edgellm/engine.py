@@ -104,14 +104,23 @@ class ModelRunner:
 
     def forward(self, seq, ids: np.ndarray | list[int], *, all_logits: bool = False,
                 cancel: CancelToken | None = None, chunk: int | None = None,
-                logits: bool = True) -> np.ndarray | None:
+                logits: bool = True, prompt: bool = False) -> np.ndarray | None:
         """Append `ids` to `seq` in chunks and return logits: (vocab,) for the last position, or
         (len(ids), vocab) with all_logits; None with logits=False (a warm-up, or a prompt's part
         that more parts follow: the K/V alone, no head). ContextFull before anything is written
         if a chunk does not fit; on cancel the sequence is rolled back to where it was, so it
         stays usable. The last layer computes its output only for the rows whose logits are
-        returned (out_rows of _layers): the K/V of every row are stored either way."""
+        returned (out_rows of _layers): the K/V of every row are stored either way.
+
+        prompt: `ids` are prompt tokens (not a sampled token). A prompt row's output does not
+        depend on the chunk it runs in, except in a chunk of one row, which runs the decode
+        kernels (GEMVs, the decode attention: another summation order). So a lone prompt token
+        recomputes the token before it with it, where the sequence can drop that one exactly,
+        and no chunk is left with a single row: a prompt whose head came from the prefix cache
+        then gives what the whole prompt computed at once gives, bit for bit."""
         one = (isinstance(ids, (list, tuple)) or getattr(ids, "ndim", 0) == 1) and len(ids) == 1
+        if prompt and one and not all_logits and (prev := self._redo_last(seq, cancel)) is not None:
+            ids, one = [prev, int(ids[0])], False
         if (one and logits and not all_logits and "decode" in self._fused_phases
                 and "decode" in self._fused_lead and "decode" in self._fused_tail and self.decode_override is None
                 and self._fusable(seq)):
@@ -128,15 +137,18 @@ class ModelRunner:
         phase = "decode" if len(ids) == 1 else ("prefill_short" if len(ids) <= self.short_max else "prefill")
         start0 = seq.n_tokens
         outs = []
+        bounds = list(range(0, len(ids), step)) + [len(ids)]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and step > 1:
+            bounds[-2] -= 1   # no one-row last chunk (see prompt above): one row from the chunk before
         try:
-            for c in range(0, len(ids), step):
-                part = ids[c : c + step]
+            for c, c1 in zip(bounds, bounds[1:]):
+                part = ids[c:c1]
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled("cancelled between prefill chunks")
                 seq.reserve(len(part))
                 fused = phase in self._fused_phases and self._fusable(seq) \
                     and not (phase == "decode" and self.decode_override is not None)
-                last = c + step >= len(ids)
+                last = c1 >= len(ids)
                 if fused and last and logits and not all_logits and phase in self._fused_tail:
                     outs.append(self._fused_step(seq, part, phase, logits=True)[None])
                     seq.commit(seq.n_tokens + len(part), part)
@@ -159,6 +171,21 @@ class ModelRunner:
             return None
         out = np.concatenate(outs) if len(outs) > 1 else outs[0]
         return out if all_logits else out[0]
+
+    @staticmethod
+    def _redo_last(seq, cancel: CancelToken | None) -> int | None:
+        """The id of seq's last token, which seq drops for forward to compute again beside the
+        next prompt token; None (nothing dropped) where that is not exact: an empty sequence, a
+        ring that evicted, an id not recorded, a cancel already asked."""
+        n = seq.n_tokens
+        if n < 1 or (cancel is not None and cancel.cancelled) or getattr(seq, "total_tokens", n) != n:
+            return None
+        tokens = seq.tokens
+        last = int(tokens[-1]) if len(tokens) == n else -1   # (before truncate: the list may be seq's own)
+        if last < 0 or not seq.can_truncate(n - 1):
+            return None
+        seq.truncate(n - 1)
+        return last
 
     def _decode_fused(self, seq, ids, cancel: CancelToken | None) -> np.ndarray:
         """forward's decode token when the whole step (lookup, layers, tail) is one fused call:

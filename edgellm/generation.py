@@ -133,10 +133,13 @@ class Generation:
         runner = self.engine.runner
         try:
             if len(self.pending):
-                part, self.pending = self.pending[: self.chunk], self.pending[self.chunk :]
+                # no one-token last part: it would run the decode kernels (see ModelRunner.forward)
+                n = self.chunk - 1 if len(self.pending) == self.chunk + 1 and self.chunk > 1 else self.chunk
+                part, self.pending = self.pending[:n], self.pending[n:]
                 # a part that more parts follow stores its K/V only: no head, no last-layer output
                 t = time.perf_counter()
-                logits = runner.forward(self.seq, part, cancel=self.cancel, logits=not len(self.pending))
+                logits = runner.forward(self.seq, part, cancel=self.cancel, logits=not len(self.pending),
+                                        prompt=True)
                 # the prompt's own forward time: a scheduler's queue and other requests' steps
                 # between its chunks were counted before
                 self.stats.prefill_ms += (time.perf_counter() - t) * 1e3

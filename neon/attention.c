@@ -1010,9 +1010,27 @@ static int el_attn_run(el_pool *pool, el_attn_job *J) {
     J->tq = EL_MIN(J->T, EL_ATTN_QMAX / J->gh);
     J->n_ttile = (J->T + J->tq - 1) / J->tq;
     J->tq = (J->T + J->n_ttile - 1) / J->n_ttile;
-    const int n = J->start + J->T;
-    const int tiles = J->KVH * J->n_hsub * J->n_ttile, threads = el_pool_threads(pool);
-    if (threads > 1 && tiles < 2 * threads && n >= 2 * EL_ATTN_SPLIT_MIN) {
+    const int n = J->start + J->T, threads = el_pool_threads(pool);
+    int tiles = J->KVH * J->n_hsub * J->n_ttile;
+    if (threads > 1 && tiles < 2 * threads && J->T > 1) {
+        /* A prompt chunk (T > 1) never splits its keys: the merge rounds otherwise than one
+         * tile's online softmax, so a row's output, then its K/V in the cache, would depend on
+         * how many rows its chunk had (the same greedy prompt gave another text once part of it
+         * came from the prefix cache). More tiles come from token rows (each re-reads its kv
+         * head's keys), then from the group's heads, which give every row the same result. */
+        while (tiles < 2 * threads && (J->tq > 1 || J->gh > 1)) {
+            if (J->tq > 1) {   /* (tq, gh fall by one a turn: the loop ends) */
+                J->tq--;
+                J->n_ttile = (J->T + J->tq - 1) / J->tq;
+            } else {
+                J->gh--;
+                J->n_hsub = (J->G + J->gh - 1) / J->gh;
+            }
+            tiles = J->KVH * J->n_hsub * J->n_ttile;
+        }
+        J->tq = (J->T + J->n_ttile - 1) / J->n_ttile;   /* evened out, as above */
+        J->gh = (J->G + J->n_hsub - 1) / J->n_hsub;
+    } else if (threads > 1 && tiles < 2 * threads && n >= 2 * EL_ATTN_SPLIT_MIN) {
         /* too few tiles to occupy the pool (decode: one per kv head): split the keys as well,
          * into about 4 tasks per thread, so that claiming them one by one evens out the
          * threads (3 kv heads on 2 threads unsplit: one thread does 2 of the 3) */

@@ -105,10 +105,11 @@ static size_t el_a64(size_t n) { return (n + 63) & ~(size_t)63; }
  * output are 3 * ff floats a row, the widest buffers of a layer (SmolLM2: 4.7 MiB for 256 rows,
  * 2.4 for 128). A piece re-reads the FFN weights, which the piece before it has just brought
  * into the caches, and a GEMM of 128 rows runs as fast per row as one of 256 (x86 host,
- * 3072 x 576 and 576 x 1536 Q4_1). Every row goes through the kernel the per-op path's one
- * matmul of the slice gives it: el_matmul cuts x into chunks of 128 rows (K up to 4096), each
- * chunk of 2+ rows on the GEMM tile, whose rows do not depend on their neighbours, and a lone
- * row on the GEMV, as a one-row piece is. */
+ * 3072 x 576 and 576 x 1536 Q4_1). Every row of a chunk of 2+ rows runs the GEMM tile, whose
+ * rows do not depend on their neighbours, and the prefill attention tile: no slice, FFN piece
+ * or el_matmul x chunk (128 rows, K up to 4096) is left with one row, which would run the GEMV
+ * and the decode attention (257 rows: slices of 255 and 2). A prompt row's result is then the
+ * same whatever chunk it came in (ModelRunner.forward keeps prompt chunks of one row out too). */
 #define EL_CHUNK_SLICE 256
 #define EL_CHUNK_FFN_ROWS 128
 
@@ -394,8 +395,12 @@ int el_chunk_step_out(el_pool *pool, const el_layer *layers, int n_layers, const
     for (int l = 0; l < n_layers; l++) {
         const el_layer *L = &layers[l];
         tok.layer = l;
-        for (int t0 = 0; t0 < T; t0 += EL_CHUNK_SLICE) {
-            const int n = EL_MIN(EL_CHUNK_SLICE, T - t0), p0 = pos + t0;
+        for (int t0 = 0, n; t0 < T; t0 += n) {
+            /* no slice of one row after another one (T = 257: 255 + 2): alone, its row would run
+             * the GEMVs and the decode attention, and its result would depend on the chunking */
+            n = EL_MIN(EL_CHUNK_SLICE, T - t0);
+            if (T - t0 - n == 1) n--;
+            const int p0 = pos + t0;
             bs.h = b.h + (size_t)t0 * m.d;
             tok.x = x + (size_t)t0 * m.d, tok.pos = p0;
             tok.cos = cos + (size_t)t0 * half, tok.sin = sin + (size_t)t0 * half;
@@ -415,8 +420,9 @@ int el_chunk_step_out(el_pool *pool, const el_layer *layers, int n_layers, const
             if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, k, q_dim, NULL, b.mm)) != EL_OK) return rc;
             tok.norm_w = L->ffn_norm;
             el_for_rows(pool, el_add_norm_rows, &tok, k, 2 * m.d);
-            for (int f0 = 0; f0 < k; f0 += EL_CHUNK_FFN_ROWS) {
-                const int nf = EL_MIN(EL_CHUNK_FFN_ROWS, k - f0);
+            for (int f0 = 0, nf; f0 < k; f0 += nf) {
+                nf = EL_MIN(EL_CHUNK_FFN_ROWS, k - f0);
+                if (k - f0 - nf == 1) nf--;   /* (no one-row piece: the GEMVs, as above) */
                 if ((rc = el_mm(pool, &L->gate_up, bs.h + (size_t)f0 * m.d, b.gu, nf, m.d, NULL, b.mm)) != EL_OK)
                     return rc;
                 if ((rc = el_swiglu(pool, b.gu, b.act, nf, m.ff)) != EL_OK) return rc;

@@ -708,6 +708,10 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
 #endif
         c.cx = (int)EL_MAX(4, EL_MIN(128, (x_bytes / x_row_bytes) & ~(size_t)3));
         if (c.cx >= M) c.cx = M;
+        /* no x chunk of one row: its row would run the GEMV (el_qrows_gemv), whose sums round
+         * otherwise than the GEMM tile's, and a prompt row's result would depend on where its
+         * chunk cut it (M = 129: the last row; the 4k + 1 rows left over take a tile) */
+        else if (M % c.cx == 1 && c.cx > 4) c.cx -= 4;
         c.rw = 64;
         int min_tasks = 4 * threads;
 #if EL_SIMDE && defined(__AVX2__)
