@@ -24,6 +24,28 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 MODEL_HELP = "GGUF file path or registry name (default: smollm2-135m, pulled on first use)"
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("edgellm")
+    except PackageNotFoundError:   # (a source tree on sys.path, not installed)
+        from . import __version__
+        return __version__
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"edgellm {_version()}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                          help="Print edgellm's version and exit")):
+    pass
+
+
 def _err(msg: str) -> None:
     typer.echo(f"edgellm: error: {msg}", err=True)
 
@@ -56,6 +78,7 @@ def friendly(fn):
     @functools.wraps(fn)
     def wrapper(*a, **k):
         try:
+            home_check()   # every command, first: a file there read as "model not downloaded"
             return fn(*a, **k)
         except EdgeLLMError as e:
             _stop_probe_child()
@@ -137,11 +160,22 @@ def write_output(path: Path, flag: str, data: bytes) -> None:
 def home_check() -> None:
     """EDGELLM_HOME must be a folder where it exists (a regular file there read as an empty cache)."""
     from .errors import ConfigError
-    from .kv.disk_cache import edgellm_home
+    from .model.registry import edgellm_home
 
     home = edgellm_home()
     if home.exists() and not home.is_dir():
         raise ConfigError(f"EDGELLM_HOME {home}: is not a folder")
+
+
+def cache_check(flag: str = "") -> None:
+    """EDGELLM_HOME/cache must be a folder where it exists: a file there read as an empty cache,
+    and a session then failed with 'File exists'."""
+    from .errors import ConfigError
+    from .kv.disk_cache import cache_dir
+
+    d = cache_dir()
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"{flag}EDGELLM_HOME/cache {d}: is not a folder")
 
 
 def _stop_probe_child() -> None:
@@ -182,6 +216,7 @@ def _start_probe_child() -> None:
 def _load(model, ctx, threads, kv="pool", kv_precision=None, window=None, sinks=None, device=None, units=None,
           precision=None, quality_guard=False):
     from . import load   # starts the OpenCL probe child before importing the runtime
+    from .errors import ConfigError
 
     # options that do nothing with the other KV layout are said to (they were taken silently;
     # --window 8 --sinks 9 with --kv pool, invalid on a ring, ran with exit 0)
@@ -193,16 +228,32 @@ def _load(model, ctx, threads, kv="pool", kv_precision=None, window=None, sinks=
         ctx = None
     window = 1024 if window is None else window
     sinks = 4 if sinks is None else sinks
+    unit_list = _units(units)
 
-    eng = load(model, device, n_ctx=ctx, threads=threads, kv=kv, kv_precision=kv_precision, window=window,
-               sinks=sinks, units=_units(units), precision=precision, quality_guard=quality_guard,
-               progress=Progress())
+    try:
+        eng = load(model, device, n_ctx=ctx, threads=threads, kv=kv, kv_precision=kv_precision, window=window,
+                   sinks=sinks, units=unit_list, precision=precision, quality_guard=quality_guard,
+                   progress=Progress())
+    except ConfigError as e:
+        if not str(e).startswith("not enough memory"):
+            raise
+        raise ConfigError(_memory_advice_in_flags(str(e), kv, window)) from None
     for w in eng.plan.warnings:
         if w not in _logged:
             typer.echo(f"edgellm: warning: {w}", err=True)
     if quality_guard:   # its switches are INFO records, which no handler showed: --quality-guard said nothing
         _show_log("edgellm.quality_guard")
     return eng
+
+
+def _memory_advice_in_flags(msg: str, kv: str, window: int) -> str:
+    """The API's memory refusal with the flags the user typed for its parameters: a ring is sized
+    by --window ("lower n_ctx" sent them to --ctx, which a ring ignores)."""
+    flag = "--window" if kv == "ring" else "--ctx"
+    msg = re.sub(r"at window=(\d+) \(kv='ring'\)", r"at --window \1", msg)
+    msg = re.sub(r"at n_ctx=(\d+)", f"at --window {window}" if kv == "ring" else r"at --ctx \1", msg)
+    msg = msg.replace("lower n_ctx", f"lower {flag}").replace("lower window", "lower --window")
+    return msg.replace("kv_precision='int8'", "--kv-precision int8")
 
 
 def _show_log(name: str) -> None:
@@ -219,7 +270,21 @@ def _show_log(name: str) -> None:
 
 
 def _units(text: str | None) -> list[str] | None:
-    return [u.strip() for u in text.split(",") if u.strip()] if text else None
+    """--units as a list, checked before the model is resolved (a bad name waited for a download)."""
+    from .backends import names
+    from .errors import ConfigError
+
+    if text is None:
+        return None
+    units = [u.strip() for u in text.split(",") if u.strip()]
+    if not units:   # ("," meant no restriction at all)
+        raise ConfigError(f"--units {text!r} names no unit (units: {', '.join(names())})")
+    bad = [u for u in units if u not in names()]
+    if bad:
+        raise ConfigError(f"--units: unknown unit(s) {', '.join(bad)} (known: {', '.join(names())})")
+    if len(set(units)) != len(units):
+        raise ConfigError(f"--units {text}: lists a unit twice")
+    return units
 
 
 PRECISION_HELP = ("Precision plan: quality, balanced, fast (edgellm/precision_presets) or a plan YAML "
@@ -250,7 +315,7 @@ def _conversation_only(path: Path, chat: bool) -> dict:
     from .model.chat_template import ChatTemplate
 
     try:
-        h = read_header(path)
+        h = read_header(path, whole=False)   # (a file cut short in its data keeps its header)
     except SessionFileError:
         return {}
     meta = h.meta if h is not None else {}
@@ -300,20 +365,38 @@ def _save_session(eng, session: Path, meta: dict, seen: tuple | None) -> tuple |
     return _file_state(session)
 
 
+def _is_session_file(name: str) -> bool:
+    return "/" in name or name.endswith(".edgesess")
+
+
+def check_session_arg(name: str | None) -> None:
+    """--session's own checks, made before the model is resolved (a bad name waited for a download,
+    and a file at EDGELLM_HOME/cache failed with 'File exists' after the load)."""
+    from .errors import ConfigError
+    from .kv import disk_cache
+
+    if name is None:
+        return
+    if _is_session_file(name):
+        check_out_path(Path(name), "--session")
+        return
+    try:
+        disk_cache.entry_path("0" * 16, name)   # (validates the name; the model's hash comes later)
+    except ValueError:
+        raise ConfigError(f"--session {name!r}: a session name is 1 to 128 letters, digits, '_' or '-'; a file "
+                          f"is a path (./{name}) or ends in .edgesess") from None
+    cache_check(f"--session {name}: ")
+
+
 def _session_path(eng, name: str) -> Path:
     """A bare name is an entry of the on-disk cache (per model); anything path-like is a file."""
     from .kv import disk_cache
 
-    if "/" in name or name.endswith(".edgesess"):
+    if _is_session_file(name):
         return Path(name)
-    try:
-        disk_cache.cache_dir(create=True)
-        return disk_cache.entry_path(eng.model_sha256(), name)
-    except ValueError as e:
-        from .errors import ConfigError
-
-        raise ConfigError(f"--session {name!r}: a session name is 1 to 128 letters, digits, '_' or '-'; a file "
-                          f"is a path (./{name}) or ends in .edgesess") from None
+    check_session_arg(name)
+    disk_cache.cache_dir(create=True)
+    return disk_cache.entry_path(eng.model_sha256(), name)
 
 
 KV_HELP = "KV cache: 'pool' (blocks + prefix cache, n_ctx tokens) or 'ring' (sliding window + sinks, endless chat)"
@@ -359,8 +442,11 @@ def run(
     stop = [_utf8_arg("--stop", s) for s in stop or ()]
     gen = generation_config(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=tuple(stop or ()))
+    if not prompt:   # (with --chat the template's text around it was taken as a prompt)
+        raise ConfigError("the prompt is empty: give some text")
     if session is not None and kv == "ring":   # (refused at save time before: after the whole answer)
         raise ConfigError("--session needs --kv pool: the ring buffer keeps no sessions")
+    check_session_arg(session)
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units,  # after validating the options
                 precision, quality_guard)
     session, saved, seen = _open_session(eng, session, chat)
@@ -390,6 +476,11 @@ def run(
         typer.echo(f"[load {eng.load_ms:.0f} ms] {eng.last_stats.summary()}", err=True)
     if eng.last_stats.stop_reason == "cancelled":
         raise typer.Exit(130)   # Ctrl-C: the shell's convention
+    if eng.last_stats.stop_reason == "context_full":
+        # said even with --no-stats, and exit 1 as chat's: a script took the cut answer as whole
+        typer.echo(f"edgellm: warning: the answer was cut: the context is full at {eng.n_ctx} tokens; raise "
+                   f"--ctx or use --kv ring", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -438,6 +529,7 @@ def chat(
         raise ConfigError("stdin is closed: chat reads its turns from stdin")
     if session is not None and kv == "ring":
         raise ConfigError("--session needs --kv pool: the ring buffer keeps no sessions")
+    check_session_arg(session)
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units, precision, quality_guard)
     session, saved, seen = _open_session(eng, session, chat=True)
     messages = [{"role": "system", "content": system}] if system else []
@@ -476,6 +568,8 @@ def chat(
         command = line.strip()
         if re.fullmatch(r"/[a-z]+", command):
             if command in ("/exit", "/quit"):
+                if failed:
+                    raise typer.Exit(1)   # (as at Ctrl-D)
                 return
             if command == "/reset":
                 messages = list(system_turn)
@@ -515,11 +609,27 @@ def chat(
         elif eng.last_stats.stop_reason == "context_full":
             typer.echo(f"[context full at {eng.n_ctx} tokens: the answer was cut; /reset starts over, --kv ring "
                        f"keeps a chat going past the context]", err=True)
+            failed += 1   # (a cut answer is a failed turn: exit 1, as the README says)
         messages.append({"role": "assistant", "content": "".join(answer)})
         if session is not None and eng.last_stats.stop_reason != "cancelled":
             seen = _save_session(eng, session, {"messages": messages}, seen)
         if stats:
             typer.echo(eng.last_stats.summary(), err=True)
+
+
+MAX_LINE_BYTES = 2 ** 20   # a chat turn read from stdin: `chat < /dev/zero` grew without limit
+
+
+def _readline_capped() -> bytes | str:
+    """stdin's next line, refused when it is longer than MAX_LINE_BYTES (the rest of it would be
+    read as the next turns, so the chat ends)."""
+    from .errors import ConfigError
+
+    stream = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin
+    raw = stream.readline(MAX_LINE_BYTES + 1)
+    if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n" if isinstance(raw, bytes) else "\n"):
+        raise ConfigError(f"a line of stdin is longer than {MAX_LINE_BYTES // 2**20} MiB, chat's limit for a turn")
+    return raw
 
 
 def _read_line() -> str:
@@ -530,7 +640,7 @@ def _read_line() -> str:
 
     if not hasattr(signal, "set_wakeup_fd") or not sys.stdin.isatty():
         # (a pipe: its lines may sit in Python's buffer, which select() does not see)
-        return _decode_line(sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline())
+        return _decode_line(_readline_capped())
     r, w = os.pipe()
     os.set_blocking(w, False)
     old = signal.set_wakeup_fd(w)
@@ -540,7 +650,7 @@ def _read_line() -> str:
             if r in ready:
                 os.read(r, 512)    # a signal: its Python handler runs at the next bytecode
                 continue
-            return _decode_line(sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline())
+            return _decode_line(_readline_capped())
     finally:
         signal.set_wakeup_fd(old)
         os.close(r)
@@ -771,7 +881,8 @@ def plan(
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object"),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw each unit's roofline with the ops as "
-                                             "points into this PNG (needs matplotlib: edgellm\\[plot])"),
+                                             "points into this .png, .pdf or .svg file (needs matplotlib: "
+                                             "edgellm\\[plot])"),
 ):
     """Show where each op runs per phase, why, and the predicted TTFT and decode speed.
 
@@ -790,6 +901,12 @@ def plan(
     from .precision_runtime import ComputeTable, planned_formats
 
     check_out_path(plot_path, "--plot", (".png", ".pdf", ".svg"))
+    # the values known up front, checked before the model is resolved (and perhaps downloaded)
+    if prompt_tokens is not None and prompt_tokens < 1:
+        raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
+    if ctx is not None and ctx < 1:
+        raise ConfigError(f"--ctx must be >= 1, got {ctx}")
+    unit_list = _units(units)
     pplan = load_plan(precision) if precision is not None else None
     kv_cfg = KVConfig(precision=kv_precision or (pplan.kv_precision if pplan else "f16"))  # validates it
     profile = device_profile(device)
@@ -800,10 +917,6 @@ def plan(
         formats, compute = planned_formats(mf, pplan), ComputeTable(pplan, mf.config.n_layers)
     if prompt_tokens is None:
         prompt_tokens = min(512, mf.config.context_length)
-    if prompt_tokens < 1:
-        raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    if ctx is not None and ctx < 1:
-        raise ConfigError(f"--ctx must be >= 1, got {ctx}")
     default_ctx = min(DEFAULT_CTX, mf.config.context_length)
     # (the plan quietly grew the context; past the trained context the error below says that)
     if mf.config.context_length >= prompt_tokens > (ctx if ctx is not None else default_ctx):
@@ -819,7 +932,7 @@ def plan(
                    f"{mf.config.context_length}", err=True)
         n_ctx = mf.config.context_length
     disp = Dispatcher(profile, mf.config, formats, probe=device in (None, "host"),
-                      override=_units(units), kv_bytes=kv_cfg.bytes_per_elem, compute=compute)
+                      override=unit_list, kv_bytes=kv_cfg.bytes_per_elem, compute=compute)
     # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves
     spare = profile.memory_total_bytes / 2 - memory_needed(mf, n_ctx, kv_cfg)
     p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=max(spare / 4, 16 * 2**20))
@@ -905,7 +1018,15 @@ def build(
     libedgellm_neon_{base,dotprod}.so, selftest_{base,dotprod}, selftest_cases.bin and bundle.json
     (target, CPU features, compiler and version, source hash). On the device, run
     `./selftest_dotprod selftest_cases.bin`, then point EDGELLM_NEON_LIB at the library."""
+    from .errors import ConfigError
     from .toolchain import build_bundle, stop_on_sigterm
+
+    if out is not None:   # (its missing parents were made, where every other --out refuses them)
+        parent = out.expanduser().parent
+        if not parent.is_dir():
+            raise ConfigError(f"--out {out}: the folder {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise ConfigError(f"--out {out}: the folder {parent} is not writable")
 
     with stop_on_sigterm():
         path = build_bundle(target, cpu, out, api=api, progress=lambda msg: typer.echo(msg, err=True))
@@ -924,14 +1045,18 @@ def quantize(
     that llama.cpp and the gguf package read. Formats GGUF has no type for are written as the
     nearest GGUF block type (int8 per channel -> Q8_0, int4 groups -> Q4_0), and said so. Prints
     each conversion's SQNR and the file size predicted from the plan beside the size written."""
+    from .errors import ConfigError
     from .model.loader import open_model
     from .model.registry import resolve_model
     from .precision import load_plan
     from .requant import format_report, plan_formats, requantize_gguf
 
     check_out_path(out, "--out")
+    try:   # (before the model is resolved: a bad --plan waited for a download)
+        p = load_plan(plan)
+    except ConfigError as e:
+        raise ConfigError(f"--plan {plan}: {e}") from None
     src = resolve_model(model, progress=lambda d, t: Progress()("pull", d, t))
-    p = load_plan(plan)
     mf = open_model(src)
     n = mf.config.n_layers
     formats = plan_formats(mf, lambda layer, op: p.weight_format(layer, op, n))
@@ -1008,7 +1133,7 @@ def cache_list():
     """One line per cached session: tokens, size, model, layout; invalid files with the reason."""
     from .kv import disk_cache
 
-    home_check()
+    cache_check()
     entries = disk_cache.list_entries()
     if not entries:
         typer.echo(f"(empty: {disk_cache.cache_dir()})")
@@ -1024,22 +1149,49 @@ def cache_info():
     """Directory, entry count and total size."""
     from .kv import disk_cache
 
-    home_check()
+    cache_check()
     for k, v in disk_cache.info().items():
         typer.echo(f"{k:<12} {v}")
     # the other caches beside the sessions (`cache clear --all` removes them too)
     for d in _other_caches():
-        files = [f for f in d.rglob("*") if f.is_file()]
-        typer.echo(f"{d.name + '/':<12} {len(files)} file(s), {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB")
+        files = [f for f in _walk(d) if not f.is_dir() or f.is_symlink()]
+        size = sum(_lsize(f) for f in files)
+        typer.echo(f"{d.name + '/':<12} {len(files)} file(s), {size / 2**20:.1f} MiB")
+
+
+def _lsize(p: Path) -> int:
+    try:
+        return p.lstat().st_size   # (a link's own size: what it points to is not the cache's)
+    except OSError:
+        return 0
+
+
+def _walk(d: Path) -> list[Path]:
+    """Everything under folder d, deepest first (a folder after its contents). Links are entries
+    themselves, never followed: a link to a folder outside EDGELLM_HOME had its files counted by
+    `cache info` and removed by `cache clear --all`."""
+    out, todo = [], [d]
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as it:
+                entries = list(it)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            out.append(Path(e.path))
+            if e.is_dir(follow_symlinks=False):
+                todo.append(Path(e.path))
+    return sorted(out, key=lambda p: -len(p.parts))
 
 
 def _other_caches() -> list[Path]:
     """The folders of EDGELLM_HOME/cache that hold no sessions: requantized models
-    (precision/), OpenCL program binaries (opencl/), NPU graphs."""
+    (precision/), OpenCL program binaries (opencl/), NPU graphs. A link there is no cache of
+    ours (it may point anywhere): left alone."""
     from .kv import disk_cache
 
     root = disk_cache.cache_dir()
-    return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()) if root.is_dir() else []
 
 
 @cache_app.command("clear")
@@ -1049,7 +1201,7 @@ def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remov
     """Remove every cached session file (with --all, every cache in EDGELLM_HOME/cache)."""
     from .kv import disk_cache
 
-    home_check()
+    cache_check()
     typer.echo(f"removed {disk_cache.clear()} session file(s) from {disk_cache.cache_dir()}")
     failed: list[str] = []
     if everything:
@@ -1057,9 +1209,10 @@ def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remov
 
         for d in _other_caches():
             n = kept = 0
-            for f in sorted(d.rglob("*"), key=lambda p: -len(p.parts)):   # files, then their folders
+            for f in _walk(d):               # files, then their folders
+                folder = f.is_dir() and not f.is_symlink()   # (a link is unlinked, its target kept)
                 try:
-                    if f.is_dir():
+                    if folder:
                         f.rmdir()            # (one a writer still uses is not empty: left)
                     elif writer_alive(f.name):
                         kept += 1            # another process is writing it: its run would fail
@@ -1069,7 +1222,7 @@ def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remov
                 except FileNotFoundError:
                     pass                     # (another clear took it)
                 except OSError as e:         # (a read-only home: "removed 0 files", exit 0, before)
-                    if not f.is_dir():
+                    if not folder:
                         failed.append(f"{f}: {e.strerror or e}")
             try:
                 d.rmdir()
