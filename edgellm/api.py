@@ -177,8 +177,14 @@ class Engine:
         if getattr(self._turn_depth, "n", 0):
             self._orphans.append(gen)
             return
-        with self.turn():
-            gen._end("cancelled")
+        with self.lock:
+            if self._closed:
+                # its KV went with the engine: nothing to free, and a generator's close (an app's
+                # it.close(), the collector's) must not raise "the engine is closed"
+                gen._end_closed()
+                return
+            with self.turn():
+                gen._end("cancelled")
 
     @property
     def last_stats(self) -> GenerationStats:
@@ -291,7 +297,10 @@ class Engine:
             for retry in (False, True):
                 seq = self._new_sequence()
                 try:
-                    return self.runner.forward(seq, ids, all_logits=True).astype(np.float32)
+                    out = self.runner.forward(seq, ids, all_logits=True).astype(np.float32)
+                    if not np.isfinite(out).all():   # (NaN weights: generate refuses such rows too)
+                        raise _nonfinite_logits(out)
+                    return out
                 except ContextFull:
                     # the kept conversation holds the room: let it go (its full blocks stay in the
                     # prefix cache) and try once more
@@ -313,9 +322,10 @@ class Engine:
     # -- caches and sessions -------------------------------------------------------------------
     def warm(self, text: str) -> int:
         """Precompute the KV of `text` (a system prompt, say) into the prefix cache, so a later
-        prompt that starts with it computes only the rest. Returns the tokens computed; a later
-        prompt reuses their whole blocks (block_tokens each) whose tokens it shares, so a text
-        whose last token tokenizes otherwise inside the longer prompt gives up that block."""
+        prompt that starts with it computes only the rest. Returns the text's token count (all of
+        them hold KV now, computed or found cached; a ring keeps the last `window` of them); a
+        later prompt reuses their whole blocks (block_tokens each) whose tokens it shares, so a
+        text whose last token tokenizes otherwise inside the longer prompt gives up that block."""
         # a rendered chat turn starting with the BOS text the template wrote: tokenized as a chat
         # prompt is (one BOS), or the chat that follows never matched the warmed blocks
         ids = self._prompt_ids(text)
@@ -333,7 +343,8 @@ class Engine:
                 self.kv.close(seq, keep=False)
                 raise
             self.kv.close(seq, keep=True, token_ids=ids)
-            return seq.n_tokens
+            # (not seq.n_tokens: a ring's sequence holds its window, 64 after 3001 tokens)
+            return len(ids)
 
     def clear_cache(self) -> None:
         """Forget every cached prefix and the last conversation, and the tokenizer's memo of the
@@ -359,8 +370,7 @@ class Engine:
     def save_session(self, path: str | os.PathLike, meta: dict | None = None) -> int:
         """Write the last conversation (token ids and KV) atomically; returns its token count.
         `meta` (JSON-able, e.g. the chat messages) comes back as session_meta on load."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise ConfigError(f"save_session: expected a file path, found {type(path).__name__}")
+        path = _session_path(path, "save_session")
         if meta is not None and not isinstance(meta, dict):
             raise ConfigError(f"save_session: meta must be a dict (JSON-able), found {type(meta).__name__}")
         why = foreign_file(path)
@@ -379,8 +389,7 @@ class Engine:
         """Restore a saved conversation; the next prompt that extends it continues in place. A
         missing, stale or corrupt file is a cache miss (False, one warning line), never an error."""
         self._check_open()
-        if not isinstance(path, (str, os.PathLike)):
-            raise ConfigError(f"load_session: expected a file path, found {type(path).__name__}")
+        path = _session_path(path, "load_session")
         # (n_ctx, not n_ctx - 1: a conversation that ran to the end of the context saved, then was
         # refused here as "more than the capacity")
         data = read_session(path, max_tokens=self.n_ctx, **self._session_keys())
@@ -410,6 +419,27 @@ class Engine:
                     yield piece
         finally:
             gen.close()   # a stream the app stopped reading (closed, dropped, an error in its loop)
+
+
+def _session_path(path, what: str):
+    """The session path checked before the OS sees it: a NUL byte raised an untyped ValueError,
+    and an empty path (Path('') is '.') a failed rename to '.'."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"{what}: expected a file path, found {type(path).__name__}")
+    p = os.fspath(path)
+    if not isinstance(p, str):   # (a PathLike of bytes)
+        raise ConfigError(f"{what}: expected a str file path, found {type(p).__name__} {p!r}")
+    if not p:
+        raise ConfigError(f"{what}: the session path is empty: give a file name")
+    if "\0" in p:
+        raise ConfigError(f"{what}: the session path {p!r} contains a NUL byte, which no file name may hold")
+    return path
+
+
+def _nonfinite_logits(x: np.ndarray):
+    """The typed error generate raises for non-finite model output (sampling's), for logits()."""
+    from .sampling import _nonfinite
+    return _nonfinite(x)
 
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -445,13 +475,20 @@ def generation_config(config: GenerationConfig | None = None, **kwargs) -> Gener
             raise ConfigError(f"stop: expected a string or a list of strings, found {type(s).__name__}")
         kwargs["stop"] = tuple(s)
     cfg = replace(cfg, **kwargs)
-    if isinstance(cfg.max_tokens, bool) or not isinstance(cfg.max_tokens, int) or cfg.max_tokens < 1:
+    if not _is_int(cfg.max_tokens) or cfg.max_tokens < 1:
         raise ConfigError(f"max_tokens must be an integer >= 1, got {cfg.max_tokens!r}")
+    cfg = replace(cfg, max_tokens=int(cfg.max_tokens))   # (a numpy integer, as top_k and seed take)
     if not isinstance(cfg.ignore_eos, bool):
         raise ConfigError(f"ignore_eos must be True or False, got {cfg.ignore_eos!r}")
     cfg.sampling()  # validates the sampling parameters with named errors
     StopChecker(cfg.stop)  # and the stop strings, here rather than at the first piece
     return cfg
+
+
+def _is_int(v) -> bool:
+    """An integer option: Python's or numpy's (top_k, seed and n_ctx took numpy integers, max_tokens,
+    threads and prefill_chunk refused them), never a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def memory_needed(model: ModelFile, n_ctx: int, kv: KVConfig | None = None,
@@ -571,12 +608,21 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
         raise ConfigError(f"pin must be True or False, got {pin!r}")
     if prefault is not None and not isinstance(prefault, bool):   # ("no" turned it on)
         raise ConfigError(f"prefault must be True, False or None, got {prefault!r}")
-    if threads is not None and (not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS):
+    if threads is not None and (not _is_int(threads) or not 1 <= threads <= MAX_THREADS):
         raise ConfigError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
-    if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Integral) or n_ctx < 1):
+    if n_ctx is not None and (not _is_int(n_ctx) or n_ctx < 1):
         raise ConfigError(f"n_ctx must be an integer >= 1, got {n_ctx!r}")
-    if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
+    if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
+    # plain ints from here: the native pool and the plan take them as such
+    threads = None if threads is None else int(threads)
+    prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
+    # checked here, not when the callback first fires (an untyped TypeError mid-load)
+    if progress is not None and not callable(progress):
+        raise ConfigError(f"progress must be a callable progress(stage, done, total) or None, got {progress!r}")
+    if isinstance(model, str) and not model:   # (it read as the current directory: "found a directory")
+        raise ConfigError("model: the model path is empty: give a GGUF path, a registry name, or None for the "
+                          "default model")
     if isinstance(units, str):
         units = [u.strip() for u in units.split(",") if u.strip()]
     profile = device_profile(device)
@@ -605,6 +651,15 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                     mf.config.context_length)
         n_ctx = mf.config.context_length
     n_ctx = int(n_ctx)
+    if kv_cfg.kind == "ring" and kv_cfg.window > mf.config.context_length:
+        # as n_ctx is: positions past the trained context are ones the model never saw (a window
+        # of 100000 on an 8192-token model was taken silently, its memory sized for 100000)
+        log.warning("window %d is above %s's trained context: using %d", kv_cfg.window, mf.config.name,
+                    mf.config.context_length)
+        kv_cfg = replace(kv_cfg, window=int(mf.config.context_length))
+    # the KV size the memory figures quote: a ring's is its window, whatever n_ctx says
+    kv_size = f"window={kv_cfg.window} (kv='ring')" if kv_cfg.kind == "ring" else f"n_ctx={n_ctx}"
+    kv_lower = "lower window" if kv_cfg.kind == "ring" else "lower n_ctx"
     ring_cap = _ring_chunk_cap(kv_cfg, prefill_chunk)
     avail = available_bytes()
     if not _FIRST_AFFINITY:
@@ -631,9 +686,9 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     placement = plan.placement()
     need = memory_needed(mf, n_ctx, kv_cfg, placement)
     if need > avail:
-        raise ConfigError(f"not enough memory: the model needs {need / 2**20:.0f} MiB at n_ctx={n_ctx} "
+        raise ConfigError(f"not enough memory: the model needs {need / 2**20:.0f} MiB at {kv_size} "
                           f"(units {','.join(plan.units_used())}) but {avail / 2**20:.0f} MiB are available; "
-                          f"lower n_ctx or use a smaller model")
+                          f"{kv_lower} or use a smaller model")
     from .backends import neon as _neon_unit
     if pin:
         pinning = pin_threads(big, skip=_neon_unit.worker_tids())
@@ -649,7 +704,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     _limit_blas_threads(threads)
     # the allocations: a MemoryError or ENOMEM (a limit the estimate above missed) is the same
     # typed refusal, not a traceback
-    with _memory_refusal(mf.config.name, n_ctx):
+    with _memory_refusal(mf.config.name, kv_size, kv_lower):
         store = make_store(mf.config, kv_cfg, n_ctx, background_commit=True)
         described = {"opencl": profile.gpu is not None, "npu": profile.npu is not None}
         for u in plan.units:
@@ -739,14 +794,16 @@ def _guard_can_switch(runner) -> bool:
 
 
 @contextlib.contextmanager
-def _memory_refusal(model_name: str, n_ctx: int):
+def _memory_refusal(model_name: str, kv_size: str, kv_lower: str):
+    """kv_size: what sizes the KV ("n_ctx=2048", a ring's "window=512 (kv='ring')"); kv_lower: the
+    advice that shrinks it."""
     try:
         yield
     except (MemoryError, OSError) as e:
         if isinstance(e, OSError) and e.errno != errno.ENOMEM:
             raise
         why = e.strerror if isinstance(e, OSError) else (str(e) or "an allocation failed")
-        raise ConfigError(f"not enough memory to load {model_name} at n_ctx={n_ctx} ({why}); lower n_ctx, "
+        raise ConfigError(f"not enough memory to load {model_name} at {kv_size} ({why}); {kv_lower}, "
                           f"use kv_precision='int8', or a smaller model") from None
 
 

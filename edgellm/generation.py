@@ -119,13 +119,22 @@ class Generation:
 
     def close(self) -> None:
         """Ends a generation its driver stops stepping (a stream the app stopped reading): as
-        cancelled, its KV sequence freed. Nothing when it is done."""
+        cancelled, its KV sequence freed. Nothing when it is done, and nothing but the mark when
+        its engine was closed (its KV went with it): a close never raises."""
         if not self.done and not sys.is_finalizing():   # (at exit the interpreter is half torn down)
             self.engine.end_generation(self)
 
     def _end(self, reason: str) -> None:
         if not self.done:
             self._finish(reason)
+
+    def _end_closed(self) -> None:
+        """Marks it ended as cancelled when its engine was closed under it: no runner, no KV store
+        left to close the sequence in (Engine.close released them)."""
+        if not self.done:
+            self.done = True
+            self.stats.stop_reason = "cancelled"
+            self._set_decode_rate()
 
     def _step(self) -> str | None:
         if self.done:
@@ -146,6 +155,11 @@ class Generation:
                 if len(self.pending):
                     return None
             else:
+                # a decode token looks at the cancel before it is computed (inside a run, after
+                # the token before it: _emit_run): looked at after, a cancel between pieces still
+                # gave one more piece. (The prefill's forward looks between its chunks and layers.)
+                if self.cancel.cancelled:
+                    return self._finish("cancelled")
                 k = self._run_length()
                 if k:
                     n0 = self.seq.n_tokens
@@ -212,6 +226,8 @@ class Generation:
         for i, tok in enumerate(ids):
             piece, reason = self._take(tok, n0 + i + 1)
             text += piece
+            if reason is None and i + 1 < len(ids) and self.cancel.cancelled:
+                reason = "cancelled"     # (the look token by token makes before the next token)
             if reason is not None:
                 if self.seq.n_tokens > n0 + i + 1 and self.seq.can_truncate(n0 + i + 1):
                     self.seq.truncate(n0 + i + 1)
@@ -241,7 +257,6 @@ class Generation:
         if hit:
             return text, "stop"
         for ended, reason in ((st.generated_tokens >= self.cfg.max_tokens, "max_tokens"),
-                              (self.cancel.cancelled, "cancelled"),
                               (held >= self.engine.n_ctx, "context_full")):
             if ended:
                 return text, reason

@@ -40,6 +40,8 @@ def _bad(name: str, allowed: str, value: object) -> ConfigError:
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
+_REPEAT_PENALTY_MIN = 1e-30   # a logit of 1e8 divided by it is 1e38, still under float32's 3.4e38
+_REPEAT_PENALTY_MAX = 1e30
 
 
 def _is_real(v: object) -> bool:
@@ -77,8 +79,12 @@ class SamplingConfig:
         if not (_is_real(mp) and 0.0 <= mp <= 1.0):
             raise _bad("min_p", "a number in [0, 1] (0 = off)", mp)
         rp = self.repeat_penalty
-        if not (_is_real(rp) and math.isfinite(rp) and rp > 0):
-            raise _bad("repeat_penalty", "a finite number > 0 (1 = off)", rp)
+        # bounded so the penalized float32 logits stay finite: 1e-40 rounds to a float32 denormal
+        # and 1e-45 to 0 (a divide by zero), 1e300 overflows the cast; either way numpy warned and
+        # the draw then blamed the model's output as non-finite
+        if not (_is_real(rp) and _REPEAT_PENALTY_MIN <= rp <= _REPEAT_PENALTY_MAX):
+            raise _bad("repeat_penalty", f"a number in [{_REPEAT_PENALTY_MIN:g}, {_REPEAT_PENALTY_MAX:g}] "
+                       f"(1 = off; beyond it the penalized float32 logits can overflow)", rp)
         if not (_is_int(self.repeat_last_n) and self.repeat_last_n >= -1):
             raise _bad("repeat_last_n", "an integer >= -1 (0 = off, -1 = whole history)",
                        self.repeat_last_n)

@@ -98,6 +98,8 @@ class _Job:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                     or timeout != timeout):
             raise ConfigError(f"timeout must be a number of seconds or None, got {timeout!r}")
+        if timeout is not None and timeout > threading.TIMEOUT_MAX:
+            timeout = None   # (inf, 1e300: an untyped OverflowError from the wait; no end is no timeout)
         if not self._done.wait(timeout):
             raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
         if self.error is not None:
@@ -171,10 +173,10 @@ class Scheduler:
             raise ConfigError(f"Scheduler needs an edgellm Engine (edgellm.load()), got {type(engine).__name__}")
         if policy not in ("interleave", "fifo"):
             raise ConfigError(f"policy must be 'interleave' or 'fifo', got {policy!r}")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
             raise ConfigError(f"chunk must be an integer >= 1, got {chunk!r}")
         self.engine = engine
-        self.chunk = chunk
+        self.chunk = int(chunk)   # (a numpy integer, as load's options take)
         self.policy = policy
         self._ids = itertools.count(1)
         self._pid = os.getpid()

@@ -301,8 +301,9 @@ def _read_into(f, buf: bytearray) -> int:
     return done
 
 
-def _parse_header(path, raw: bytes, header_len: int, file_size: int) -> SessionHeader:
-    """Validate the JSON header against the caps and the real file size."""
+def _parse_header(path, raw: bytes, header_len: int, file_size: int, whole: bool = True) -> SessionHeader:
+    """Validate the JSON header against the caps and the real file size (whole=False: the data
+    section it declares may be cut short or followed by more)."""
     def bad(msg: str):
         return SessionFileError(path, f"header: {msg}")
 
@@ -332,7 +333,7 @@ def _parse_header(path, raw: bytes, header_len: int, file_size: int) -> SessionH
 
     data_start = _align(_HEAD.size + header_len)
     data_nbytes = h["data_nbytes"]
-    if data_start + data_nbytes + _SUM != file_size:
+    if whole and data_start + data_nbytes + _SUM != file_size:
         raise SessionFileError(
             path, f"size mismatch (truncated?): the header declares {data_nbytes} data bytes, "
                   f"so {data_start + data_nbytes + _SUM} bytes in all, but the file has "
@@ -388,7 +389,7 @@ def _parse_header(path, raw: bytes, header_len: int, file_size: int) -> SessionH
                          tuple(arrays), h["meta"], data_start, data_nbytes, file_size)
 
 
-def _read_head(f, path, size: int, hasher=None) -> SessionHeader:
+def _read_head(f, path, size: int, hasher=None, whole: bool = True) -> SessionHeader:
     if size < _MIN_SIZE:
         if size >= len(MAGIC) and _read_exact(f, len(MAGIC), path, "magic") != MAGIC:
             raise SessionFileError(path, "wrong magic: not an edgellm session file")
@@ -403,20 +404,27 @@ def _read_head(f, path, size: int, hasher=None) -> SessionHeader:
                                      f"(this build reads {VERSION})")
     if not 0 < header_len <= MAX_HEADER_BYTES:
         raise SessionFileError(path, f"header length {header_len} outside 1..{MAX_HEADER_BYTES}")
-    if _HEAD.size + header_len + _SUM > size:
+    if _HEAD.size + header_len + (_SUM if whole else 0) > size:
         raise SessionFileError(path, f"truncated: header length {header_len} runs past the "
                                      f"end of the {size}-byte file")
     raw = _read_exact(f, header_len, path, "header")
     if hasher is not None:
         hasher.update(fixed)
         hasher.update(raw)
-    return _parse_header(path, raw, header_len, size)
+    return _parse_header(path, raw, header_len, size, whole)
 
 
-def read_header(path: str | os.PathLike) -> SessionHeader | None:
+def read_header(path: str | os.PathLike, *, whole: bool = True) -> SessionHeader | None:
     """The validated header of a session file, reading at most MAX_HEADER_BYTES + 16 bytes (the
     data and checksum are not read). None when the file does not exist; SessionFileError when
-    it is not a usable session file."""
+    it is not a usable session file.
+
+    whole=False reads the header of a file whose data section is cut short (truncated in a
+    copy, a full disk): its KV is a cache miss, but the conversation its meta holds is intact and
+    continues, prefilled again, as a checksum mismatch's does (README: "the conversation the file
+    holds still continues"). A listing keeps whole=True: such a file is not a usable entry."""
+    if not isinstance(whole, bool):
+        raise TypeError(f"read_header: whole must be True or False, got {whole!r}")
     path = Path(path)
     opened = _open(path)
     if opened is None:
@@ -424,7 +432,7 @@ def read_header(path: str | os.PathLike) -> SessionHeader | None:
     f, size = opened
     try:
         with f:
-            return _read_head(f, path, size)
+            return _read_head(f, path, size, whole=whole)
     except OSError as e:
         raise SessionFileError(path, f"read error: {e.strerror or e}") from None
 
