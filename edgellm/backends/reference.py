@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import quant
+from ..errors import ModelFormatError
 from ..model import layout
 from ..model.config import ModelConfig
 
@@ -223,7 +224,16 @@ def prepare_rope_freqs(model) -> np.ndarray | None:
     cfg = model.config
     if not cfg.has_rope_freqs:
         return None
-    return quant.dequantize(model.raw("rope_freqs.weight"), model.tensor_type("rope_freqs.weight"), (cfg.rope_dim // 2,))
+    f = quant.dequantize(model.raw("rope_freqs.weight"), model.tensor_type("rope_freqs.weight"), (cfg.rope_dim // 2,))
+    # each frequency is divided by its value: a zero, negative, NaN or inf divisor made every
+    # RoPE angle, and so every logit, NaN (or silently wrong), with no word about the tensor
+    bad = ~(np.isfinite(f) & (f > 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ModelFormatError(getattr(model, "path", "<model>"), "tensor 'rope_freqs.weight'",
+                               f"expected finite per-frequency divisors > 0, found {float(f[i])!r} at index {i} "
+                               f"({int(bad.sum())} of {f.size} values bad)")
+    return f
 
 
 def prepare(model, precision: str = "fp32", progress=None, ops: set[str] | None = None) -> PreparedWeights:

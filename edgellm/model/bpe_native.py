@@ -18,6 +18,7 @@ from itertools import accumulate
 import numpy as np
 
 from edgellm.backends import neon_lib
+from edgellm.errors import ConfigError, KernelError
 from edgellm.model.gguf_strings import GGUFStrings
 
 # el_bpe_create's error kinds (neon/edgellm_neon.h EL_BPE_E*); those of a merge -> what is wrong
@@ -55,6 +56,32 @@ def _code_points(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     if len(text) >= 2**31:
         raise ValueError("more than 2^31 characters of vocabulary")
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32), starts.astype(np.int32)
+
+
+# The encoders take a fragment's length and their output room as C ints, the room 4 ids per code
+# point (one per UTF-8 byte): a longer fragment cannot be handed over at all (its room wrapped
+# negative: EL_EINVAL, an untyped RuntimeError). Bound to the longest plain-text fragment (the
+# text between special tokens) the native tokenizer takes, in code points.
+MAX_FRAGMENT_CHARS = (2**31 - 1) // 4
+_EL_ENOMEM = -2                     # neon/edgellm_neon.h
+
+
+def _check_length(fragment: str) -> None:
+    if len(fragment) > MAX_FRAGMENT_CHARS:
+        raise ConfigError(f"text: a run of {len(fragment):,} characters without a special token is too long for "
+                          f"the tokenizer (at most {MAX_FRAGMENT_CHARS:,} characters at a time); split the text")
+
+
+def _out_of_memory(fn: str, fragment: str) -> KernelError:
+    return KernelError(f"tokenizer: out of memory encoding a run of {len(fragment):,} characters "
+                       f"({fn}); encode shorter text")
+
+
+def _encode_failed(fn: str, rc: int, fragment: str) -> KernelError:
+    """The typed error for a native encoder's negative return code."""
+    if rc == _EL_ENOMEM:
+        return _out_of_memory(fn, fragment)
+    return KernelError(f"tokenizer: {fn} refused a run of {len(fragment):,} characters (code {rc})")
 
 
 # pre-tokenizers pretok.c runs itself (edgellm_neon.h EL_PRE_*)
@@ -106,13 +133,20 @@ class NativeBPE(_NativeVocab):
         self._destroy = self._lib.el_bpe_destroy
 
     def __call__(self, fragment: str) -> list[int]:
+        _check_length(fragment)
+        try:
+            return self._encode(fragment)
+        except MemoryError:     # (numpy's buffers for a huge fragment: untyped before)
+            raise _out_of_memory("NativeBPE", fragment) from None
+
+    def _encode(self, fragment: str) -> list[int]:
         if self._family is not None:
             cp = np.frombuffer(fragment.encode("utf-32-le"), dtype=np.uint32)
             out = np.empty(max(1, 4 * len(cp)), dtype=np.int32)
             n = self._lib.el_bpe_encode_text(self._bpe, self._family, cp.ctypes.data, len(cp), out.ctypes.data,
                                              len(out))
             if n < 0:
-                raise RuntimeError(f"el_bpe_encode_text failed ({n})")
+                raise _encode_failed("el_bpe_encode_text", n, fragment)
             return out[:n].tolist()
         pieces = [p for p, _ in self._pre.pre_tokenize_str(fragment)]
         if not pieces:
@@ -123,7 +157,7 @@ class NativeBPE(_NativeVocab):
         n = self._lib.el_bpe_encode(self._bpe, cp.ctypes.data, starts.ctypes.data, len(pieces), out.ctypes.data,
                                     len(out))
         if n < 0:
-            raise RuntimeError(f"el_bpe_encode failed ({n})")
+            raise _encode_failed("el_bpe_encode", n, fragment)
         return out[:n].tolist()
 
 
@@ -147,9 +181,16 @@ class NativeSPM(_NativeVocab):
         self._destroy = self._lib.el_bpe_destroy
 
     def __call__(self, fragment: str) -> list[int]:
+        _check_length(fragment)
+        try:
+            return self._encode(fragment)
+        except MemoryError:
+            raise _out_of_memory("NativeSPM", fragment) from None
+
+    def _encode(self, fragment: str) -> list[int]:
         cp = np.frombuffer(fragment.encode("utf-32-le"), dtype=np.uint32)
         out = np.empty(max(1, 4 * len(cp)), dtype=np.int32)
         n = self._lib.el_spm_encode(self._bpe, cp.ctypes.data, len(cp), out.ctypes.data, len(out))
         if n < 0:
-            raise RuntimeError(f"el_spm_encode failed ({n})")
+            raise _encode_failed("el_spm_encode", n, fragment)
         return out[:n].tolist()

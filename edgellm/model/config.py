@@ -140,6 +140,30 @@ def _rope_freq_scale(path: str, meta: Mapping[str, Any], a: str) -> float:
     raise UnsupportedModelError(path, a + "rope.scaling.type", f"RoPE scaling {scaling!r} is not supported yet")
 
 
+# a mixture-of-experts FFN's tensors (Mixtral-style llama files): router and stacked experts
+# (ffn_gate.E.weight: llama.cpp's older per-expert names)
+_EXPERT_TENSOR = re.compile(r"^blk\.\d+\.ffn_(gate_inp|(gate|up|down)_exps|(gate|up|down)\.\d+)\.")
+
+
+def _refuse_experts(path: str, meta: Mapping[str, Any], tensors: Mapping[str, Any], a: str) -> None:
+    """A mixture-of-experts file (llama.expert_count > 0, or expert tensors) is a well-formed
+    model edgellm cannot run: refused here, before the tensor checks, which reported its missing
+    dense FFN tensors as a malformed file."""
+    n = _get(meta, path, a + "expert_count", int, default=0, required=False)
+    if n < 0:
+        raise ModelFormatError(path, a + "expert_count", f"expected a count >= 0, found {n}")
+    if n > 0:
+        used = meta.get(a + "expert_used_count")
+        raise UnsupportedModelError(path, a + "expert_count",
+                                    f"mixture of experts ({n} experts"
+                                    + (f", {used} used per token" if isinstance(used, int) else "")
+                                    + ") is not supported; edgellm runs dense FFNs only")
+    name = next((t for t in tensors if _EXPERT_TENSOR.match(t)), None)
+    if name is not None:
+        raise UnsupportedModelError(path, f"tensor {name!r}",
+                                    "a mixture-of-experts tensor; mixture of experts is not supported")
+
+
 def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, Any]) -> ModelConfig:
     """Build and validate the config; `tensors` maps name -> object with .shape (ne order) and .ggml_type."""
     arch = _get(meta, path, "general.architecture", str)
@@ -147,6 +171,7 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
         raise UnsupportedModelError(path, "general.architecture",
                                     f"{arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     a = f"{arch}."
+    _refuse_experts(path, meta, tensors, a)
     n_layers = _positive(path, a + "block_count", _get(meta, path, a + "block_count", int), MAX_LAYERS)
     d_model = _positive(path, a + "embedding_length", _get(meta, path, a + "embedding_length", int), MAX_DIM)
     d_ff = _positive(path, a + "feed_forward_length", _get(meta, path, a + "feed_forward_length", int), MAX_DIM)
