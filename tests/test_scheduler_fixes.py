@@ -81,7 +81,8 @@ def test_a_ring_engine_runs_one_request_at_a_time(model_path):
         while not all(r.done for r in reqs):
             most = max(most, len(s._worker._active))
         got = [r.result(timeout=30) for r in reqs]
-    assert most == 1 and got == want
+    # (<= 1: a loaded machine can run all three before this loop first looks, and see none)
+    assert most <= 1 and got == want
 
 
 def test_numpy_priorities_and_typed_timeouts(engine):
