@@ -337,8 +337,10 @@ class Engine:
         with self.turn():
             seq, n = self.kv.open(ids)
             try:
+                if len(ids) - n == 1 and self.runner.take_back_last(seq) is not None:
+                    n -= 1   # (see Generation: one token alone would run the decode kernels)
                 if n < len(ids):
-                    self.runner.forward(seq, ids[n:], logits=False, prompt=True)
+                    self.runner.forward(seq, ids[n:], logits=False)
             except BaseException:   # (ContextFull beside other requests, a cancel): nothing kept
                 self.kv.close(seq, keep=False)
                 raise

@@ -104,7 +104,7 @@ class ModelRunner:
 
     def forward(self, seq, ids: np.ndarray | list[int], *, all_logits: bool = False,
                 cancel: CancelToken | None = None, chunk: int | None = None,
-                logits: bool = True, prompt: bool = False) -> np.ndarray | None:
+                logits: bool = True) -> np.ndarray | None:
         """Append `ids` to `seq` in chunks and return logits: (vocab,) for the last position, or
         (len(ids), vocab) with all_logits; None with logits=False (a warm-up, or a prompt's part
         that more parts follow: the K/V alone, no head). ContextFull before anything is written
@@ -112,15 +112,12 @@ class ModelRunner:
         stays usable. The last layer computes its output only for the rows whose logits are
         returned (out_rows of _layers): the K/V of every row are stored either way.
 
-        prompt: `ids` are prompt tokens (not a sampled token). A prompt row's output does not
-        depend on the chunk it runs in, except in a chunk of one row, which runs the decode
-        kernels (GEMVs, the decode attention: another summation order). So a lone prompt token
-        recomputes the token before it with it, where the sequence can drop that one exactly,
-        and no chunk is left with a single row: a prompt whose head came from the prefix cache
-        then gives what the whole prompt computed at once gives, bit for bit."""
+        A row's output does not depend on the chunk it runs in (on the fused neon path, bit for
+        bit), except in a chunk of one row, which runs the decode kernels (GEMVs, the decode
+        attention: another summation order): no chunk of a longer call is left with one row, and
+        a prompt with one token left to compute takes its last cached one back first
+        (take_back_last)."""
         one = (isinstance(ids, (list, tuple)) or getattr(ids, "ndim", 0) == 1) and len(ids) == 1
-        if prompt and one and not all_logits and (prev := self._redo_last(seq, cancel)) is not None:
-            ids, one = [prev, int(ids[0])], False
         if (one and logits and not all_logits and "decode" in self._fused_phases
                 and "decode" in self._fused_lead and "decode" in self._fused_tail and self.decode_override is None
                 and self._fusable(seq)):
@@ -173,12 +170,15 @@ class ModelRunner:
         return out if all_logits else out[0]
 
     @staticmethod
-    def _redo_last(seq, cancel: CancelToken | None) -> int | None:
-        """The id of seq's last token, which seq drops for forward to compute again beside the
-        next prompt token; None (nothing dropped) where that is not exact: an empty sequence, a
-        ring that evicted, an id not recorded, a cancel already asked."""
+    def take_back_last(seq) -> int | None:
+        """Drop seq's last token and return its id, for a prompt that has one token left to
+        compute (the rest from the prefix cache): computed alone, that token would run the
+        decode kernels, so its logits, then the text, would differ from those of the same
+        prompt computed at once; with the token before it, it runs the prefill's. None (nothing
+        dropped) where that is not exact: an empty sequence, a ring that evicted, an id not
+        recorded. (A shared last block is copied on the write, as any write into it is.)"""
         n = seq.n_tokens
-        if n < 1 or (cancel is not None and cancel.cancelled) or getattr(seq, "total_tokens", n) != n:
+        if n < 1 or getattr(seq, "total_tokens", n) != n:
             return None
         tokens = seq.tokens
         last = int(tokens[-1]) if len(tokens) == n else -1   # (before truncate: the list may be seq's own)

@@ -91,6 +91,8 @@ class Generation:
         # last: nothing after it may fail and leave the sequence open
         with engine.turn():
             self.seq, cached = engine._open_sequence(ids)
+            if len(ids) - cached == 1 and engine.runner.take_back_last(self.seq) is not None:
+                cached -= 1   # one prompt token alone would run the decode kernels: its cached neighbour joins it
         self.stats.cached_tokens = cached
         self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
 
@@ -147,8 +149,7 @@ class Generation:
                 part, self.pending = self.pending[:n], self.pending[n:]
                 # a part that more parts follow stores its K/V only: no head, no last-layer output
                 t = time.perf_counter()
-                logits = runner.forward(self.seq, part, cancel=self.cancel, logits=not len(self.pending),
-                                        prompt=True)
+                logits = runner.forward(self.seq, part, cancel=self.cancel, logits=not len(self.pending))
                 # the prompt's own forward time: a scheduler's queue and other requests' steps
                 # between its chunks were counted before
                 self.stats.prefill_ms += (time.perf_counter() - t) * 1e3

@@ -44,18 +44,20 @@ static inline float el_load_w1(const int f16, const uint8_t *row, int k) {
 /* 4 W rows (rows past the matrix repeat the last real one and are never stored) x nx x rows.
  * out[c] lane r = dot(x row c, W row r). With one x row (GEMV) there are only 4 independent
  * FMA chains, too few to cover FMA latency (4 cycles, 2 pipes on Cortex-A76/X1): ku = 2 keeps
- * a second set of accumulators for the odd 4-wide steps. */
+ * a second set of accumulators for the odd 4-wide steps. Only for a GEMV (ku from the caller):
+ * the last one-row tile of a longer GEMM sums as its other tiles do, or a row's result would
+ * depend on where its chunk cut it. */
 static inline __attribute__((always_inline)) void
-el_ftile(const int f16, const int nx, const uint8_t *const w[4], const float *x, int K, float32x4_t out[4]) {
+el_ftile(const int f16, const int nx, const int ku, const uint8_t *const w[4], const float *x, int K,
+         float32x4_t out[4]) {
     enum { KU_MAX = 2 };
-    const int ku = nx == 1 ? 2 : 1;
     float32x4_t acc[KU_MAX][4][4];
     for (int u = 0; u < ku; u++)
         for (int c = 0; c < nx; c++)
             for (int r = 0; r < 4; r++) acc[u][c][r] = vdupq_n_f32(0.0f);
     int k = 0;
     for (; k + 4 * ku <= K; k += 4 * ku) {
-        if (nx == 1)   /* GEMV: weights are used once, straight from DRAM (see quant_matmul.c) */
+        if (ku == 2)   /* GEMV: weights are used once, straight from DRAM (see quant_matmul.c) */
             for (int r = 0; r < 4; r++) __builtin_prefetch(w[r] + (size_t)k * (f16 ? 2 : 4) + EL_PF_BYTES);
         for (int u = 0; u < ku; u++) {
             float32x4_t wv[4];
@@ -105,10 +107,13 @@ el_frows(const int f16, const uint8_t *w, int rows, const float *x, int nx_all, 
             float *yt = y + (size_t)c0 * ldy + r0;
             float32x4_t acc[4];
             switch (nx) {
-            case 1: el_ftile(f16, 1, wr, xt, K, acc); break;
-            case 2: el_ftile(f16, 2, wr, xt, K, acc); break;
-            case 3: el_ftile(f16, 3, wr, xt, K, acc); break;
-            default: el_ftile(f16, 4, wr, xt, K, acc); break;
+            case 1:
+                if (nx_all == 1) el_ftile(f16, 1, 2, wr, xt, K, acc);
+                else el_ftile(f16, 1, 1, wr, xt, K, acc);
+                break;
+            case 2: el_ftile(f16, 2, 1, wr, xt, K, acc); break;
+            case 3: el_ftile(f16, 3, 1, wr, xt, K, acc); break;
+            default: el_ftile(f16, 4, 1, wr, xt, K, acc); break;
             }
             el_store_tile(acc, nx, nr, yt, ldy, br);
         }

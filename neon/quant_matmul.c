@@ -539,6 +539,15 @@ typedef struct {
     const float *bias;
 } el_mm_ctx;
 
+/* x chunks of a GEMM of M rows cut in cx: the last one takes what is left, and a lone row left
+ * over joins the chunk before it (M = 129, cx = 128: one chunk of 129). A chunk of one row runs
+ * the GEMV kernels, whose sums round otherwise than the GEMM tiles': a prompt row's result
+ * would depend on where its chunk cut it. */
+static int el_x_chunks(int M, int cx) {
+    const int n = (M + cx - 1) / cx;
+    return n > 1 && M % cx == 1 ? n - 1 : n;
+}
+
 /* Task `task` of the grid; after: EL_ITEM_AFTER of a GEMV's ranges walk (see el_qrows_gemv) */
 static void el_mm_chunk(const el_mm_ctx *c, int task, int after) {
     int wi = task % c->n_wchunks, xi = task / c->n_wchunks;
@@ -551,7 +560,7 @@ static void el_mm_chunk(const el_mm_ctx *c, int task, int after) {
         col0 += c->seg_rows[s];
     }
     const int r0 = wi * c->rw, rows = EL_MIN(c->rw, c->seg_rows[s] - r0);
-    const int x0 = xi * c->cx, nx = EL_MIN(c->cx, c->M - x0);
+    const int x0 = xi * c->cx, nx = xi + 1 == el_x_chunks(c->M, c->cx) ? c->M - x0 : c->cx;
     const uint8_t *w = (const uint8_t *)c->seg_ptr[s] + (size_t)r0 * c->row_bytes;
     /* rows of the segment after this chunk: the next chunk, which a thread walking its range
      * claims next; the GEMM tiles prefetch the first of them while finishing their own */
@@ -708,10 +717,6 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
 #endif
         c.cx = (int)EL_MAX(4, EL_MIN(128, (x_bytes / x_row_bytes) & ~(size_t)3));
         if (c.cx >= M) c.cx = M;
-        /* no x chunk of one row: its row would run the GEMV (el_qrows_gemv), whose sums round
-         * otherwise than the GEMM tile's, and a prompt row's result would depend on where its
-         * chunk cut it (M = 129: the last row; the 4k + 1 rows left over take a tile) */
-        else if (M % c.cx == 1 && c.cx > 4) c.cx -= 4;
         c.rw = 64;
         int min_tasks = 4 * threads;
 #if EL_SIMDE && defined(__AVX2__)
@@ -721,7 +726,7 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
         if (quantized) min_tasks = 8 * threads;
 #endif
         /* small N or M: shrink the W chunk so every thread still gets work */
-        const int xchunks = (M + c.cx - 1) / c.cx;
+        const int xchunks = el_x_chunks(M, c.cx);
         while (c.rw > 16 && (long long)xchunks * ((c.N + c.rw - 1) / c.rw) < min_tasks) c.rw /= 2;
     }
     for (int s = 0; s < n_seg; s++) c.n_wchunks += (seg_rows[s] + c.rw - 1) / c.rw;
@@ -738,7 +743,7 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
         return EL_OK;
     }
 #endif
-    const long long n_tasks = (long long)c.n_wchunks * ((M + c.cx - 1) / c.cx);
+    const long long n_tasks = (long long)c.n_wchunks * el_x_chunks(M, c.cx);
     if (n_tasks > INT_MAX) {
         free(owned);
         return EL_EINVAL;

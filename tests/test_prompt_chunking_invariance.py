@@ -27,11 +27,14 @@ L = 300          # prompt tokens: past 128 keys, where a short chunk used to spl
 # an FFN as wide as K = 576 (18 blocks a row), which the GEMV sums in another order than the
 # GEMM tile: a row on the other kernel shows
 @pytest.fixture(scope="module", params=[dict(n_heads=6, n_kv_heads=2, d_model=96, d_ff=576),   # GQA 3:1
-                                        dict(n_heads=4, n_kv_heads=1, d_model=64, d_ff=128)])  # MQA
+                                        dict(n_heads=4, n_kv_heads=1, d_model=64, d_ff=128),   # MQA
+                                        dict(n_heads=6, n_kv_heads=2, d_model=96, d_ff=576,
+                                             tensor_type=QT.F16)],   # the float tiles
+                ids=["q4_1-gqa", "q4_1-mqa", "f16-gqa"])
 def eng(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("chunking") / "m.gguf"
-    write_tiny_model(path, arch="llama", tensor_type=QT.Q4_1, n_layers=2, seed=7, context_length=512,
-                     **request.param)
+    write_tiny_model(path, **{"arch": "llama", "tensor_type": QT.Q4_1, "n_layers": 2, "seed": 7,
+                              "context_length": 512, **request.param})
     e = edgellm.load(str(path), n_ctx=512, units=["neon"], threads=2)
     assert e.runner._fused_phases, e.runner.placement
     # x86 builds: the 512-bit GEMVs, whose sums differ from the GEMM tile's where the AVX2 ones
@@ -59,11 +62,14 @@ def _kv(seq) -> list[np.ndarray]:
 
 
 def _run(e, ids, cuts, chunk=None):
-    """forward the prompt in calls ending at `cuts` (prompt=True, as Generation does); the last
-    call's logits and the K/V rows"""
+    """forward the prompt in calls ending at `cuts`, a call of one token after the sequence's
+    last one taken back (as Generation does); the last call's logits and the K/V rows"""
     seq, start, out = _seq(e), 0, None
     for c in list(cuts) + [len(ids)]:
-        out = e.runner.forward(seq, ids[start:c], chunk=chunk, prompt=True)
+        part = list(ids[start:c])
+        if len(part) == 1:
+            part = [e.runner.take_back_last(seq)] + part
+        out = e.runner.forward(seq, part, chunk=chunk)
         start = c
     return out, _kv(seq)
 
@@ -88,15 +94,22 @@ def test_prompt_rows_do_not_depend_on_the_chunking(eng, n, cuts, chunk):
 
 
 def test_a_decode_token_still_takes_the_decode_step(eng, monkeypatch):
-    """forward without prompt=True (a sampled token) keeps the one-call decode step and drops
-    nothing from the sequence"""
+    """a one-token forward (a sampled token) keeps the one-call decode step and drops nothing
+    from the sequence"""
     used = []
     orig = type(eng.runner)._decode_fused
     monkeypatch.setattr(type(eng.runner), "_decode_fused", lambda self, *a: used.append(1) or orig(self, *a))
     seq = _seq(eng)
-    eng.runner.forward(seq, [5, 6, 7], prompt=True)
+    eng.runner.forward(seq, [5, 6, 7])
     eng.runner.forward(seq, [8])
     assert used == [1] and seq.n_tokens == 4 and seq.tokens == [5, 6, 7, 8]
+
+
+def test_take_back_last_refuses_what_it_cannot_undo_exactly(eng):
+    seq = _seq(eng)
+    assert eng.runner.take_back_last(seq) is None          # empty
+    eng.runner.forward(seq, [5, 6, 7])
+    assert eng.runner.take_back_last(seq) == 7 and seq.tokens == [5, 6] and seq.n_tokens == 2
 
 
 def test_a_repeated_request_gives_the_same_text(eng):
@@ -108,5 +121,37 @@ def test_a_repeated_request_gives_the_same_text(eng):
     text = eng.detokenize(ids[: 2 * BT + 1])      # two full blocks and one token
     first = eng.generate(text, max_tokens=12, temperature=0, ignore_eos=True)
     again = eng.generate(text, max_tokens=12, temperature=0, ignore_eos=True)
-    assert eng.last_stats.cached_tokens == 2 * BT
-    assert str(again) == str(first)
+    assert eng.last_stats.cached_tokens == 2 * BT - 1   # the last cached token recomputed with the new one
+    assert again == first
+
+
+@pytest.mark.parametrize("type_name, K, M", [
+    ("Q4_1", 16384, 33),     # x86 quantized: x chunks of 32 rows at K = 16384 (512 KiB of int8 x)
+    ("Q4_1", 576, 129),      # ... of 128
+    ("F32", 1024, 33),       # fp32 x: chunks of 32 rows at K = 1024 (128 KiB)
+    ("F16", 1024, 33),
+])
+def test_a_matmul_row_does_not_depend_on_the_rows_beside_it(type_name, K, M):
+    """el_matmul cuts x into chunks; a lone row left over used to run on its own (the GEMV, or a
+    float tile with its own summation order): its result differed from the same row's in a
+    smaller call. Every row equals the row of a 2-row call."""
+    from edgellm import quant
+
+    lib = neon._lib()
+    before = lib.el_x86_gemv(-1)
+    if before >= 0:
+        lib.el_x86_gemv(3)     # the 512-bit GEMVs: their sums differ from the GEMM tile's
+    try:
+        rng = np.random.default_rng(K + M)
+        w = rng.standard_normal((64, K)).astype(np.float32)
+        data = {"F32": w, "F16": w.astype(np.float16).view(np.uint8)}.get(type_name)
+        if data is None:
+            data = quant.quantize(w, getattr(quant.T, type_name))
+        m = neon.QMatrix.from_arrays(type_name, [data], [64], K)
+        x = rng.standard_normal((M, K)).astype(np.float32)
+        y = neon.matmul(x, m, precision="int8" if type_name.startswith("Q") else "fp32")
+        pair = neon.matmul(x[M - 2:], m, precision="int8" if type_name.startswith("Q") else "fp32")
+        np.testing.assert_array_equal(y[M - 2:], pair)
+    finally:
+        if before >= 0:
+            lib.el_x86_gemv(before)
