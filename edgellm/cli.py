@@ -1175,8 +1175,8 @@ def _walk(d: Path) -> list[Path]:
         try:
             with os.scandir(todo.pop()) as it:
                 entries = list(it)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue   # (gone meanwhile, or unreadable: skipped, as Path.rglob did)
         for e in entries:
             out.append(Path(e.path))
             if e.is_dir(follow_symlinks=False):
