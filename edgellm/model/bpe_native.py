@@ -100,6 +100,13 @@ class _NativeVocab:
         i = self._lib.el_bpe_token_id(self._bpe, cp.ctypes.data, len(cp))
         return i if i >= 0 else None
 
+    def __call__(self, fragment: str) -> list[int]:
+        _check_length(fragment)
+        try:
+            return self._encode(fragment)
+        except MemoryError:     # (numpy's buffers for a huge fragment: untyped before)
+            raise _out_of_memory(type(self).__name__, fragment) from None
+
     def __del__(self):
         if self._bpe:
             self._destroy(self._bpe)
@@ -131,13 +138,6 @@ class NativeBPE(_NativeVocab):
                 raise DuplicateToken(index.value, f"token {index.value} {tokens[index.value]!r} is listed twice")
             raise MemoryError("el_bpe_create failed") if kind.value == _ENOMEM else ValueError("el_bpe_create: bad arguments")
         self._destroy = self._lib.el_bpe_destroy
-
-    def __call__(self, fragment: str) -> list[int]:
-        _check_length(fragment)
-        try:
-            return self._encode(fragment)
-        except MemoryError:     # (numpy's buffers for a huge fragment: untyped before)
-            raise _out_of_memory("NativeBPE", fragment) from None
 
     def _encode(self, fragment: str) -> list[int]:
         if self._family is not None:
@@ -179,13 +179,6 @@ class NativeSPM(_NativeVocab):
                 raise DuplicateToken(index.value, f"token {index.value} {tokens[index.value]!r} is listed twice")
             raise MemoryError("el_spm_create failed") if kind.value == _ENOMEM else ValueError("el_spm_create: bad arguments")
         self._destroy = self._lib.el_bpe_destroy
-
-    def __call__(self, fragment: str) -> list[int]:
-        _check_length(fragment)
-        try:
-            return self._encode(fragment)
-        except MemoryError:
-            raise _out_of_memory("NativeSPM", fragment) from None
 
     def _encode(self, fragment: str) -> list[int]:
         cp = np.frombuffer(fragment.encode("utf-32-le"), dtype=np.uint32)
