@@ -563,13 +563,18 @@ class Dispatcher:
         prefill = self.place("prefill", choice.tokens, 0)
         decode = self.place("decode", 1, prompt_tokens)
         short, short_max = self._short_prefill(prefill, choice.tokens, prompt_tokens)
-        # TTFT is priced with the placement the engine runs this prompt with, not the chunk's
-        key = self.prompt_phase(prompt_tokens, short_max if short is not None else 0)
-        runs = {"decode": decode, "prefill_short": short, "prefill": prefill}[key]
+        # TTFT is priced chunk by chunk as the engine runs them: each call's placement from its
+        # own length, and no one-token last chunk (Generation cuts 257 as 255 + 2, not 256 + 1,
+        # whose token was priced on the chunk's placement: +32 ms on an rk3588's)
+        sm = short_max if short is not None else 0
+        key = self.prompt_phase(prompt_tokens, sm)
+        phases = {"decode": decode, "prefill_short": short, "prefill": prefill}
+        bounds = list(range(0, prompt_tokens, choice.tokens)) + [prompt_tokens]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and choice.tokens > 1:
+            bounds[-2] -= 1
         ttft = 0.0
-        for c0 in range(0, prompt_tokens, choice.tokens):
-            t = min(choice.tokens, prompt_tokens - c0)
-            ttft += self.step_ms(runs, t, c0, head=(c0 + t >= prompt_tokens))
+        for c0, c1 in zip(bounds, bounds[1:]):
+            ttft += self.step_ms(phases[self.prompt_phase(c1 - c0, sm)], c1 - c0, c0, head=c1 >= prompt_tokens)
         tps = 1e3 / decode.step_ms if decode.step_ms > 0 else math.inf
         return Plan(self.profile.name, self.units, prefill, decode, choice, prompt_tokens, ttft, tps,
                     tuple(self.warnings), short, short_max, key)
@@ -578,8 +583,8 @@ class Dispatcher:
     def prompt_phase(prompt_tokens: int, short_max: int) -> str:
         """The placement key ModelRunner.forward picks for one call of `prompt_tokens` tokens (it
         picks per call, so per chunk): one token is a decode step; 2..short_max tokens take the
-        short prefill's placement; longer calls the chunk's. TTFT prices a prompt by its length
-        here; a prompt whose last chunk is one token runs that token as a decode step."""
+        short prefill's placement; longer calls the chunk's. A prompt's chunks after the first
+        are never one token (Generation), so only a one-token prompt is a decode step."""
         if prompt_tokens == 1:
             return "decode"
         return "prefill_short" if prompt_tokens <= short_max else "prefill"

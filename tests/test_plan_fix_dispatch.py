@@ -52,12 +52,32 @@ def test_a_short_prompt_is_priced_with_the_short_prefill_placement():
     assert plan.predicted_ttft_ms < d.step_ms(plan.prefill, 32, 0)
 
 
-def test_a_long_prompt_runs_every_chunk_with_the_chunk_placement():
+def test_a_long_prompts_chunks_are_priced_with_the_placement_each_call_runs():
+    """The engine picks a placement per forward call, so per chunk: a 300-token prompt's last
+    chunk of 300 - chunk tokens runs the short prefill's (checked on an rk3588-profile engine:
+    chunks (256, 'prefill'), (10, 'prefill_short')). TTFT priced every chunk with the chunk's."""
     d, plan = _plan(300)
     c = plan.chunk.tokens
     assert Dispatcher.prompt_phase(300, plan.short_max_tokens) == "prefill" and c < 300
-    want = d.step_ms(plan.prefill, c, 0, head=False) + d.step_ms(plan.prefill, 300 - c, c)
+    last = {"prefill_short": plan.prefill_short, "prefill": plan.prefill}[
+        Dispatcher.prompt_phase(300 - c, plan.short_max_tokens)]
+    want = d.step_ms(plan.prefill, c, 0, head=False) + d.step_ms(last, 300 - c, c)
     assert plan.predicted_ttft_ms == pytest.approx(want)
+
+
+def test_no_chunk_of_one_token_is_priced():
+    """Generation cuts chunk + 1 tokens as (chunk - 1, 2), never leaving one token to run alone:
+    the plan priced (chunk, 1), that token on the chunk's placement (rk3588: 256 tokens 77.0 ms,
+    257 tokens 109.2)."""
+    c = _plan(1000)[1].chunk.tokens
+    _, at_c = _plan(c)
+    d, plan = _plan(c + 1)
+    assert plan.chunk.tokens == c
+    last = {"prefill_short": plan.prefill_short, "prefill": plan.prefill}[
+        Dispatcher.prompt_phase(2, plan.short_max_tokens)]
+    want = d.step_ms(plan.prefill, c - 1, 0, head=False) + d.step_ms(last, 2, c - 1)
+    assert plan.predicted_ttft_ms == pytest.approx(want)
+    assert plan.predicted_ttft_ms < 1.1 * at_c.predicted_ttft_ms
 
 
 def test_ttft_prices_the_fused_native_step_as_the_table_does():
