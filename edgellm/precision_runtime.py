@@ -161,7 +161,12 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
         try:
             cached = open_model(path)
             fp = _fingerprint_file(path)
-            recorded = fp.read_text() if fp.exists() else None
+            try:
+                recorded = fp.read_text(encoding="ascii") if fp.exists() else None
+            except UnicodeDecodeError:
+                # the sidecar holds a hex digest; bytes that are not even ASCII are a damaged
+                # sidecar, which must not fail every later load
+                recorded = "<not a checksum>"
             if not _matches(cached, formats):
                 why = "its tensor types differ from the plan's"
             elif recorded != _fingerprint(path):
@@ -220,13 +225,19 @@ def planned_formats(mf, plan: PrecisionPlan) -> dict[str, str]:
     """ops.weight_formats of the model `plan` would make of `mf`, without writing it (for
     `edgellm plan --precision`, which may plan for another device). A layer op whose layers the
     plan stores differently is a costmodel.LayerFormats: each layer is costed at its own format."""
-    from .costmodel import LayerFormats
     from .ops import weight_formats
+
+    return formats_under_plan(weight_formats(mf), mf.config, plan)
+
+
+def formats_under_plan(file_formats: dict[str, str], cfg, plan: PrecisionPlan) -> dict[str, str]:
+    """planned_formats from the file's ops.weight_formats and its config (no ModelFile needed:
+    precision_search predicts whole plans from what its dispatcher was built with)."""
+    from .costmodel import LayerFormats
     from .requant import GGUF_TYPE_FOR
 
-    cfg = mf.config
-    out = weight_formats(mf)
-    file_fmt = dict(out)
+    out = dict(file_formats)
+    file_fmt = dict(file_formats)
 
     def fmt(layer, op, eop):
         f = plan.weight_format(layer, op, cfg.n_layers)

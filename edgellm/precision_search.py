@@ -12,6 +12,10 @@ budget. Summing per-site KLs assumes their errors add; `verify` measures the pla
 that assumption is checked, not trusted.
 
 A site is changed only when the change saves time: an error that buys nothing is not taken.
+Per-op savings are estimates: they do not see whole-model effects (a unit's fused decode step
+runs only the file's formats, so the first change of format can lose it and cost more than all
+changes save). When op_times can predict whole plans, the search keeps the prefix of its changes
+that the dispatcher predicts fastest, and returns `quality` itself when no prefix beats it.
 Activation changes are made for the objective's phase only (ttft: prefill, decode: decode), so
 the other phase keeps fp32 compute.
 
@@ -22,6 +26,7 @@ say `embedding: {weights: gguf}` and store the table in the head's format.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -35,6 +40,8 @@ from .sensitivity import mean_kl  # noqa: F401 (verify's measure; part of this m
 OBJECTIVES = ("ttft", "decode")
 SEARCH_OPS = ("qkv", "attn_out", "ffn_gate_up", "ffn_down", "lm_head")
 KL_FLOOR = 1e-7     # a measured KL at or below this (noise, or negative by rounding) counts as this
+
+log = logging.getLogger("edgellm")
 
 
 @dataclass(frozen=True)
@@ -55,12 +62,22 @@ class SearchResult:
     budget_kl: float
     objective: str
     saved_ms: float        # sum of the changes' predicted savings (per-op estimates)
+    predicted_ms: float | None = None   # the whole plan's predicted time (None: no predictor)
+    quality_ms: float | None = None     # the `quality` plan's, predicted the same way
+    note: str = ""         # why changes the greedy step chose were dropped ("" when none were)
+
+
+class OpTimes(dict):
+    """op_times' table (op -> {(weight format, compute): ms}) with `predict`: plan -> the whole
+    plan's predicted ms for the objective, from the same dispatcher (None: not known)."""
+    predict: Callable[[PrecisionPlan], float] | None = None
 
 
 def op_times(dispatcher, objective: str, prompt_tokens: int, file_formats: dict[str, str],
-             formats: tuple[str, ...]) -> dict[str, dict[tuple[str, str], float]]:
+             formats: tuple[str, ...]) -> OpTimes:
     """op -> {(weight format, compute): predicted ms of that op in one layer (lm_head: once)
-    over a whole prompt (ttft) or one decode token}, on the fastest unit that can run it."""
+    over a whole prompt (ttft) or one decode token}, on the fastest unit that can run it.
+    Its `predict` costs a whole plan on the dispatcher's units (see plan_time)."""
     from .costmodel import estimate
     from .ops import layer_ops, model_ops
     from .requant import GGUF_TYPE_FOR
@@ -73,7 +90,8 @@ def op_times(dispatcher, objective: str, prompt_tokens: int, file_formats: dict[
         steps = [(min(chunk, prompt_tokens - c), c) for c in range(0, prompt_tokens, chunk)]
     else:
         phase, steps = "decode", [(1, prompt_tokens)]
-    out: dict[str, dict[tuple[str, str], float]] = {}
+    out = OpTimes()
+    out.predict = lambda plan: plan_time(dispatcher, file_formats, plan, objective, prompt_tokens)
     for op in SEARCH_OPS:
         spec = specs[op]
         fmts = {"gguf": file_formats[op]} | {f: GGUF_TYPE_FOR[f].name.lower() for f in formats}
@@ -98,10 +116,29 @@ def op_times(dispatcher, objective: str, prompt_tokens: int, file_formats: dict[
     return out
 
 
+def plan_time(dispatcher, file_formats: dict[str, str], plan: PrecisionPlan, objective: str,
+              prompt_tokens: int) -> float:
+    """The dispatcher's predicted TTFT (ms, ttft) or time per decode token (ms, decode) of the
+    whole model under `plan`, on `dispatcher`'s units: what `edgellm precision plan` reports."""
+    from .dispatch import Dispatcher
+    from .kv.store import KVConfig
+    from .precision_runtime import ComputeTable, formats_under_plan
+
+    cfg = dispatcher.cfg
+    d = Dispatcher(dispatcher.profile, cfg, formats_under_plan(file_formats, cfg, plan), probe=dispatcher.probe,
+                   units=dispatcher.units, compute=ComputeTable(plan, cfg.n_layers),
+                   kv_bytes=KVConfig(precision=plan.kv_precision).bytes_per_elem)
+    p = d.plan(prompt_tokens=prompt_tokens, n_ctx=max(prompt_tokens + 1, 2048), memory_budget=1 << 30)
+    return p.predicted_ttft_ms if objective == "ttft" else 1e3 / p.predicted_decode_tps
+
+
 def search(sens, times: dict[str, dict[tuple[str, str], float]], budget_kl: float, objective: str,
-           n_layers: int, formats: tuple[str, ...]) -> SearchResult:
+           n_layers: int, formats: tuple[str, ...],
+           predict: Callable[[PrecisionPlan], float] | None = None) -> SearchResult:
     """Greedy search (see the module doc). sens: a sensitivity.Sensitivity with weight entries for
-    `formats` and int8 activation entries of the SEARCH_OPS it measured."""
+    `formats` and int8 activation entries of the SEARCH_OPS it measured. predict: plan -> its
+    whole predicted ms (default: `times.predict` when op_times made `times`); with one, the
+    result is never predicted slower than `quality`."""
     if objective not in OBJECTIVES:
         raise ConfigError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
     if not (isinstance(budget_kl, (int, float)) and budget_kl > 0 and math.isfinite(budget_kl)):
@@ -138,8 +175,50 @@ def search(sens, times: dict[str, dict[tuple[str, str], float]], budget_kl: floa
         state[site] = new
         spent += k
         changes.append(Change(site[0], site[1], kind, fmt, k, saved))
-    plan = build_plan(state, objective, budget_kl, spent)
-    return SearchResult(plan, tuple(changes), spent, budget_kl, objective, sum(c.saved_ms for c in changes))
+    if predict is None:
+        predict = getattr(times, "predict", None)
+    if predict is None:
+        plan = build_plan(state, objective, budget_kl, spent)
+        return SearchResult(plan, tuple(changes), spent, budget_kl, objective, sum(c.saved_ms for c in changes))
+    return _best_prefix(sites, changes, predict, objective, budget_kl)
+
+
+def _best_prefix(sites, changes: list[Change], predict: Callable[[PrecisionPlan], float], objective: str,
+                 budget_kl: float) -> SearchResult:
+    """Of the greedy order's prefixes (the empty one is `quality`), the one the whole-plan
+    predictor finds fastest; on a tie, the shorter (less KL for the same time)."""
+    def plan_of(n: int) -> tuple[PrecisionPlan, float]:
+        state = {s: ("gguf", "fp32") for s in sites}
+        for c in changes[:n]:
+            w, a = state[(c.layer, c.op)]
+            state[(c.layer, c.op)] = (c.format, a) if c.kind == "weights" else (w, "int8")
+        kl = math.fsum(c.kl for c in changes[:n])
+        return build_plan(state, objective, budget_kl, kl), kl
+
+    q_ms = predict(plan_of(0)[0])
+    full_plan, full_kl = plan_of(len(changes))
+    full_ms = predict(full_plan) if changes else q_ms
+    best_n, best_ms = len(changes), full_ms
+    if changes and not full_ms < q_ms:
+        # the whole plan is no faster than quality: look for a prefix that is (each costs one
+        # dispatcher plan, so only when needed)
+        best_n, best_ms = 0, q_ms
+        for n in range(1, len(changes)):
+            ms = predict(plan_of(n)[0])
+            if ms < best_ms:
+                best_n, best_ms = n, ms
+    note = ""
+    if best_n < len(changes):
+        note = (f"the {len(changes)} changes chosen op by op are predicted to take {full_ms:.4g} ms "
+                f"against {q_ms:.4g} ms for quality (per-op savings miss whole-model effects such as a "
+                f"fused decode step); "
+                + (f"kept the first {best_n}, predicted {best_ms:.4g} ms" if best_n
+                   else "no prefix of them is faster, so the plan is quality's"))
+        log.warning("precision search: %s", note)
+    kept = changes[:best_n]
+    plan, kl = (full_plan, full_kl) if best_n == len(changes) else plan_of(best_n)
+    return SearchResult(plan, tuple(kept), kl, budget_kl, objective, sum(c.saved_ms for c in kept),
+                        best_ms, q_ms, note)
 
 
 def build_plan(state: dict[tuple[int | None, str], tuple[str, str]], objective: str, budget_kl: float,

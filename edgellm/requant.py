@@ -163,8 +163,8 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
 
 def convert(w: np.ndarray, fmt: str, *, name: str = "weight") -> Converted:
     """One fp32 matrix (N, K) (any leading shape: rows are the last axis) -> `fmt`.
-    ConfigError for an unknown format or a K the format's block/group size does not divide
-    (`name` is what the error calls the matrix)."""
+    ConfigError for an unknown format, a K the format's block/group size does not divide, or a
+    NaN or infinite value (`name` is what the error calls the matrix)."""
     _check_format(fmt, name)
     w = np.ascontiguousarray(w, dtype=np.float32)
     if w.ndim == 0:
@@ -173,6 +173,14 @@ def convert(w: np.ndarray, fmt: str, *, name: str = "weight") -> Converted:
     bs = _block_size(fmt)
     if k % bs:
         raise ConfigError(f"{name}: row length K = {k} is not a multiple of {fmt}'s block size {bs}")
+    bad = ~np.isfinite(w)
+    if bad.any():
+        # a block's scale is max|w| / qmax: one NaN or inf poisons the whole block (its SQNR is
+        # NaN and its dequantized values are NaN or 0), so the output would be a broken model
+        first = np.unravel_index(int(np.argmax(bad)), w.shape)
+        raise ConfigError(f"{name}: {int(bad.sum())} of {w.size} values are NaN or infinite (first at "
+                          f"index {tuple(int(i) for i in first)}: {w[first]}); a damaged source tensor "
+                          f"cannot be converted to {fmt}")
     if fmt in GGUF_FORMATS:
         qt = GGUF_FORMATS[fmt]
         raw = quant.quantize(w, qt)
@@ -388,7 +396,8 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     interrupted write leaves dst as it was. progress(done, total) is called after each tensor.
 
     Raises ConfigError for an unknown format, a tensor name not in the model, a row length K the
-    target block size does not divide, a 1-D tensor asked for a block type, or dst == src;
+    target block size does not divide, a 1-D tensor asked for a block type, a tensor to convert
+    that holds NaN or infinite values (checked as each is converted), or dst == src;
     ModelFormatError / UnsupportedModelError / ModelNotFoundError from the loader pass through.
     """
     from .model.loader import open_model
@@ -442,7 +451,7 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
             sq = math.inf
             if j.dst_type != j.src_type:
                 w = quant.dequantize(raw, j.src_type, j.np_shape)   # (…, K) fp32
-                c = convert(w, _gguf_name(j.dst_type), name=j.name)
+                c = convert(w, _gguf_name(j.dst_type), name=f"{src_path}: tensor {j.name}")
                 raw, sq = c.data, c.sqnr_db
                 del w, c
             writer.write_tensor_data(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))

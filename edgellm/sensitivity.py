@@ -274,6 +274,12 @@ def _read_cache(path: Path, expect: dict) -> Sensitivity | None:
     except (ValueError, TypeError) as e:   # json.JSONDecodeError is a ValueError
         log.warning("sensitivity cache miss: %s: corrupt or stale (%s); recomputing", path, e)
         return None
+    except (RecursionError, MemoryError, KeyError, AttributeError, OverflowError) as e:
+        # json.loads recurses once per nesting level: a file of '[' * 200000 exhausts the
+        # interpreter stack. Whatever the cache file holds, it is only a cache: a miss.
+        log.warning("sensitivity cache miss: %s: corrupt (%s: %s); recomputing", path,
+                    type(e).__name__, str(e)[:200])
+        return None
     return s
 
 
