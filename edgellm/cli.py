@@ -79,6 +79,8 @@ def friendly(fn):
     def wrapper(*a, **k):
         try:
             home_check()   # every command, first: a file there read as "model not downloaded"
+            if fn.__name__ not in _NO_KERNELS:
+                neon_lib_check()
             return fn(*a, **k)
         except EdgeLLMError as e:
             _stop_probe_child()
@@ -105,27 +107,70 @@ def friendly(fn):
     return wrapper
 
 
-def check_out_path(path, flag: str, suffixes: tuple[str, ...] = ()) -> None:
+# commands that run no kernel: an EDGELLM_NEON_LIB for the device (set while building its bundle)
+# does not concern them
+_NO_KERNELS = frozenset({"build", "pull", "cache_list", "cache_info", "cache_clear"})
+
+
+def neon_lib_check() -> None:
+    """A library EDGELLM_NEON_LIB names must load. The neon unit's probe turns a library that
+    does not into an unavailable unit, and the run went on with the numpy reference (10x slower,
+    ~700 MiB more memory) and exit 0: the user named that file, so its reason is the error."""
+    from .backends import neon_lib
+    from .errors import ConfigError
+
+    named = os.environ.get("EDGELLM_NEON_LIB")
+    if not named:
+        return
+    try:
+        neon_lib.load("dotprod")   # (the named file whatever the variant: what it is, it says)
+    except neon_lib.NeonLibError as e:
+        raise ConfigError(f"EDGELLM_NEON_LIB={named}: cannot use it: {e} (unset EDGELLM_NEON_LIB to use the "
+                          f"installed library)") from None
+
+
+def check_out_path(path, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:
     """Refuses, before any long work, an output path that cannot be written: a directory, a
-    missing or read-only folder, a suffix the writer does not know."""
+    path ending in '/', a missing or read-only folder, a suffix the writer does not know.
+    Returns it as a Path (None for None).
+
+    The options are taken as strings, not typer Paths: pathlib drops a trailing slash, and
+    `--out /tmp/x/dev.yaml/` (a path the user marked as a folder) measured for a minute and then
+    wrote the file dev.yaml."""
     from .errors import ConfigError
 
     if path is None:
-        return
-    p = Path(path)
+        return None
+    raw = os.fspath(path)
+    p = Path(raw)
     if p.is_dir():
         raise ConfigError(f"{flag} {p}: is a directory; give a file path")
+    if raw.endswith(tuple(filter(None, (os.sep, os.altsep)))):
+        raise ConfigError(f"{flag} {raw}: ends in '/', which names a folder; give a file path")
     if p.exists() and not p.is_file():
         # the file is written beside and renamed over the path: a device (as root, /dev/null) or
         # a pipe there was replaced by a regular file, and /dev/full "took" the whole write
         raise ConfigError(f"{flag} {p}: is not a regular file (a device, pipe or socket); give a file path")
-    parent = p.parent if str(p.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"{flag} {p}: the folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"{flag} {p}: the folder {parent} is not writable")
+    check_out_folder(p.parent if str(p.parent) else Path("."), flag, p)
     if suffixes and p.suffix.lower() not in suffixes:
         raise ConfigError(f"{flag} {p}: expected a file ending in {', '.join(suffixes)}")
+    return p
+
+
+def check_out_folder(parent: Path, flag: str, out: Path) -> None:
+    """The folder `out` is written into must exist and be writable. A regular file on the way
+    (`--out afile/x`) is said to be one: "the folder afile does not exist" sent the user looking
+    for a missing folder beside the file that was there."""
+    from .errors import ConfigError
+
+    if parent.is_dir():
+        if not os.access(parent, os.W_OK):
+            raise ConfigError(f"{flag} {out}: the folder {parent} is not writable")
+        return
+    file_above = next((a for a in (parent, *parent.parents) if a.exists() and not a.is_dir()), None)
+    if file_above is not None:
+        raise ConfigError(f"{flag} {out}: {file_above} is a file, not a folder")
+    raise ConfigError(f"{flag} {out}: the folder {parent} does not exist")
 
 
 def _check_analysis_args(formats: tuple[str, ...], ops: tuple[str, ...], max_tokens: int) -> None:
@@ -378,7 +423,7 @@ def check_session_arg(name: str | None) -> None:
     if name is None:
         return
     if _is_session_file(name):
-        check_out_path(Path(name), "--session")
+        check_out_path(name, "--session")   # (the string: Path() drops a trailing '/')
         return
     try:
         disk_cache.entry_path("0" * 16, name)   # (validates the name; the model's hash comes later)
@@ -759,7 +804,7 @@ def bench(
     gen_tokens: int = typer.Option(64, help="Tokens generated per run (EOS ignored)"),
     runs: int = typer.Option(5, help="Measured runs per prompt length (after one warm-up)"),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads"),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the records as JSON here"),
+    json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH", help="Write the records as JSON here"),
     concurrent: bool = typer.Option(False, "--concurrent", help="Also measure a short request arriving during "
                                     "a long prefill: interleaved vs queued (long = the largest --prompt-tokens)"),
     short_tokens: int = typer.Option(32, help="--concurrent: prompt tokens of the short request"),
@@ -792,7 +837,7 @@ def bench(
         raise ConfigError(f"--short-tokens must be >= 1, got {short_tokens}")
     if concurrent and not (math.isfinite(delay_ms) and delay_ms >= 0):
         raise ConfigError(f"--delay-ms must be a finite number >= 0, got {delay_ms}")
-    check_out_path(json_path, "--json")
+    json_path = check_out_path(json_path, "--json")
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
     eng = _load(model, max(2048, need), threads, device=device, units=units, precision=precision)
     if need > eng.n_ctx:   # (it failed after the load and the first runs, advising a --ctx bench has not)
@@ -880,9 +925,9 @@ def plan(
                                                "default: the precision plan's, else f16"),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object"),
-    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Draw each unit's roofline with the ops as "
-                                             "points into this .png, .pdf or .svg file (needs matplotlib: "
-                                             "edgellm\\[plot])"),
+    plot_path: Optional[str] = typer.Option(None, "--plot", metavar="PATH", help="Draw each unit's roofline with "
+                                            "the ops as points into this .png, .pdf or .svg file (needs "
+                                            "matplotlib: edgellm\\[plot])"),
 ):
     """Show where each op runs per phase, why, and the predicted TTFT and decode speed.
 
@@ -900,7 +945,7 @@ def plan(
     from .precision import load_plan
     from .precision_runtime import ComputeTable, planned_formats
 
-    check_out_path(plot_path, "--plot", (".png", ".pdf", ".svg"))
+    plot_path = check_out_path(plot_path, "--plot", (".png", ".pdf", ".svg"))
     # the values known up front, checked before the model is resolved (and perhaps downloaded)
     if prompt_tokens is not None and prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
@@ -952,7 +997,7 @@ def plan(
 @app.command()
 @friendly
 def profile(
-    out: Optional[Path] = typer.Option(None, "--out", help="Write the profile here (default: "
+    out: Optional[str] = typer.Option(None, "--out", metavar="PATH", help="Write the profile here (default: "
                                        "EDGELLM_HOME/profiles/host.yaml, which `--device host` reads)"),
     quick: bool = typer.Option(False, "--quick", help="Fewer shapes and runs: seconds instead of a minute"),
 ):
@@ -960,7 +1005,7 @@ def profile(
     bandwidth, and each available unit's GEMM throughput by rows and per-call overhead."""
     from .device.probes import gemm_peak_share, measure_host
 
-    check_out_path(out, "--out", (".yaml", ".yml"))
+    out = check_out_path(out, "--out", (".yaml", ".yml"))
     if out is None:   # the default in EDGELLM_HOME, checked before the minute of measuring too
         from .device.profile_yaml import user_profiles_dir
         from .errors import ConfigError
@@ -1018,15 +1063,10 @@ def build(
     libedgellm_neon_{base,dotprod}.so, selftest_{base,dotprod}, selftest_cases.bin and bundle.json
     (target, CPU features, compiler and version, source hash). On the device, run
     `./selftest_dotprod selftest_cases.bin`, then point EDGELLM_NEON_LIB at the library."""
-    from .errors import ConfigError
     from .toolchain import build_bundle, stop_on_sigterm
 
     if out is not None:   # (its missing parents were made, where every other --out refuses them)
-        parent = out.expanduser().parent
-        if not parent.is_dir():
-            raise ConfigError(f"--out {out}: the folder {parent} does not exist")
-        if not os.access(parent, os.W_OK):
-            raise ConfigError(f"--out {out}: the folder {parent} is not writable")
+        check_out_folder(out.expanduser().parent, "--out", out)
 
     with stop_on_sigterm():
         path = build_bundle(target, cpu, out, api=api, progress=lambda msg: typer.echo(msg, err=True))
@@ -1039,7 +1079,7 @@ def quantize(
     model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
     plan: str = typer.Option(..., "--plan", help="Precision plan: a preset (quality, balanced, fast) or a "
                              "plan YAML (schema: edgellm/precision_presets/README.md)"),
-    out: Path = typer.Option(..., "-o", "--out", help="The GGUF file to write"),
+    out: str = typer.Option(..., "-o", "--out", metavar="PATH", help="The GGUF file to write"),
 ):
     """Write a copy of MODEL whose weights are in the formats the precision PLAN names, as a GGUF
     that llama.cpp and the gguf package read. Formats GGUF has no type for are written as the
@@ -1051,7 +1091,7 @@ def quantize(
     from .precision import load_plan
     from .requant import format_report, plan_formats, requantize_gguf
 
-    check_out_path(out, "--out")
+    out = check_out_path(out, "--out")
     try:   # (before the model is resolved: a bad --plan waited for a download)
         p = load_plan(plan)
     except ConfigError as e:
@@ -1081,7 +1121,7 @@ def precision_analyze(
     ops: str = typer.Option("qkv,attn_out,ffn_gate_up,ffn_down,lm_head", "--ops", help="Ops to measure"),
     max_tokens: int = typer.Option(256, "--max-tokens", help="Calibration tokens per forward pass"),
     top: int = typer.Option(10, "--top", help="Print the N most sensitive entries"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Write every entry as JSON here"),
+    json_out: Optional[str] = typer.Option(None, "--json", metavar="PATH", help="Write every entry as JSON here"),
 ):
     """Quantize one layer's op at a time to each candidate format (and its input activations to
     int8) and measure the mean KL of the next-token distribution against the unquantized model on
@@ -1095,7 +1135,7 @@ def precision_analyze(
 
     if top < 0:
         raise ConfigError(f"--top must be >= 0, got {top}")
-    check_out_path(json_out, "--json")
+    json_out = check_out_path(json_out, "--json")
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     op_list = tuple(o.strip() for o in ops.split(",") if o.strip())
     _check_analysis_args(fmts, op_list, max_tokens)
@@ -1250,7 +1290,7 @@ def precision_plan(
     max_tokens: int = typer.Option(128, "--max-tokens", help="Calibration tokens per forward pass"),
     prompt_tokens: int = typer.Option(512, "--prompt-tokens", help="Prompt length TTFT is predicted for "
                                       "(decode: the context length)"),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Plan YAML to write (default: "
+    out: Optional[str] = typer.Option(None, "--out", "-o", metavar="PATH", help="Plan YAML to write (default: "
                                        "EDGELLM_HOME/plans/<model>-<device>-<objective>-kl<budget>.yaml)"),
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Measure the plan's KL end to end on this "
                                 "machine (the objective's phase, teacher-forced on the calibration text)"),
@@ -1264,7 +1304,6 @@ def precision_plan(
     from .calibration import load_calibration
     from .dispatch import Dispatcher
     from .errors import ConfigError
-    from .fileio import write_atomic
     from .kv.store import KVConfig
     from .model.registry import edgellm_home
     from .ops import weight_formats
@@ -1279,7 +1318,7 @@ def precision_plan(
         raise ConfigError(f"--budget-kl must be a positive number of nats, got {budget_kl}")
     if prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    check_out_path(out, "--out", (".yaml", ".yml"))
+    out = check_out_path(out, "--out", (".yaml", ".yml"))
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     _check_analysis_args(fmts, SEARCH_OPS, max_tokens)
     profile = device_profile(device)      # a bad name is refused now, not after minutes of analysis
@@ -1300,8 +1339,6 @@ def precision_plan(
     res = search(sens, times, budget_kl, objective, cfg.n_layers, fmts)
     name = Path(mf.path).name.removesuffix(".gguf")
     path = out or edgellm_home() / "plans" / f"{name}-{profile.name}-{objective}-kl{budget_kl:g}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, dump_plan(res.plan).encode())
 
     def predicted(plan):
         d = Dispatcher(profile, cfg, planned_formats(mf, plan), probe=host, compute=ComputeTable(plan, cfg.n_layers),
@@ -1313,13 +1350,14 @@ def precision_plan(
     by_kind: dict[str, int] = {}
     for c in res.changes:
         by_kind[f"{c.kind} {c.format}"] = by_kind.get(f"{c.kind} {c.format}", 0) + 1
-    typer.echo(f"plan written to {path}")
-    typer.echo(f"  {len(res.changes)} changes from quality: "
+    typer.echo(f"plan: {len(res.changes)} changes from quality: "
                + (", ".join(f"{v} x {k}" for k, v in sorted(by_kind.items())) or "none"))
     what = "TTFT" if objective == "ttft" else "decode time per token"
     typer.echo(f"  predicted {what} on {profile.name}: {s_ms:.2f} ms vs {q_ms:.2f} ms for quality "
                f"(speed-up {q_ms / s_ms:.3f}x)")
     typer.echo(f"  predicted KL (sum of measured sensitivities): {res.predicted_kl:.5f} of the {budget_kl:g} budget")
+    if res.note:
+        typer.echo(f"  note: {res.note}")
     if verify:
         phase = "prefill" if objective == "ttft" else "decode"
 
@@ -1328,9 +1366,18 @@ def precision_plan(
             return teacher_forced_logits(e, ids, phase)
 
         kl = mean_kl(logits(load_plan("quality")), logits(res.plan))
-        ratio = kl / res.predicted_kl if res.predicted_kl > 0 else math.inf
+        # (a plan of no changes predicts 0: no ratio to show)
+        vs = f"verified / predicted = {kl / res.predicted_kl:.2f}" if res.predicted_kl > 0 else "no change predicted"
         typer.echo(f"  verified KL on this machine ({phase}, {len(ids)} calibration tokens): {kl:.5f} "
-                   f"(verified / predicted = {ratio:.2f}); {'within' if kl <= budget_kl else 'OVER'} the budget")
+                   f"({vs}); {'within' if kl <= budget_kl else 'OVER'} the budget")
+        if not kl <= budget_kl:
+            # written only once verified: a plan over the budget (exit 0, file written) was taken
+            # by scripts as one that keeps the quality asked for (README: exit 1, nothing written)
+            raise ConfigError(f"--budget-kl {budget_kl:g}: the plan's verified KL {kl:.5f} is over the budget; "
+                              f"{path} not written (raise --budget-kl, or --no-verify to keep the prediction)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_output(path, "--out" if out else "the plan's default path", dump_plan(res.plan).encode())
+    typer.echo(f"plan written to {path}")
 
 
 _logged: set[str] = set()   # warnings the handler below printed: _load does not echo them again

@@ -13,7 +13,8 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) 
     """Write `data` to `path` so that a reader sees the old file or the whole new one, never a
     part: a temp file in the same directory, fsync, rename, fsync the directory. The directory is
     made if missing; on any failure the temp file is removed and the error raised. mode: the
-    file's permissions (default: the temp file's 0600, for caches; a user's output wants 0644)."""
+    file's permissions less the process's umask, as open() gives them (default: the temp file's
+    0600, for caches; a user's output wants 0644, which a umask of 077 keeps owner-only)."""
     path = Path(path)
     if path.exists() and not path.is_file() and not path.is_dir():
         # the rename would replace a device or a pipe with a regular file (as root: /dev/null)
@@ -22,7 +23,7 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) 
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
     try:
         if mode is not None:
-            os.fchmod(fd, mode)
+            os.fchmod(fd, mode & ~current_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -32,6 +33,22 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) 
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def current_umask() -> int:
+    """The process's umask. Read from /proc/self/status where the kernel gives it (Linux 4.7+):
+    os.umask can only be read by setting it, and between the set and the restore another
+    thread's new file would get the temporary mask."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def fsync_dir(d: str | os.PathLike) -> None:

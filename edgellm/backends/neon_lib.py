@@ -3,11 +3,14 @@
 Two variants are built: "base" (Armv8.0 NEON) and "dotprod" (SDOT + fp16 arithmetic). On aarch64
 the CPU's HWCAP flags choose; on other hosts the library runs through SIMDe and "dotprod" is
 used (both are tested). EDGELLM_NEON_VARIANT=base|dotprod forces one; EDGELLM_NEON_LIB=PATH
-loads a given file (a library from `edgellm build`, say).
+loads a given file (a library from `edgellm build`, say); one that sits in its bundle folder is
+checked against the size and sha256 the bundle's bundle.json records before it is loaded.
 """
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
 import platform
 from ctypes import POINTER, c_float, c_int, c_size_t, c_uint, c_void_p
@@ -274,6 +277,41 @@ def _explicit_variant(lib: ctypes.CDLL, path: Path) -> tuple[str, str]:
     return variant, why
 
 
+def bundle_problem(path: str | os.PathLike) -> str | None:
+    """Why a library in an `edgellm build` bundle (a bundle.json beside it listing its name) is not
+    the file the build wrote: its size or sha256 differs from the record. None where it matches,
+    or where no bundle lists it. Checked before dlopen: a copy cut short, or a library swapped
+    in later, otherwise failed at load (or ran) as if it were the built one, while the bundle's
+    hashes were written and never read."""
+    try:
+        real = Path(path).resolve()     # (a link to the bundle's file: checked against its bundle)
+        if not real.is_file():
+            return None                 # (elf_check says what it is)
+        meta_path = real.parent / "bundle.json"
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None                     # no bundle here (or no readable one): nothing to check against
+    if not isinstance(meta, dict) or meta.get("format") != 1 or not isinstance(meta.get("files"), dict):
+        return None                     # someone else's bundle.json
+    want = meta["files"].get(real.name)
+    if want is None:
+        return None
+    sizes = meta.get("sizes") if isinstance(meta.get("sizes"), dict) else {}
+    try:
+        data = real.read_bytes()
+    except OSError:
+        return None                     # (dlopen's error says why)
+    again = "the file was truncated or replaced after `edgellm build`: copy the bundle again, or rebuild it"
+    size = sizes.get(real.name)
+    if isinstance(size, int) and len(data) != size:
+        return f"{path} is {len(data)} bytes, but its bundle's {meta_path} records {size}: {again}"
+    got = hashlib.sha256(data).hexdigest()
+    if not isinstance(want, str) or got != want.lower():
+        return (f"{path} ({len(data)} bytes) has sha256 {got}, but its bundle's {meta_path} records "
+                f"{want}: {again}")
+    return None
+
+
 def load(variant: str | None = None, path: str | os.PathLike | None = None, partial: bool = False) -> ctypes.CDLL:
     """The library with every function's signature declared. partial: allow missing symbols
     (kernel development builds of a few sources)."""
@@ -281,7 +319,7 @@ def load(variant: str | None = None, path: str | os.PathLike | None = None, part
     if variant is None:
         variant, why = choose_variant()
     path = Path(path) if path is not None else library_path(variant)
-    wrong = elf_check.problem(path)
+    wrong = bundle_problem(path) or elf_check.problem(path)
     if wrong:
         raise NeonLibError(wrong)
     try:

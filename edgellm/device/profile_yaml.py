@@ -109,14 +109,18 @@ def format_quantity(value: float, kind: str, *, ops: bool = False) -> str:
     return f"{value / _UNITS[kind][unit]:.6g} {unit}"
 
 
+_MAX_QUOTE = 120   # characters of a value an error quotes
+
+
 def _describe(v: Any) -> str:
     if v is None:
         return "nothing (null)"
     if isinstance(v, bool):
         return f"a boolean ({str(v).lower()})"
-    if isinstance(v, str):
-        return repr(v)
-    return {dict: "a mapping", list: "a list"}.get(type(v), repr(v))
+    # capped: a path given as --device may name any file (`../../etc/passwd`), which parses as
+    # one long YAML string, and "expected a mapping, got ..." printed the file's contents
+    text = {dict: "a mapping", list: "a list"}.get(type(v)) or repr(v)
+    return text if len(text) <= _MAX_QUOTE else f"{text[:_MAX_QUOTE]}... ({len(text):,} characters)"
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -555,6 +559,8 @@ def write_profile(profile: DeviceProfile, path: str | os.PathLike) -> Path:
     path = Path(path).expanduser()
     text = dump_profile(profile)
     _profile_from_text(text, path.stem, str(path))  # never leave a file load_profile rejects
-    write_atomic(path, text.encode("utf-8"))
+    # a user's file, read by other tools and users (mode 0644 less the umask); write_atomic's
+    # default 0600 is for caches
+    write_atomic(path, text.encode("utf-8"), mode=0o644)
     return path
 
