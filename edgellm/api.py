@@ -710,8 +710,10 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
         store = make_store(mf.config, kv_cfg, n_ctx, background_commit=True)
         described = {"opencl": profile.gpu is not None, "npu": profile.npu is not None}
         for u in plan.units:
-            if not u.available and (described.get(u.name, True) or u.name in (units or ())):
-                # a unit the profile (or --units) counts on is missing: the user must see why
+            counted_on = u.name in units if units else described.get(u.name, True)
+            if not u.available and counted_on:
+                # a unit the profile (or --units) counts on is missing: the user must see why.
+                # With --units, only the listed ones: the others were ruled out, not probed
                 log.warning("unit %s unavailable: %s; its ops run on other units", u.name, u.reason)
             else:
                 log.info("unit %s: %s (%s)", u.name, "available" if u.available else "unavailable", u.reason)

@@ -125,10 +125,14 @@ class Plan:
 
 # ---- units -------------------------------------------------------------------------------------
 
-def build_units(profile: DeviceProfile, *, probe: bool, threads: int | None = None) -> tuple[Unit, ...]:
+def build_units(profile: DeviceProfile, *, probe: bool, threads: int | None = None,
+                only: Sequence[str] | None = None) -> tuple[Unit, ...]:
     """The units of `profile`. probe=True: this is the machine we run on, and each unit is
     available only if its backend module loads and its own probe passes. probe=False: planning
-    for another device; what its profile describes is assumed present (and said so)."""
+    for another device; what its profile describes is assumed present (and said so).
+    only: the --units restriction (None: none). A unit outside it is neither probed nor assumed:
+    probing one builds its self-check (an NPU's runtime graphs, OpenCL kernels) and warns about a
+    unit the user ruled out. reference stays: it is the fallback of an op no listed unit runs."""
     models: list[Unit] = []
     for name in backends.names():
         if name == "neon" or name == "reference":
@@ -151,6 +155,9 @@ def build_units(profile: DeviceProfile, *, probe: bool, threads: int | None = No
     for u in models:
         if not u.available:
             out.append(u)
+            continue
+        if only is not None and u.name not in only and u.name != "reference":
+            out.append(replace(u, available=False, reason=f"not in --units {','.join(only)} (not probed)"))
             continue
         if not probe:
             ok, why = _assumed(u, profile)
@@ -218,12 +225,15 @@ class Dispatcher:
         self.compute = compute
         self.exclude = dict(exclude or {})
         self.probe, self.kv_bytes = probe, kv_bytes
-        self.units = tuple(units) if units is not None else build_units(profile, probe=probe, threads=threads)
-        names = [u.name for u in self.units]
         if override is not None and (isinstance(override, (str, bytes)) or not hasattr(override, "__iter__")
                                      or not all(isinstance(n, str) for n in override)):
-            raise ConfigError(f"units: expected a list of unit names ({', '.join(names)}), found {override!r}")
+            known = [u.name for u in units] if units is not None else list(backends.names())
+            raise ConfigError(f"units: expected a list of unit names ({', '.join(known)}), found {override!r}")
         self.override = tuple(override) if override else None
+        # (units outside --units are not probed: build_units)
+        self.units = tuple(units) if units is not None else build_units(profile, probe=probe, threads=threads,
+                                                                        only=self.override)
+        names = [u.name for u in self.units]
         if self.override:
             bad = [n for n in self.override if n not in names]
             if bad:
@@ -290,8 +300,19 @@ class Dispatcher:
         est = max(parts, key=lambda p: p[1])[0]
         return replace(est, ms=sum(e.ms * c for e, c in parts) / n, precision=precs), ""
 
-    def _forced(self, op: OpSpec, ok: Mapping[str, Estimate]) -> str:
-        """--units: the first listed unit that can run op; else reference, with one warning."""
+    def _not_listed_why(self, no: Mapping[str, str]) -> str:
+        """Why no --units entry runs an op, with each listed unit's own cause ("opencl unavailable:
+        no OpenCL platform", "npu: does not run rmsnorm ..."): "none of --units opencl runs it"
+        alone left the cause on another line, and read as if opencl merely lacked the op."""
+        parts = []
+        for n in self.override:
+            why = no.get(n, "does not run it")
+            parts.append(f"{n} {why}" if why.startswith("unavailable:") else f"{n}: {why}")
+        return f"none of --units {','.join(self.override)} runs it ({'; '.join(parts)})"
+
+    def _forced(self, op: OpSpec, ok: Mapping[str, Estimate], no: Mapping[str, str] | None = None) -> str:
+        """--units: the first listed unit that can run op; else reference, with one warning
+        naming each listed unit's cause."""
         for n in self.override:
             if n in ok:
                 return n
@@ -299,7 +320,7 @@ class Dispatcher:
             raise ConfigError(f"op {op.name}: no unit can run it ({', '.join(self.override)} listed)")
         if op.name not in self._warned:
             self._warned.add(op.name)
-            msg = f"op {op.name} ({op.kind}): none of --units {','.join(self.override)} runs it; using reference"
+            msg = f"op {op.name} ({op.kind}): {self._not_listed_why(no or {})}; using reference"
             self.warnings.append(msg)
             log.warning(msg)
         return "reference"
@@ -312,7 +333,7 @@ class Dispatcher:
             if not ok:
                 raise ConfigError(self._none_runs(op, no))
         if self.override:
-            choice = [self._forced(op, ok) for op, (ok, _) in zip(ops, opts)]
+            choice = [self._forced(op, ok, no) for op, (ok, no) in zip(ops, opts)]
             return self._total(ops, choice, opts, start, end, tokens, phase), choice, opts
         # Viterbi over the chain: best[u] = (ms, path) with the current activation on u
         best = {start: (0.0, [])}
@@ -505,7 +526,7 @@ class Dispatcher:
         why = f"{est.bound}-bound, AI {est.cost.intensity:.1f} vs ridge {est.ridge:.1f} FLOP/B"
         if self.override:
             reason = (f"--units order: {u} is the first listed unit that runs it" if u in self.override
-                      else f"none of --units {','.join(self.override)} runs it: fallback to reference")
+                      else f"{self._not_listed_why(no)}; using reference")
         elif len(ok) == 1:
             reason = f"only unit that can run it ({why}); " + "; ".join(f"{n}: {w}" for n, w in no.items())
         elif u == fastest:

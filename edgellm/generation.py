@@ -149,10 +149,14 @@ class Generation:
                 part, self.pending = self.pending[:n], self.pending[n:]
                 # a part that more parts follow stores its K/V only: no head, no last-layer output
                 t = time.perf_counter()
-                logits = runner.forward(self.seq, part, cancel=self.cancel, logits=not len(self.pending))
-                # the prompt's own forward time: a scheduler's queue and other requests' steps
-                # between its chunks were counted before
-                self.stats.prefill_ms += (time.perf_counter() - t) * 1e3
+                try:
+                    logits = runner.forward(self.seq, part, cancel=self.cancel, logits=not len(self.pending))
+                finally:
+                    # the prompt's own forward time: a scheduler's queue and other requests' steps
+                    # between its chunks were counted before. Counted when the forward raises too:
+                    # a prefill cancelled (or failed) part-way reported "prefill 0" ms for the
+                    # work it did do
+                    self.stats.prefill_ms += (time.perf_counter() - t) * 1e3
                 if len(self.pending):
                     return None
             else:

@@ -170,7 +170,11 @@ def _compile(mod, graph):
     threads = _state["threads"]
     if mod.__name__.endswith("npu_onnx"):
         return mod.compile(graph, providers=list(_providers()), intra_op_threads=threads or 0)
-    return mod.compile(graph, delegate=_delegate(), num_threads=threads)
+    # one thread: each LiteRT interpreter with num_threads > 1 starts its own XNNPACK pool, and a
+    # model holds one interpreter per layer x op x bucket (measured: 2 -> 54 threads for a 4-layer
+    # test model at threads=2); the work is the delegate's, or on its CPU kernels the calling
+    # thread's (npu_onnx.OnnxSubgraph says why a shared pool is not used there either)
+    return mod.compile(graph, delegate=_delegate(), num_threads=1)
 
 
 def available() -> tuple[bool, str]:
@@ -358,28 +362,57 @@ def _graph(m: NpuMatrix, bucket: int):
     return g
 
 
+# Resident bytes per byte of the weight format, and per compiled subgraph, as measured: RSS before
+# and after prepare() of 4-layer synthetic models (d 256 / ff 512 and d 512 / ff 1024, vocab 1024,
+# buckets 32-256), onnxruntime 1.32 CPU EP and ai_edge_litert on x86-64, fitted over both sizes:
+#   ONNX Runtime  int8b 2.6x + 0.19 MiB a graph; int8 ~3.2x; fp16 ~4.6x of the fp16 bytes (the CPU
+#                 EP folds the Cast: fp32 weights beside the fp16 initializers); fp32 ~1.8x
+#   LiteRT        int8s 5.0x + 0.57 MiB a graph (model buffer, interpreter and XNNPACK's packed
+#                 copy); fp16 ~3.8x; fp32 ~2.6x
+# SmolLM2-135M checks them: 516 MiB of int8 weights x 4 buckets peaked at 1.5 GiB RSS on ONNX
+# Runtime (2.9x), 2.4-2.8 GiB on LiteRT (4.8-5.5x), 3.3 GiB with fp16 on ONNX Runtime. Each figure
+# is rounded up (and ONNX fp32 kept above fp16), so that the load-time memory check refuses
+# before a phone's low-memory killer would act.
+_RESIDENT = {"onnx": {"int8": 3.0, "int8b": 3.0, "int4": 3.0, "int8s": 3.0, "fp16": 4.75, "fp32": 2.5},
+             "tflite": {"int8": 5.5, "int8b": 5.5, "int4": 5.5, "int8s": 5.5, "fp16": 4.0, "fp32": 3.0}}
+_GRAPH_BYTES = {"onnx": 0.25 * 2**20, "tflite": 0.6 * 2**20}
+_FORMAT_BYTES = {"int8": 1, "int8s": 1, "int8b": 1, "int4": 1, "fp16": 2, "fp32": 4}   # a weight element
+
+
 def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
-    """int8 weights + fp32 scales of the matrices this unit runs, once per bucket: each bucket's
-    compiled subgraph holds its own copy (runtimes do not share constants across sessions).
-    Scales as the weight format holds them: one per row (int8), per row and 64-column slice
-    (int8s) or 32-column block (int8b, int4)."""
+    """What the matrices this unit runs take once their subgraphs are built: the weight format's
+    bytes (fp16 2 a weight, fp32 4, the int8 forms 1, plus their fp32 scales: one per row (int8),
+    per row and 64-column slice (int8s) or 32-column block (int8b, int4)) once per bucket (each
+    bucket's compiled subgraph holds its own copy: runtimes do not share constants across
+    sessions), times the runtime's measured overhead (_RESIDENT), plus a fixed cost per subgraph.
+    Before the probe picked a runtime: LiteRT's figures, the larger."""
     try:
         fmt = weight_format()
     except UnitFailed:                    # a bad EDGELLM_NPU_FORMAT: load() reports it
         fmt = "int8s"
+    mod = _state["runtime"]
+    rt = "onnx" if mod is not None and mod.__name__.endswith("npu_onnx") else "tflite"
     block = {"int8s": npu_graphs.INT8S_SLICE, "int8b": npu_graphs.INT4_BLOCK,
              "int4": npu_graphs.INT4_BLOCK}.get(fmt)
+    width = _FORMAT_BYTES.get(fmt, 4)
+    floats = fmt in ("fp16", "fp32")
 
-    def row(c: int) -> int:               # bytes of one weight row of c columns, scales included
-        return c + 4 * (-(-c // block) if block else 1)
+    def scales(c: int) -> int:            # fp32 scale bytes of one weight row of c columns
+        return 0 if floats else 4 * (-(-c // block) if block else 1)
 
     d = cfg.d_model
     per_op = {"qkv": (cfg.q_dim + 2 * cfg.kv_dim, d), "attn_out": (d, cfg.q_dim), "ffn_gate_up": (2 * cfg.d_ff, d),
               "ffn_down": (d, cfg.d_ff)}
-    n = sum(cfg.n_layers * r * row(c) for op, (r, c) in per_op.items() if ops is None or op in ops)
+    shapes = [(cfg.n_layers * r, c) for op, (r, c) in per_op.items() if ops is None or op in ops]
+    graphs = len(shapes) * cfg.n_layers   # (a fused FFN is one graph for two ops: counted as two)
     if ops is None or "lm_head" in ops:
-        n += cfg.vocab_size * row(d)
-    return n * len(buckets()) + 4 * (2 * cfg.n_layers + 1) * d
+        shapes.append((cfg.vocab_size, d))
+        graphs += 1
+    # the overhead factor on the weights; the scales (a few % of them) counted once, as stored
+    weights = sum(r * c * width for r, c in shapes) * _RESIDENT[rt][fmt]
+    scale = sum(r * scales(c) for r, c in shapes)
+    per_bucket = weights + scale + graphs * _GRAPH_BYTES[rt]
+    return int(per_bucket * len(buckets())) + 4 * (2 * cfg.n_layers + 1) * d
 
 
 # ---- ops ----------------------------------------------------------------------------------------------

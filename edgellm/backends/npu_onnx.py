@@ -508,13 +508,21 @@ class OnnxSubgraph:
         # than a silent split of the graph between the NPU and ORT's CPU EP.
         strict = CPU_EP not in names
         so = ort.SessionOptions()
-        # no spin-waiting: a model holds hundreds of these sessions (layers x ops x buckets), each
-        # with its own pool; spinning pools steal the cores from the next session and from the
-        # CPU units between calls (measured: prefill 8x slower than one session alone suggests)
+        # no spin-waiting (spinning pools steal the cores from the next session and from the CPU
+        # units between calls: measured, prefill 8x slower than one session alone suggests)
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         so.log_severity_level = 3
-        if intra_op_threads:
-            so.intra_op_num_threads = int(intra_op_threads)
+        # Each session runs on the calling thread: no pool of its own. A model holds hundreds of
+        # these sessions (layers x ops x buckets), and each one's own intra-op pool made 368
+        # threads on a 2-core machine. The shared alternative, onnxruntime's global pools
+        # (set_global_thread_pool_sizes + use_per_session_threads=False, in the Python API since
+        # 1.2x only), spins between runs with no Python switch to stop it (measured on 1.32: CPU
+        # time = wall time across 2 ms gaps between runs), taking a big core from the CPU units
+        # between NPU calls. On an NPU EP the work is the accelerator's; on the CPU EP a
+        # subgraph then uses one core. intra_op_threads (the engine's thread count) is accepted
+        # and, for these reasons, not used for a pool.
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
         record = hasattr(ort.InferenceSession, "get_provider_graph_assignment_info")
         if record:
             so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
