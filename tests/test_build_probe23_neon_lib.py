@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from edgellm.backends import neon_lib
 from edgellm.cli import app
 from tests.synthetic import write_tiny_model
+from tests.cli_checks import one_line_error
 
 runner = CliRunner()
 
@@ -25,12 +26,6 @@ def tiny(tmp_path_factory):
 
 def _installed(variant: str) -> Path:
     return Path(neon_lib.load(variant).path)
-
-
-def _one_line_error(r, needle):
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.exit_code == 1, r.output
-    assert len(lines) == 1 and lines[0].startswith("edgellm: error:") and needle in lines[0], r.stderr
 
 
 def _bundle(folder: Path, sizes: bool = True) -> Path:
@@ -79,7 +74,7 @@ def test_a_named_library_that_cannot_be_used_is_an_error_not_a_fallback(tiny, tm
     monkeypatch.setenv("EDGELLM_NEON_LIB", str(lib))
     for cmd in (["run", "hi", "-m", tiny, "-n", "1"], ["plan", "--model", tiny]):
         r = runner.invoke(app, cmd)
-        _one_line_error(r, f"EDGELLM_NEON_LIB={lib}: cannot use it: ")
+        one_line_error(r, f"EDGELLM_NEON_LIB={lib}: cannot use it: ")
         assert why in r.stderr, r.stderr
     # building a bundle uses no kernel: a device's library named there is not its concern
     import edgellm.toolchain

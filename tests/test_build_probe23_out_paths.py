@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from edgellm.cli import app
 from tests.synthetic import write_tiny_model
+from tests.cli_checks import one_line_error
 
 runner = CliRunner()
 
@@ -16,12 +17,6 @@ def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("probe23") / "tiny.gguf", tensor_type=QT.Q8_0, seed=5).path
 
 
-def _one_line_error(r, needle):
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.exit_code == 1, r.output
-    assert len(lines) == 1 and lines[0].startswith("edgellm: error:") and needle in lines[0], r.stderr
-
-
 def test_profile_out_with_a_trailing_slash_is_refused_before_measuring(tmp_path, monkeypatch):
     import edgellm.device.probes
 
@@ -29,7 +24,7 @@ def test_profile_out_with_a_trailing_slash_is_refused_before_measuring(tmp_path,
         raise AssertionError("measured")
     monkeypatch.setattr(edgellm.device.probes, "measure_host", measure)
     out = f"{tmp_path}/dev.yaml/"
-    _one_line_error(runner.invoke(app, ["profile", "--quick", "--out", out]), f"--out {out}: ends in '/'")
+    one_line_error(runner.invoke(app, ["profile", "--quick", "--out", out]), f"--out {out}: ends in '/'")
     assert not (tmp_path / "dev.yaml").exists()
     assert "PATH" in runner.invoke(app, ["profile", "--help"]).output   # (taken as a string, shown as a path)
 
@@ -45,14 +40,14 @@ def test_a_trailing_slash_is_refused_for_every_output_flag(tiny, tmp_path, monke
     model = [tiny] if cmd[0] == "quantize" else ["--model", tiny]
     out = f"{tmp_path}/{name}/"
     r = runner.invoke(app, [*cmd, *model, flag, out])
-    _one_line_error(r, f"{out}: ends in '/', which names a folder")
+    one_line_error(r, f"{out}: ends in '/', which names a folder")
     assert not (tmp_path / name).exists()
 
 
 def test_a_session_file_with_a_trailing_slash_is_refused(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
     out = f"{tmp_path}/s.edgesess/"
-    _one_line_error(runner.invoke(app, ["run", "hi", "-m", tiny, "-n", "1", "--session", out]),
+    one_line_error(runner.invoke(app, ["run", "hi", "-m", tiny, "-n", "1", "--session", out]),
                     f"--session {out}: ends in '/'")
     assert not (tmp_path / "s.edgesess").exists()
 
@@ -67,11 +62,11 @@ def test_build_out_under_a_file_says_it_is_a_file(tmp_path, monkeypatch):
     afile.write_text("notes\n")
     for out in (afile / "x", afile / "x" / "y"):
         r = runner.invoke(app, ["build", "--out", str(out)])
-        _one_line_error(r, f"--out {out}: {afile} is a file, not a folder")
+        one_line_error(r, f"--out {out}: {afile} is a file, not a folder")
         assert "does not exist" not in r.stderr
     assert afile.read_text() == "notes\n"
     out = tmp_path / "missing" / "bundle"     # (a folder that is missing is still said to be)
-    _one_line_error(runner.invoke(app, ["build", "--out", str(out)]),
+    one_line_error(runner.invoke(app, ["build", "--out", str(out)]),
                     f"--out {out}: the folder {out.parent} does not exist")
 
 
@@ -79,5 +74,5 @@ def test_a_file_out_under_a_file_says_it_is_a_file(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
     afile = tmp_path / "afile"
     afile.write_text("notes\n")
-    _one_line_error(runner.invoke(app, ["plan", "--model", tiny, "--device", "rk3588", "--plot",
+    one_line_error(runner.invoke(app, ["plan", "--model", tiny, "--device", "rk3588", "--plot",
                                         str(afile / "p.png")]), f"{afile} is a file, not a folder")

@@ -15,6 +15,7 @@ from edgellm import cli
 from edgellm.cli import app
 from edgellm.errors import ConfigError
 from tests.synthetic import write_tiny_model
+from tests.cli_checks import one_line_error
 
 runner = CliRunner()
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -23,12 +24,6 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("probe22") / "tiny.gguf", tensor_type=QT.Q8_0, seed=5).path
-
-
-def _one_line_error(r, needle):
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.exit_code == 1, r.output
-    assert len(lines) == 1 and lines[0].startswith("edgellm: error:") and needle in lines[0], r.stderr
 
 
 def test_cache_links_are_never_followed(tmp_path, monkeypatch):
@@ -60,12 +55,12 @@ def test_a_cache_path_or_home_that_is_a_file_is_one_error(tmp_path, monkeypatch,
     (home / "cache").write_text("not a folder")
     monkeypatch.setenv("EDGELLM_HOME", str(home))
     for cmd in (["cache", "list"], ["cache", "info"], ["cache", "clear", "--all"]):
-        _one_line_error(runner.invoke(app, cmd), "cache")
+        one_line_error(runner.invoke(app, cmd), "cache")
         assert "is not a folder" in runner.invoke(app, cmd).stderr
     r = runner.invoke(app, ["run", "hi", "-m", tiny, "-n", "1", "--session", "s"])
-    _one_line_error(r, "--session s: EDGELLM_HOME/cache")
+    one_line_error(r, "--session s: EDGELLM_HOME/cache")
     monkeypatch.setenv("EDGELLM_HOME", str(home / "cache"))   # the home itself a file
-    _one_line_error(runner.invoke(app, ["info"]), "is not a folder")
+    one_line_error(runner.invoke(app, ["info"]), "is not a folder")
 
 
 def test_a_chat_line_is_capped(monkeypatch):
@@ -107,7 +102,7 @@ def test_arguments_are_checked_before_the_model_is_resolved(tmp_path, monkeypatc
     monkeypatch.setattr(edgellm.model.registry, "resolve_model", resolve)
     monkeypatch.setattr(edgellm.api, "resolve_model", resolve)
     monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "empty"))
-    _one_line_error(runner.invoke(app, [a.replace("OUT", str(tmp_path)) for a in args], input=""), needle)
+    one_line_error(runner.invoke(app, [a.replace("OUT", str(tmp_path)) for a in args], input=""), needle)
 
 
 def test_memory_advice_names_the_flags(tiny, tmp_path, monkeypatch):
@@ -117,10 +112,10 @@ def test_memory_advice_names_the_flags(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(edgellm.api, "available_bytes", lambda: 1)
     r = runner.invoke(app, ["run", "hi", "-m", tiny, "-n", "1", "--kv", "ring", "--window", "64"])
-    _one_line_error(r, "lower --window")
+    one_line_error(r, "lower --window")
     assert "n_ctx" not in r.stderr
     r = runner.invoke(app, ["run", "hi", "-m", tiny, "-n", "1", "--ctx", "64"])
-    _one_line_error(r, "lower --ctx")
+    one_line_error(r, "lower --ctx")
 
 
 def test_build_refuses_a_missing_out_folder(tmp_path, monkeypatch):
@@ -130,7 +125,7 @@ def test_build_refuses_a_missing_out_folder(tmp_path, monkeypatch):
         raise AssertionError("built")
     monkeypatch.setattr(edgellm.toolchain, "build_bundle", build)
     out = tmp_path / "missing" / "bundle"
-    _one_line_error(runner.invoke(app, ["build", "--out", str(out)]),
+    one_line_error(runner.invoke(app, ["build", "--out", str(out)]),
                     f"--out {out}: the folder {out.parent} does not exist")
     assert not out.parent.exists()
 
@@ -138,7 +133,7 @@ def test_build_refuses_a_missing_out_folder(tmp_path, monkeypatch):
 def test_an_empty_prompt_is_refused_with_chat_too(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
     for extra in ([], ["--chat"]):
-        _one_line_error(runner.invoke(app, ["run", "", "-m", tiny, "-n", "1", *extra]), "the prompt is empty")
+        one_line_error(runner.invoke(app, ["run", "", "-m", tiny, "-n", "1", *extra]), "the prompt is empty")
 
 
 def test_version():
