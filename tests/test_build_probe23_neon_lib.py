@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 
 from edgellm.backends import neon_lib
 from edgellm.cli import app
-from tests.synthetic import write_tiny_model
 from tests.cli_checks import one_line_error
+from tests.synthetic import write_tiny_model
 
 runner = CliRunner()
 

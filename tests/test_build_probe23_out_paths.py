@@ -6,8 +6,8 @@ from gguf import GGMLQuantizationType as QT
 from typer.testing import CliRunner
 
 from edgellm.cli import app
-from tests.synthetic import write_tiny_model
 from tests.cli_checks import one_line_error
+from tests.synthetic import write_tiny_model
 
 runner = CliRunner()
 

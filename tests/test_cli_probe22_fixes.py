@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from edgellm import cli
 from edgellm.cli import app
 from edgellm.errors import ConfigError
-from tests.synthetic import write_tiny_model
 from tests.cli_checks import one_line_error
+from tests.synthetic import write_tiny_model
 
 runner = CliRunner()
 README = Path(__file__).resolve().parent.parent / "README.md"
