@@ -9,13 +9,13 @@ checked against the size and sha256 the bundle's bundle.json records before it i
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import os
 import platform
 from ctypes import POINTER, c_float, c_int, c_size_t, c_uint, c_void_p
 from pathlib import Path
 
+from ..hashing import bulk_sha256
 from . import elf_check
 
 EL_F32, EL_F16, EL_Q4_0, EL_Q4_1, EL_Q8_0 = 0, 1, 2, 3, 8
@@ -305,7 +305,7 @@ def bundle_problem(path: str | os.PathLike) -> str | None:
     size = sizes.get(real.name)
     if isinstance(size, int) and len(data) != size:
         return f"{path} is {len(data)} bytes, but its bundle's {meta_path} records {size}: {again}"
-    got = hashlib.sha256(data).hexdigest()
+    got = bulk_sha256(data).hexdigest()   # (OpenSSL's, imported only for a bundle's library)
     if not isinstance(want, str) or got != want.lower():
         return (f"{path} ({len(data)} bytes) has sha256 {got}, but its bundle's {meta_path} records "
                 f"{want}: {again}")
