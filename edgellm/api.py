@@ -313,8 +313,14 @@ class Engine:
         return self.kv.new_sequence()
 
     def _open_sequence(self, ids: list[int]):
-        """A KV sequence for a prompt, and how many of its leading tokens already hold KV."""
-        return self.kv.open(ids)
+        """A KV sequence for a prompt, and how many of its leading tokens already hold KV. Never
+        exactly one left to compute where the sequence can give its last one back: computed
+        alone, that token would run the decode kernels, and the prompt's logits, then its text,
+        would differ from those of the same prompt computed at once (ModelRunner.take_back_last)."""
+        seq, n = self.kv.open(ids)
+        if len(ids) - n == 1 and self.runner.take_back_last(seq) is not None:
+            n -= 1
+        return seq, n
 
     def _close_sequence(self, seq, keep: bool, token_ids=()) -> None:
         self.kv.close(seq, keep, token_ids)
@@ -335,10 +341,8 @@ class Engine:
             raise ContextFull(f"warm: the text has {len(ids)} tokens but the context holds {self.n_ctx} "
                               f"(raise n_ctx / --ctx)")
         with self.turn():
-            seq, n = self.kv.open(ids)
+            seq, n = self._open_sequence(ids)
             try:
-                if len(ids) - n == 1 and self.runner.take_back_last(seq) is not None:
-                    n -= 1   # (see Generation: one token alone would run the decode kernels)
                 if n < len(ids):
                     self.runner.forward(seq, ids[n:], logits=False)
             except BaseException:   # (ContextFull beside other requests, a cancel): nothing kept

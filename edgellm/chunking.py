@@ -35,6 +35,18 @@ class ChunkChoice:
     derivation: tuple[str, ...]  # one line per step, for `edgellm plan`
 
 
+def chunk_bounds(n: int, step: int) -> list[int]:
+    """Where a prompt of n tokens is cut into chunks of step: [0, step, 2 step, ..., n], except
+    that no last chunk is one token (257 by 256: 0, 255, 257). A chunk of one row runs the decode
+    kernels (GEMVs, the decode attention), which sum in another order: a row's result would then
+    depend on where its prompt was cut (ModelRunner.forward, Generation and the plan's TTFT all
+    cut here)."""
+    bounds = list(range(0, n, step)) + [n]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and step > 1:
+        bounds[-2] -= 1
+    return bounds
+
+
 def per_token_bytes(cfg: ModelConfig, kv_bytes: float) -> float:
     """Memory one more chunk token needs: the live activations of a layer (residual, normed
     input, qkv, attention output, gate|up, swiglu output) plus its KV in every layer."""

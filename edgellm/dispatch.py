@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from . import backends
-from .chunking import ChunkChoice, choose_chunk
+from .chunking import ChunkChoice, choose_chunk, chunk_bounds
 from .precision_runtime import ComputeTable
 from .costmodel import FFN_INNER_KINDS, FUSED_OP_S, Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
 from .device.profile import DeviceProfile
@@ -590,9 +590,7 @@ class Dispatcher:
         sm = short_max if short is not None else 0
         key = self.prompt_phase(prompt_tokens, sm)
         phases = {"decode": decode, "prefill_short": short, "prefill": prefill}
-        bounds = list(range(0, prompt_tokens, choice.tokens)) + [prompt_tokens]
-        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and choice.tokens > 1:
-            bounds[-2] -= 1
+        bounds = chunk_bounds(prompt_tokens, choice.tokens)
         ttft = 0.0
         for c0, c1 in zip(bounds, bounds[1:]):
             ttft += self.step_ms(phases[self.prompt_phase(c1 - c0, sm)], c1 - c0, c0, head=c1 >= prompt_tokens)

@@ -11,6 +11,7 @@ import numpy as np
 
 from . import backends
 from .backends import reference
+from .chunking import chunk_bounds
 from .errors import Cancelled, ConfigError
 from .model.loader import ModelFile
 
@@ -114,9 +115,9 @@ class ModelRunner:
 
         A row's output does not depend on the chunk it runs in (on the fused neon path, bit for
         bit), except in a chunk of one row, which runs the decode kernels (GEMVs, the decode
-        attention: another summation order): no chunk of a longer call is left with one row, and
-        a prompt with one token left to compute takes its last cached one back first
-        (take_back_last)."""
+        attention: another summation order): no chunk of a longer call is left with one row
+        (chunk_bounds), and a prompt with one token left to compute takes its last cached one
+        back first (take_back_last, in Engine._open_sequence)."""
         one = (isinstance(ids, (list, tuple)) or getattr(ids, "ndim", 0) == 1) and len(ids) == 1
         if (one and logits and not all_logits and "decode" in self._fused_phases
                 and "decode" in self._fused_lead and "decode" in self._fused_tail and self.decode_override is None
@@ -134,9 +135,7 @@ class ModelRunner:
         phase = "decode" if len(ids) == 1 else ("prefill_short" if len(ids) <= self.short_max else "prefill")
         start0 = seq.n_tokens
         outs = []
-        bounds = list(range(0, len(ids), step)) + [len(ids)]
-        if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and step > 1:
-            bounds[-2] -= 1   # no one-row last chunk (see prompt above): one row from the chunk before
+        bounds = chunk_bounds(len(ids), step)
         try:
             for c, c1 in zip(bounds, bounds[1:]):
                 part = ids[c:c1]

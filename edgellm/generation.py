@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .chunking import chunk_bounds
 from .engine import CancelToken
 from .errors import Cancelled, ConfigError, ContextFull
 from .quality_guard import GuardState
@@ -91,8 +92,6 @@ class Generation:
         # last: nothing after it may fail and leave the sequence open
         with engine.turn():
             self.seq, cached = engine._open_sequence(ids)
-            if len(ids) - cached == 1 and engine.runner.take_back_last(self.seq) is not None:
-                cached -= 1   # one prompt token alone would run the decode kernels: its cached neighbour joins it
         self.stats.cached_tokens = cached
         self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
 
@@ -144,8 +143,7 @@ class Generation:
         runner = self.engine.runner
         try:
             if len(self.pending):
-                # no one-token last part: it would run the decode kernels (see ModelRunner.forward)
-                n = self.chunk - 1 if len(self.pending) == self.chunk + 1 and self.chunk > 1 else self.chunk
+                n = chunk_bounds(len(self.pending), self.chunk)[1]   # (no one-token last part)
                 part, self.pending = self.pending[:n], self.pending[n:]
                 # a part that more parts follow stores its K/V only: no head, no last-layer output
                 t = time.perf_counter()
