@@ -385,10 +385,18 @@ static inline __attribute__((always_inline)) size_t el_g_pf_step(size_t pf_bytes
     return (pf_bytes / 64 + (size_t)tiles) / (size_t)tiles * 64;
 }
 
-static inline __attribute__((always_inline)) void el_g_pf_share(const uint8_t **pf, size_t *pf_bytes, size_t pf_step) {
-    for (size_t o = 0; o < pf_step && o < *pf_bytes; o += 64) __builtin_prefetch(*pf + o);
+/* the next share's bytes (at most pf_step), *pf moved past them */
+static inline __attribute__((always_inline)) size_t el_g_pf_take(const uint8_t **pf, size_t *pf_bytes, size_t pf_step) {
+    const size_t n = EL_MIN(pf_step, *pf_bytes);
     if (*pf_bytes > pf_step) *pf += pf_step, *pf_bytes -= pf_step;
     else *pf_bytes = 0;
+    return n;
+}
+
+static inline __attribute__((always_inline)) void el_g_pf_share(const uint8_t **pf, size_t *pf_bytes, size_t pf_step) {
+    const uint8_t *p = *pf;
+    const size_t n = el_g_pf_take(pf, pf_bytes, pf_step);
+    for (size_t o = 0; o < n; o += 64) __builtin_prefetch(p + o);
 }
 
 /* One panel of ng * 8 rows (nr real) against all nx_all x rows: 8 x 4 tiles for a single group,

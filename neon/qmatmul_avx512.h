@@ -149,10 +149,8 @@ static inline __attribute__((always_inline)) void el_g5_panel(const int wt, cons
     const size_t pf_step = el_g_pf_step(pf_bytes, tiles);
     for (int c0 = 0; c0 < nx_all; c0 += 4) {
         const int nx = EL_MIN(4, nx_all - c0);
-        const int pf_lines = (int)((EL_MIN(pf_step, pf_bytes) + 63) / 64);
         const uint8_t *pft = pf;
-        if (pf_bytes > pf_step) pf += pf_step, pf_bytes -= pf_step;
-        else pf_bytes = 0;
+        const int pf_lines = (int)((el_g_pf_take(&pf, &pf_bytes, pf_step) + 63) / 64);
         const size_t xr = (size_t)(x0 + c0);
         const int8_t *q = xq->q + xr * nb * QK;
         const float *d = xq->d + xr * nb, *s = xq->s + xr * nb;
