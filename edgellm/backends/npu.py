@@ -38,7 +38,7 @@ SELF_CHECK_NMSE = 5e-4
 _MATMUL_OPS = {"qkv": "attn", "attn_out": "attn_out", "ffn_gate_up": "ffn", "ffn_down": "ffn_down",
                "lm_head": "head"}
 
-_state: dict = {"profile_npu": None, "probe": None, "runtime": None, "threads": None, "plan": None,
+_state: dict = {"profile_npu": None, "probe": None, "runtime": None, "plan": None,
                 "conflict": None}
 _lock = threading.Lock()
 # the weights prepared for live engines: while any is alive the process's NPU configuration (the
@@ -70,8 +70,8 @@ def use_plan(plan) -> None:
 
 
 def configure(threads: int | None = None, cores=None) -> None:
-    """Threads each subgraph may use (the engine's compute threads; the runtime places them)."""
-    _state["threads"] = threads
+    """(The units' interface.) Nothing to set: every subgraph runs on the calling thread (_compile
+    says why), whatever the engine's thread count."""
 
 
 def reset() -> None:
@@ -167,9 +167,8 @@ def weight_format(mod=None) -> str:
 
 
 def _compile(mod, graph):
-    threads = _state["threads"]
     if mod.__name__.endswith("npu_onnx"):
-        return mod.compile(graph, providers=list(_providers()), intra_op_threads=threads or 0)
+        return mod.compile(graph, providers=list(_providers()))
     # one thread: each LiteRT interpreter with num_threads > 1 starts its own XNNPACK pool, and a
     # model holds one interpreter per layer x op x bucket (measured: 2 -> 54 threads for a 4-layer
     # test model at threads=2); the work is the delegate's, or on its CPU kernels the calling

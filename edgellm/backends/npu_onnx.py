@@ -490,8 +490,7 @@ class OnnxSubgraph:
     """One subgraph in one InferenceSession, created once. Not re-entrant: one run at a time
     (the input binding and output buffer are the subgraph's)."""
 
-    def __init__(self, graph, model: str | os.PathLike | bytes, *, providers, provider_options=None,
-                 intra_op_threads: int = 0):
+    def __init__(self, graph, model: str | os.PathLike | bytes, *, providers, provider_options=None):
         _, ort = _import()
         self.name = graph.name
         self.tokens = graph.tokens
@@ -519,8 +518,7 @@ class OnnxSubgraph:
         # 1.2x only), spins between runs with no Python switch to stop it (measured on 1.32: CPU
         # time = wall time across 2 ms gaps between runs), taking a big core from the CPU units
         # between NPU calls. On an NPU EP the work is the accelerator's; on the CPU EP a
-        # subgraph then uses one core. intra_op_threads (the engine's thread count) is accepted
-        # and, for these reasons, not used for a pool.
+        # subgraph then uses one core.
         so.intra_op_num_threads = 1
         so.inter_op_num_threads = 1
         record = hasattr(ort.InferenceSession, "get_provider_graph_assignment_info")
@@ -595,8 +593,8 @@ class OnnxSubgraph:
         return self._out
 
 
-def compile(graph, *, providers, provider_options=None, cache_dir: str | os.PathLike | None = None,
-            intra_op_threads: int = 0) -> OnnxSubgraph:
+def compile(graph, *, providers, provider_options=None,
+            cache_dir: str | os.PathLike | None = None) -> OnnxSubgraph:
     """The subgraph of `graph`, its model from the cache (else built, checked and cached), in a
     session on the first available of `providers` (EP names in priority order; options per name
     in `provider_options`). Raises NpuUnavailable, NpuGraphError (the caller falls back to the
@@ -605,8 +603,7 @@ def compile(graph, *, providers, provider_options=None, cache_dir: str | os.Path
     model, from_cache = _cached_model(graph, cache_dir)
 
     def session(m):
-        return OnnxSubgraph(graph, m, providers=providers, provider_options=provider_options,
-                            intra_op_threads=intra_op_threads)
+        return OnnxSubgraph(graph, m, providers=providers, provider_options=provider_options)
 
     try:
         return session(model)
