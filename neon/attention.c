@@ -60,6 +60,7 @@ static inline size_t el_kv_off(const el_kv_src *s, int kh, int j) {
 
 typedef struct {
     const float *q;
+    size_t q_ld;           /* floats from one token's q row to the next (0: H * hd, contiguous) */
     float *out;
     int T, H, KVH, hd, start, G;
     int gh, n_hsub;        /* query heads per tile, tiles per group */
@@ -407,7 +408,7 @@ static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, i
 
     for (int qi = 0; qi < nq; qi++) {
         int t = t0 + qi / gh, h = h0 + qi % gh;
-        qrow[qi] = J->q + ((size_t)t * J->H + h) * hd;
+        qrow[qi] = J->q + (size_t)t * J->q_ld + (size_t)h * hd;
         lim[qi] = EL_MIN(j_hi, J->start + t + 1);  /* keys < lim are visible */
         m[qi] = -INFINITY;
         l[qi] = 0.0f;
@@ -952,7 +953,7 @@ static inline float el_kv_at(const el_kv_src *s, const void *base, size_t off) {
 /* One query row (token t, head h): online softmax one key at a time. */
 static void el_attn_row_generic(const el_attn_job *J, int t, int h, float *acc) {
     const int hd = J->hd, kh = h / J->G, n = J->start + t + 1;
-    const float *q = J->q + ((size_t)t * J->H + h) * hd;
+    const float *q = J->q + (size_t)t * J->q_ld + (size_t)h * hd;
     float m = -INFINITY, l = 0.0f;
     for (int i = 0; i < hd; i++) acc[i] = 0.0f;
     for (int j = 0; j < n; j++) {
@@ -992,6 +993,7 @@ static int el_attn_check(const float *q, const float *out, int T, int H, int KVH
 }
 
 static int el_attn_run(el_pool *pool, el_attn_job *J) {
+    if (J->q_ld == 0) J->q_ld = (size_t)J->H * J->hd;
     J->G = J->H / J->KVH;
     J->scale = 1.0f / sqrtf((float)J->hd);
     J->n_split = 1;
@@ -1063,8 +1065,16 @@ int el_attention_dense(el_pool *pool, const float *q, float *out, int T, int H, 
 int el_attention_pool(el_pool *pool, const float *q, float *out, int T, int H, int KVH, int hd, int start,
                       const void *k, const void *v, int kv_type, const int32_t *block_table, int block_tokens,
                       int n_layers, int layer) {
+    return el_attention_pool_ld(pool, q, (size_t)H * hd, out, T, H, KVH, hd, start, k, v, kv_type, block_table,
+                                block_tokens, n_layers, layer);
+}
+
+int el_attention_pool_ld(el_pool *pool, const float *q, size_t q_ld, float *out, int T, int H, int KVH, int hd,
+                         int start, const void *k, const void *v, int kv_type, const int32_t *block_table,
+                         int block_tokens, int n_layers, int layer) {
     int rc = el_attn_check(q, out, T, H, KVH, hd, start, k, v);
     if (rc != EL_OK) return rc;
+    if (q_ld < (size_t)H * hd) return EL_EINVAL;
     if (kv_type != EL_F32 && kv_type != EL_F16 && kv_type != EL_KV_I8) return EL_EUNSUPPORTED;
     if (!block_table || block_tokens <= 0 || n_layers <= 0 || layer < 0 || layer >= n_layers) return EL_EINVAL;
     const el_kv_i8 *k8 = k, *v8 = v;
@@ -1072,7 +1082,7 @@ int el_attention_pool(el_pool *pool, const float *q, float *out, int T, int H, i
     const int n = start + T, n_blocks = (n - 1) / block_tokens + 1;
     for (int i = 0; i < n_blocks; i++)
         if (block_table[i] < 0) return EL_EINVAL;
-    el_attn_job J = {.q = q, .out = out, .T = T, .H = H, .KVH = KVH, .hd = hd, .start = start};
+    el_attn_job J = {.q = q, .q_ld = q_ld, .out = out, .T = T, .H = H, .KVH = KVH, .hd = hd, .start = start};
     const size_t row = (size_t)KVH * hd, layer_sz = (size_t)block_tokens * row;
     J.kv = (el_kv_src){.k = k, .v = v, .f16 = kv_type == EL_F16, .table = block_table, .bt = block_tokens,
                        .block_stride = (size_t)n_layers * layer_sz, .layer_off = (size_t)layer * layer_sz,

@@ -114,16 +114,19 @@ static size_t el_a64(size_t n) { return (n + 63) & ~(size_t)63; }
 #define EL_CHUNK_FFN_ROWS 128
 
 typedef struct {
-    float *h;      /* (T, d) normed input of a projection: the next layer's, for every row */
+    float *h;      /* (T, d) normed input of a projection: the next layer's, for every row (fp32
+                    * projections; block-quantized ones read xq_h, and h stays untouched) */
     float *o;      /* (S, d) attn_out / down output, added to x */
     /* the attention half of a layer; dead once attn_out has read att */
-    float *qkv;    /* (S, H*hd + 2*KVH*hd) q | k | v per row; q and k rotated in place */
-    float *q;      /* (S, H*hd) the rows' q, contiguous, as attention reads it (T > 1) */
+    float *qkv;    /* (S, H*hd + 2*KVH*hd) q | k | v per row; q and k rotated in place, q read
+                    * there by attention (el_attention_pool_ld) */
     float *att;    /* (S, H*hd) attention output */
     /* the FFN half, in the same bytes as the attention half */
     float *gu;     /* (F, 2*ff) gate | up, F = min(S, EL_CHUNK_FFN_ROWS): one FFN piece */
     float *act;    /* (F, ff) swiglu output */
-    void *mm;      /* el_matmul's scratch: S rows of the attention half's K, F of the FFN's */
+    void *mm;      /* el_matmul's scratch: S rows of the attention half's K, F of the FFN's; the
+                    * SwiGLU output quantized for down (el_matmul_xq layout, F rows of ff) */
+    void *xq_h;    /* h quantized for block-type projections: el_matmul_xq layout, T rows of d */
 } el_chunk_bufs;
 
 #define EL_CHUNK_NBUF 8
@@ -136,17 +139,17 @@ static void el_chunk_sizes(const el_model_dims *m, int T, size_t sz[EL_CHUNK_NBU
     sz[0] = el_a64(t * m->d * 4);
     sz[1] = el_a64(s * m->d * 4);
     sz[2] = el_a64(s * (q + 2 * kv) * 4);
-    sz[3] = T > 1 ? el_a64(s * q * 4) : 0;
-    sz[4] = el_a64(s * q * 4);
-    sz[5] = el_a64(f * m->ff * 2 * 4);
-    sz[6] = el_a64(f * m->ff * 4);
+    sz[3] = el_a64(s * q * 4);
+    sz[4] = el_a64(f * m->ff * 2 * 4);
+    sz[5] = el_a64(f * m->ff * 4);
     /* qkv and gate|up read d-wide rows, attn_out q-wide, down ff-wide */
-    sz[7] = el_a64(EL_MAX(el_matmul_scratch(S, EL_MAX(m->d, (int)q)), el_matmul_scratch(F, EL_MAX(m->d, m->ff))));
+    sz[6] = el_a64(EL_MAX(el_matmul_scratch(S, EL_MAX(m->d, (int)q)), el_matmul_scratch(F, EL_MAX(m->d, m->ff))));
+    sz[7] = el_a64(el_matmul_scratch(T, m->d));
 }
 
 /* bytes of the shared region: the larger of the two halves */
 static size_t el_chunk_shared(const size_t sz[EL_CHUNK_NBUF]) {
-    return EL_MAX(sz[2] + sz[3] + sz[4], sz[5] + sz[6]);
+    return EL_MAX(sz[2] + sz[3], sz[4] + sz[5]);
 }
 
 static int el_dims_check(const el_model_dims *m) {
@@ -175,7 +178,7 @@ size_t el_chunk_scratch(const el_model_dims *dims, int T) {
     if (el_dims_check(dims) != EL_OK || el_tokens_check(dims, T) != EL_OK) return 0;
     size_t sz[EL_CHUNK_NBUF];
     el_chunk_sizes(dims, T, sz);
-    return 64 + sz[0] + sz[1] + el_chunk_shared(sz) + sz[7];   /* + 64: the caller's buffer may start unaligned */
+    return 64 + sz[0] + sz[1] + el_chunk_shared(sz) + sz[6] + sz[7];   /* + 64: the caller's buffer may start unaligned */
 }
 
 size_t el_decode_scratch(const el_model_dims *dims) { return el_chunk_scratch(dims, 1); }
@@ -189,12 +192,12 @@ static el_chunk_bufs el_chunk_layout(const el_model_dims *m, int T, void *scratc
     b.o = (float *)p, p += sz[1];
     uint8_t *shared = p;
     b.qkv = (float *)p, p += sz[2];
-    b.q = T > 1 ? (float *)p : b.qkv, p += sz[3];
     b.att = (float *)p;
     p = shared;
-    b.gu = (float *)p, p += sz[5];
+    b.gu = (float *)p, p += sz[4];
     b.act = (float *)p;
     b.mm = shared + el_chunk_shared(sz);
+    b.xq_h = (uint8_t *)b.mm + sz[6];
     return b;
 }
 
@@ -247,8 +250,8 @@ static int el_kv_i8_ok(const void *k_pool, const void *v_pool) {
     return k8->q && k8->scale && v8->q && v8->scale;
 }
 
-/* Per-token work between the projections: RoPE on the token's q and k heads, its K/V rows into
- * the arena, its q into the contiguous q buffer; and the residual adds. Each token (row) is
+/* Per-token work between the projections: RoPE on the token's q and k heads and its K/V rows
+ * into the arena; the residual adds and norms. Each token (row) is
  * independent, so with enough of them el_for_rows splits them over the pool: serial, they left
  * the other thread spinning (~3% of a 32-token chunk). Same kernels per row: the same results. */
 typedef struct {
@@ -256,6 +259,9 @@ typedef struct {
     const el_chunk_bufs *b;
     float *x;                   /* residual adds: x += b->o */
     const float *norm_w;        /* el_add_norm_rows: the RMSNorm after the add, into b->h */
+    int h_q;                    /* ... or (its projection has block weights) quantized into b->xq_h */
+    int h_row;                  /* b->xq_h's row of the slice's row 0 (b->h is offset instead) */
+    int nf;                     /* el_swiglu_q_rows: rows of the FFN piece (b->mm's layout) */
     float eps;
     int T, pos, layer, n_layers, kv_type, block_tokens;
     const float *cos, *sin;
@@ -335,7 +341,6 @@ static void el_rope_store_rows(const void *args, int t0, int t1) {
             memcpy((float *)c->k_pool + off, kr, (size_t)kv_dim * sizeof(float));
             memcpy((float *)c->v_pool + off, vr, (size_t)kv_dim * sizeof(float));
         }
-        if (c->T > 1) memcpy(c->b->q + (size_t)t * q_dim, row, (size_t)q_dim * sizeof(float));
     }
 }
 
@@ -343,6 +348,27 @@ static void el_add_rows(const void *args, int t0, int t1) {
     const el_tok_ctx *c = args;
     const size_t d = (size_t)c->m->d;
     el_add(c->x + t0 * d, c->b->o + t0 * d, c->x + t0 * d, (size_t)(t1 - t0) * d);
+}
+
+/* fp32 rows up to this width are staged on the stack before they are quantized (the RMSNorm or
+ * SwiGLU output of one row: 32 KiB); wider ones go through their row of b->h / b->act */
+#define EL_ROW_STAGE 8192
+
+/* Row t's RMSNorm into what its projection reads: fp32 into b->h, or, for block weights, the
+ * int8 blocks el_matmul would make of it (el_quant_row_xq) while the row is in L1. A 32-token
+ * chunk's four quantizations a layer took 3.5% of its time, as separate trips through the pool
+ * whose rows were written by the other core. */
+static void el_norm_row(const el_tok_ctx *c, const float *x, int t) {
+    const int d = c->m->d;
+    float stage[EL_ROW_STAGE];
+    float *h = c->h_q && d <= EL_ROW_STAGE ? stage : c->b->h + (size_t)t * d;
+    (void)el_rmsnorm(NULL, x, c->norm_w, h, 1, d, c->eps);   /* checked up front */
+    if (c->h_q) el_quant_row_xq(h, c->b->xq_h, c->T, d, c->h_row + t);
+}
+
+static void el_norm_rows(const void *args, int t0, int t1) {
+    const el_tok_ctx *c = args;
+    for (int t = t0; t < t1; t++) el_norm_row(c, c->x + (size_t)t * c->m->d, t);
 }
 
 /* The residual add and the RMSNorm that follows it, row by row: the row is still in L1 for the
@@ -354,8 +380,25 @@ static void el_add_norm_rows(const void *args, int t0, int t1) {
     for (int t = t0; t < t1; t++) {
         float *x = c->x + t * d;
         el_add(x, c->b->o + t * d, x, d);
-        (void)el_rmsnorm(NULL, x, c->norm_w, c->b->h + t * d, 1, (int)d, c->eps);   /* checked up front */
+        el_norm_row(c, x, t);
     }
+}
+
+/* SwiGLU of an FFN piece's rows, each quantized for down (block weights) into b->mm as it is
+ * made; el_swiglu's kernel row by row, so the same fp32 values as its own pass */
+static void el_swiglu_q_rows(const void *args, int t0, int t1) {
+    const el_tok_ctx *c = args;
+    const int ff = c->m->ff;
+    float stage[EL_ROW_STAGE];
+    for (int t = t0; t < t1; t++) {
+        float *a = ff <= EL_ROW_STAGE ? stage : c->b->act + (size_t)t * ff;
+        (void)el_swiglu(NULL, c->b->gu + (size_t)t * 2 * ff, a, 1, ff);   /* checked up front */
+        el_quant_row_xq(a, c->b->mm, c->nf, ff, t);
+    }
+}
+
+static int el_is_blocks(const el_matrix *w) {
+    return w->wtype == EL_Q4_0 || w->wtype == EL_Q4_1 || w->wtype == EL_Q8_0;
 }
 
 int el_chunk_step_out(el_pool *pool, const el_layer *layers, int n_layers, const el_model_dims *dims, float *x,
@@ -391,7 +434,8 @@ int el_chunk_step_out(el_pool *pool, const el_layer *layers, int n_layers, const
 
     /* each layer's attn_norm runs with the residual add before it (the previous layer's FFN);
      * the first layer's has no add */
-    if ((rc = el_rmsnorm(pool, x, layers[0].attn_norm, b.h, T, m.d, m.eps)) != EL_OK) return rc;
+    tok.x = x, tok.norm_w = layers[0].attn_norm, tok.h_q = el_is_blocks(&layers[0].qkv), tok.h_row = 0;
+    el_for_rows(pool, el_norm_rows, &tok, T, m.d);
     for (int l = 0; l < n_layers; l++) {
         const el_layer *L = &layers[l];
         tok.layer = l;
@@ -404,33 +448,48 @@ int el_chunk_step_out(el_pool *pool, const el_layer *layers, int n_layers, const
             bs.h = b.h + (size_t)t0 * m.d;
             tok.x = x + (size_t)t0 * m.d, tok.pos = p0;
             tok.cos = cos + (size_t)t0 * half, tok.sin = sin + (size_t)t0 * half;
-            if ((rc = el_mm(pool, &L->qkv, bs.h, b.qkv, n, m.d, L->bqkv, b.mm)) != EL_OK) return rc;
+            if ((rc = el_is_blocks(&L->qkv)
+                          ? el_matmul_xq(pool, L->qkv.wtype, L->qkv.seg_ptr, L->qkv.seg_rows, L->qkv.n_seg, b.xq_h,
+                                         T, t0, n, m.d, b.qkv, L->bqkv)
+                          : el_mm(pool, &L->qkv, bs.h, b.qkv, n, m.d, L->bqkv, b.mm)) != EL_OK)
+                return rc;
             el_for_rows(pool, el_rope_store_rows, &tok, n, row_w);
             /* past the K/V store, the last layer runs only the rows the caller reads (the
              * chunk's last out_rows): a slice before them stops here */
             const int a = l + 1 < n_layers ? 0 : EL_MIN(n, EL_MAX(0, T - out_rows - t0)), k = n - a;
             if (k == 0) continue;
-            if (a > 0) {   /* (then T > 1: the rows' q are in b.q) */
+            if (a > 0) {
                 bs.h += (size_t)a * m.d;
                 tok.x += (size_t)a * m.d;
             }
-            if ((rc = el_attention_pool(pool, b.q + (size_t)a * q_dim, b.att, k, m.H, m.KVH, m.hd, p0 + a, k_pool,
-                                        v_pool, kv_type, block_table, block_tokens, n_layers, l)) != EL_OK)
+            if ((rc = el_attention_pool_ld(pool, b.qkv + (size_t)a * row_w, (size_t)row_w, b.att, k, m.H, m.KVH,
+                                           m.hd, p0 + a, k_pool, v_pool, kv_type, block_table, block_tokens,
+                                           n_layers, l)) != EL_OK)
                 return rc;
             if ((rc = el_mm(pool, &L->attn_out, b.att, b.o, k, q_dim, NULL, b.mm)) != EL_OK) return rc;
-            tok.norm_w = L->ffn_norm;
+            tok.norm_w = L->ffn_norm, tok.h_q = el_is_blocks(&L->gate_up), tok.h_row = t0 + a;
             el_for_rows(pool, el_add_norm_rows, &tok, k, 2 * m.d);
             for (int f0 = 0, nf; f0 < k; f0 += nf) {
                 nf = EL_MIN(EL_CHUNK_FFN_ROWS, k - f0);
                 if (k - f0 - nf == 1) nf--;   /* (no one-row piece: the GEMVs, as above) */
-                if ((rc = el_mm(pool, &L->gate_up, bs.h + (size_t)f0 * m.d, b.gu, nf, m.d, NULL, b.mm)) != EL_OK)
+                if ((rc = tok.h_q ? el_matmul_xq(pool, L->gate_up.wtype, L->gate_up.seg_ptr, L->gate_up.seg_rows,
+                                                 L->gate_up.n_seg, b.xq_h, T, t0 + a + f0, nf, m.d, b.gu, NULL)
+                                  : el_mm(pool, &L->gate_up, bs.h + (size_t)f0 * m.d, b.gu, nf, m.d, NULL, b.mm)) !=
+                    EL_OK)
                     return rc;
-                if ((rc = el_swiglu(pool, b.gu, b.act, nf, m.ff)) != EL_OK) return rc;
-                if ((rc = el_mm(pool, &L->down, b.act, b.o + (size_t)f0 * m.d, nf, m.ff, NULL, b.mm)) != EL_OK)
-                    return rc;
+                float *o = b.o + (size_t)f0 * m.d;
+                if (el_is_blocks(&L->down)) {
+                    tok.nf = nf;
+                    el_for_rows(pool, el_swiglu_q_rows, &tok, nf, 2 * m.ff);
+                    rc = el_matmul_xq(pool, L->down.wtype, L->down.seg_ptr, L->down.seg_rows, L->down.n_seg, b.mm,
+                                      nf, 0, nf, m.ff, o, NULL);
+                } else if ((rc = el_swiglu(pool, b.gu, b.act, nf, m.ff)) == EL_OK) {
+                    rc = el_mm(pool, &L->down, b.act, o, nf, m.ff, NULL, b.mm);
+                }
+                if (rc != EL_OK) return rc;
             }
             if (l + 1 < n_layers) {
-                tok.norm_w = layers[l + 1].attn_norm;
+                tok.norm_w = layers[l + 1].attn_norm, tok.h_q = el_is_blocks(&layers[l + 1].qkv);
                 el_for_rows(pool, el_add_norm_rows, &tok, k, 2 * m.d);
             } else {
                 el_for_rows(pool, el_add_rows, &tok, k, m.d);

@@ -78,6 +78,19 @@ float el_exp_sub_sum_generic(float *x, int n, float m);
  * small, else split over the pool in tasks of a few thousand elements (elementwise.c) */
 typedef void (*el_rows_fn)(const void *args, int r0, int r1);
 void el_for_rows(el_pool *pool, el_rows_fn fn, const void *args, int rows, int cols);
+/* x rows quantized ahead of el_matmul (quant_matmul.c), into the int8 blocks el_matmul makes of
+ * them in its scratch, bit for bit. xq: a layout for M rows of K (el_matmul_scratch(M, K) bytes);
+ * el_quant_row_xq writes its row r, el_matmul_xq multiplies its rows [row0, row0 + rows). A
+ * producer (RMSNorm, SwiGLU) then quantizes each row while the row is in its core's L1, in its
+ * own trip through the pool, and the fp32 row need not be stored. */
+void el_quant_row_xq(const float *x, void *xq, int M, int K, int r);
+int el_matmul_xq(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
+                 const void *xq, int M, int row0, int rows, int K, float *y, const float *bias);
+/* el_attention_pool with token t's q at q + t * q_ld (attention.c): the fused step reads q in
+ * place in its q | k | v rows */
+int el_attention_pool_ld(el_pool *pool, const float *q, size_t q_ld, float *out, int T, int H, int KVH, int hd,
+                         int start, const void *k, const void *v, int kv_type, const int32_t *block_table,
+                         int block_tokens, int n_layers, int layer);
 /* EL_OK when the chain's parameters are in range (sample.c) */
 int el_sampling_check(const el_sampling *s);
 

@@ -640,11 +640,13 @@ static __attribute__((unused)) int el_round4(int v) { return (v + 3) & ~3; }
 
 /* Both entry points: f32act = 0 quantizes x for the block types (el_matmul), 1 keeps it fp32. */
 static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
-                         const float *x, float *y, int M, int K, const float *bias, void *scratch, int f32act) {
+                         const float *x, float *y, int M, int K, const float *bias, void *scratch, int f32act,
+                         const el_xq *pre) {
     const int blocks = wtype == EL_Q4_0 || wtype == EL_Q4_1 || wtype == EL_Q8_0;
-    const int quantized = blocks && !f32act;   /* x goes through int8 blocks in scratch */
+    const int quantized = blocks && !f32act;   /* x goes through int8 blocks in scratch (or pre) */
     if (!blocks && wtype != EL_F32 && wtype != EL_F16) return EL_EUNSUPPORTED;
-    if (!seg_ptr || !seg_rows || n_seg <= 0 || !x || !y || M <= 0 || K <= 0) return EL_EINVAL;
+    if (pre && !quantized) return EL_EINVAL;
+    if (!seg_ptr || !seg_rows || n_seg <= 0 || (!x && !pre) || !y || M <= 0 || K <= 0) return EL_EINVAL;
     if (blocks && K % QK) return EL_EINVAL;
     long long n_total = 0;
     for (int s = 0; s < n_seg; s++) {
@@ -675,7 +677,9 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
     const int threads = pool ? EL_MAX(1, el_pool_threads(pool)) : 1;
 
     void *owned = NULL;
-    if (quantized) {
+    if (pre) {
+        c.xq = *pre;
+    } else if (quantized) {
         if (!scratch) {
             scratch = owned = malloc(el_matmul_scratch(M, K));
             if (!owned) return EL_ENOMEM;
@@ -755,12 +759,36 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
 
 int el_matmul(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
               const float *x, float *y, int M, int K, const float *bias, void *scratch) {
-    return el_matmul_run(pool, wtype, seg_ptr, seg_rows, n_seg, x, y, M, K, bias, scratch, 0);
+    return el_matmul_run(pool, wtype, seg_ptr, seg_rows, n_seg, x, y, M, K, bias, scratch, 0, NULL);
+}
+
+void el_quant_row_xq(const float *x, void *xq, int M, int K, int r) {
+    const int nb = K / QK;
+    const el_xq L = el_xq_layout(xq, M, nb);
+    int8_t *q = L.q + (size_t)r * nb * QK;
+    float *d = L.d + (size_t)r * nb, *s = L.s + (size_t)r * nb;
+    if (el_generic_flag) el_quant_row_generic(x, q, d, s, nb);
+#if EL_SIMDE && defined(__AVX2__)
+    else el_quant_row_avx2(x, q, d, s, nb);
+#else
+    else el_quant_row_neon(x, q, d, s, nb);
+#endif
+}
+
+int el_matmul_xq(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
+                 const void *xq, int M, int row0, int rows, int K, float *y, const float *bias) {
+    if (!xq || K <= 0 || K % QK || row0 < 0 || rows <= 0 || row0 > M - rows) return EL_EINVAL;
+    const int nb = K / QK;
+    el_xq v = el_xq_layout((void *)xq, M, nb);
+    v.q += (size_t)row0 * nb * QK;
+    v.d += (size_t)row0 * nb;
+    v.s += (size_t)row0 * nb;
+    return el_matmul_run(pool, wtype, seg_ptr, seg_rows, n_seg, NULL, y, rows, K, bias, NULL, 0, &v);
 }
 
 int el_matmul_f32act(el_pool *pool, int wtype, const void *const *seg_ptr, const int *seg_rows, int n_seg,
                      const float *x, float *y, int M, int K, const float *bias) {
-    return el_matmul_run(pool, wtype, seg_ptr, seg_rows, n_seg, x, y, M, K, bias, NULL, 1);
+    return el_matmul_run(pool, wtype, seg_ptr, seg_rows, n_seg, x, y, M, K, bias, NULL, 1, NULL);
 }
 
 int el_x86_gemv(int set) {
