@@ -279,3 +279,16 @@ def test_every_pre_tokenizer_family_runs_natively():
     # _build_bpe hands the family name to NativeBPE: a family added without a native pre-tokenizer
     # would stop every load of it with a ValueError
     assert set(T._PRE_FAMILIES) == set(NATIVE_PRE)
+
+
+@pytest.mark.parametrize("astral", [False, True])
+def test_token_lookup_matches_whole_code_points_in_either_storage_width(astral):
+    """bpe.c keeps a vocabulary's code points as uint16 when every one fits (byte-level
+    vocabularies: half the memory), else as uint32. Either way a lookup matches whole code
+    points: U+1F600 is not U+F600, and every token is found at its own id."""
+    tokens = ["a", "b", "ab", "\uf600", "x\uf600", "\uffff"] + (["\U0001f600", "x\U0001f600"] if astral else [])
+    bpe = NativeBPE(tokens, ["a b"], T._pre_tokenizer(T._PRE_FAMILIES["gpt2"]), False)
+    assert [bpe.token_id(t) for t in tokens] == list(range(len(tokens)))
+    if not astral:
+        assert bpe.token_id("\U0001f600") is None and bpe.token_id("x\U0001f600") is None
+    assert bpe.token_id("\U0001f600\uf600") is None and bpe.token_id("") is None
