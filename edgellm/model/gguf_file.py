@@ -21,6 +21,9 @@ Metadata values: scalars become Python int/float/bool/str; arrays of strings bec
 objects); arrays of numbers or bools become read-only 1-D numpy arrays whose dtype matches the
 GGUF element type (uint8 ... float64, np.bool_); arrays of arrays (depth 2 at most) become lists
 of those.
+`string_arrays[key]` says where each top-level array of strings lies (with a crc32 of its bytes:
+~0.3 ms per MB at parse), so that release_strings can drop one that is read once (open_model
+drops the BPE merges) and have it re-read, checked, if it is read again.
 `metadata_types[key]` keeps the GGUF type path, e.g. (STRING,), (ARRAY, INT32),
 (ARRAY, ARRAY, UINT8), so that later code can reject a key stored with the wrong element type.
 """
@@ -30,6 +33,7 @@ import ctypes
 import mmap
 import os
 import struct
+import zlib
 from array import array
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -38,9 +42,9 @@ import numpy as np
 
 from edgellm.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from edgellm.model.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from edgellm.model.gguf_strings import GGUFStrings
+from edgellm.model.gguf_strings import GGUFStrings, GGUFStringsOnDemand
 
-__all__ = ["GGUFFile", "TensorInfo", "describe_value", "read_gguf", "tensor_view"]
+__all__ = ["GGUFFile", "TensorInfo", "describe_value", "read_gguf", "release_strings", "tensor_view"]
 
 # Caps. Each is far above anything a real model needs and low enough that a hostile count
 # cannot make the walk spend more than a moment or allocate more than about twice the file's
@@ -112,6 +116,15 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
+class StringArraySpan:
+    field: str                         # the key as errors name it, e.g. "kv[17] 'tokenizer.ggml.merges'"
+    start: int                         # absolute offset of the array's element type
+    end: int                           # absolute offset just past its last string
+    count: int                         # strings in the array
+    crc32: int                         # zlib.crc32 of bytes [start, end) as parsed
+
+
+@dataclass(frozen=True)
 class GGUFFile:
     path: str                          # the file as given to read_gguf
     version: int                       # GGUF version (2 or 3)
@@ -121,6 +134,8 @@ class GGUFFile:
     data_offset: int                   # absolute offset where the tensor data section starts
     file_size: int                     # bytes, at parse time
     metadata_types: dict[str, tuple[GGUFValueType, ...]] = field(default_factory=dict)
+    # key -> where each top-level array of strings lies, so that release_strings can drop one
+    string_arrays: dict[str, StringArraySpan] = field(default_factory=dict)
     # lazily opened np.memmap of the whole file, shared by every tensor_view call
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -418,6 +433,7 @@ def _parse(path: str, buf: Any, size: int) -> GGUFFile:
     # ---- key/value metadata
     metadata: dict[str, Any] = {}
     metadata_types: dict[str, tuple[GGUFValueType, ...]] = {}
+    string_arrays: dict[str, StringArraySpan] = {}
     key_index: dict[str, int] = {}
     for i in range(kv_count):
         key = w.string(f"kv[{i}] key", MAX_KEY_LEN)
@@ -428,7 +444,12 @@ def _parse(path: str, buf: Any, size: int) -> GGUFFile:
             raise w.fail(fld, f"expected unique keys, found a duplicate of kv[{key_index[key]}]")
         vt = w.value_type(f"{fld} type")
         if vt is _V.ARRAY:
+            start = w.pos
             value, types = w.array(fld, 1)
+            if types == (_V.ARRAY, _V.STRING):
+                with memoryview(buf) as mv:     # (released before read_gguf closes the mmap)
+                    crc = zlib.crc32(mv[start:w.pos])
+                string_arrays[key] = StringArraySpan(fld, start, w.pos, len(value), crc)
         else:
             value, types = w.value(vt, fld), (vt,)
         key_index[key] = i
@@ -525,7 +546,39 @@ def _parse(path: str, buf: Any, size: int) -> GGUFFile:
                for name, gtype, shape, rel, nbytes, n_el in infos}
     return GGUFFile(path=path, version=version, alignment=alignment, metadata=metadata,
                     tensors=tensors, data_offset=data_offset, file_size=size,
-                    metadata_types=metadata_types)
+                    metadata_types=metadata_types, string_arrays=string_arrays)
+
+
+def release_strings(gguf_file: GGUFFile, key: str) -> None:
+    """Drops the decoded strings of the array `key` from the metadata; they are re-read from the
+    file, and checked to be the bytes parsed, when next read (GGUFStringsOnDemand). For arrays
+    that are read once at load (the BPE merges) and rarely after."""
+    span = gguf_file.string_arrays.get(key)
+    if span is None or not isinstance(gguf_file.metadata.get(key), GGUFStrings):
+        return
+    path, size = gguf_file.path, gguf_file.file_size     # (not gguf_file: no reference cycle)
+    gguf_file.metadata[key] = GGUFStringsOnDemand(span.count, lambda: _reread_strings(path, size, span))
+
+
+def _reread_strings(path: str, file_size: int, span: StringArraySpan) -> GGUFStrings:
+    """The array at `span` read again; ModelFormatError if the file is not as parsed."""
+    changed = "the file changed after it was read"
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != file_size:
+                raise ModelFormatError(path, span.field, f"expected {file_size} bytes as parsed, "
+                                                         f"found {size}: {changed}")
+            f.seek(span.start)
+            raw = f.read(span.end - span.start)
+    except FileNotFoundError:
+        raise ModelFormatError(path, span.field, "the file was removed after it was read") from None
+    crc = zlib.crc32(raw)
+    if crc != span.crc32:
+        raise ModelFormatError(path, span.field, f"expected the bytes parsed (crc32 {span.crc32:08x}), "
+                                                 f"found crc32 {crc:08x}: {changed}")
+    value, _ = _Walker(path, raw, len(raw)).array(span.field, 1)   # the parse's own decoding
+    return value
 
 
 def file_memmap(gguf_file: GGUFFile) -> np.memmap:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -109,6 +109,44 @@ class GGUFStrings(Sequence):
     def nbytes(self) -> int:
         """Bytes held: the str of all characters (1, 2 or 4 bytes each) and the offsets."""
         return sys.getsizeof(self._text) + self._starts.nbytes
+
+
+class GGUFStringsOnDemand(GGUFStrings):
+    """A GGUFStrings decoded on first use by `load()` (then kept), its length known before.
+
+    Why: SmolLM2's merges (48,900 strings) held ~0.9 MiB resident after load although only the
+    tokenizer reads them, once, while the model opens (gguf_file.release_strings). A later
+    reader (requant copies every key) gets the same strings, re-read from the file."""
+
+    __slots__ = ("_n", "_load")
+
+    def __init__(self, n: int, load: Callable[[], GGUFStrings]):
+        self._n = n
+        self._load = load           # () -> GGUFStrings; raises when the strings cannot be had
+
+    def __getattr__(self, name):
+        # reached only while the _text/_starts slots are unset: the first read of the strings
+        if name not in ("_text", "_starts"):
+            raise AttributeError(name)
+        self._text, self._starts = self._load().joined()
+        return object.__getattribute__(self, name)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def loaded(self) -> bool:
+        """Whether the strings are decoded and held (object.__getattribute__: no load)."""
+        try:
+            object.__getattribute__(self, "_starts")
+        except AttributeError:
+            return False
+        return True
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: none until the strings are first read."""
+        return super().nbytes if self.loaded else 0
 
 
 # strings whose prefixes are cleared per step: bounds the mask and index temporaries to ~150 KiB
