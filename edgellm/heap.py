@@ -1,4 +1,5 @@
-"""Hands back to the OS the heap pages that load's temporary objects left free."""
+"""Hands back to the OS the heap pages that load's temporary objects left free; keeps huge pages
+out of sparse scratch."""
 from __future__ import annotations
 
 import ctypes
@@ -16,3 +17,26 @@ def release_free_pages() -> bool:
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     return bool(trim(0))
+
+
+MADV_NOHUGEPAGE = 15    # linux/mman.h
+
+
+def no_huge_pages(arr) -> bool:
+    """Keeps transparent huge pages out of a large, sparsely touched array (a native step's
+    scratch, whose regions for fp32 inputs stay untouched with quantized weights). numpy advises
+    huge pages for arrays of 4 MiB and more, and one touched byte then makes a whole 2 MiB
+    resident. True if the kernel took the advice; False without madvise (or for an array under
+    a page), where nothing changes."""
+    page = 4096
+    start = (arr.ctypes.data + page - 1) & ~(page - 1)
+    end = (arr.ctypes.data + arr.nbytes) & ~(page - 1)
+    if end <= start:
+        return False
+    try:
+        fn = ctypes.CDLL(None).madvise
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn(start, end - start, MADV_NOHUGEPAGE) == 0

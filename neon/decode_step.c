@@ -131,10 +131,16 @@ typedef struct {
 
 #define EL_CHUNK_NBUF 8
 
-/* Region sizes in bytes, in el_chunk_bufs order; the layout starts 64-byte aligned. */
+/* Region sizes in bytes, in el_chunk_bufs order; the layout starts 64-byte aligned.
+ *
+ * The slice-sized regions are sized for EL_CHUNK_SLICE rows whatever T (> 1), so they lie at the
+ * same offsets for every chunk, and a chunk touches only their first rows: the pages ever touched
+ * are those of the largest chunk, where a layout per T touched the union of every chunk size's
+ * (a 512-token prompt run as 384 + 128 rows touched 3.5 MiB of its 4.2 MiB scratch, h's pages
+ * among them). The T-sized regions come last, h (untouched for block-type weights) at the end. */
 static void el_chunk_sizes(const el_model_dims *m, int T, size_t sz[EL_CHUNK_NBUF]) {
     const size_t q = (size_t)m->H * m->hd, kv = (size_t)m->KVH * m->hd, t = (size_t)T;
-    const int S = EL_MIN(T, EL_CHUNK_SLICE), F = EL_MIN(S, EL_CHUNK_FFN_ROWS);
+    const int S = T > 1 ? EL_CHUNK_SLICE : 1, F = EL_MIN(S, EL_CHUNK_FFN_ROWS);
     const size_t s = (size_t)S, f = (size_t)F;
     sz[0] = el_a64(t * m->d * 4);
     sz[1] = el_a64(s * m->d * 4);
@@ -188,7 +194,6 @@ static el_chunk_bufs el_chunk_layout(const el_model_dims *m, int T, void *scratc
     el_chunk_sizes(m, T, sz);
     uint8_t *p = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     el_chunk_bufs b;
-    b.h = (float *)p, p += sz[0];
     b.o = (float *)p, p += sz[1];
     uint8_t *shared = p;
     b.qkv = (float *)p, p += sz[2];
@@ -198,6 +203,7 @@ static el_chunk_bufs el_chunk_layout(const el_model_dims *m, int T, void *scratc
     b.act = (float *)p;
     b.mm = shared + el_chunk_shared(sz);
     b.xq_h = (uint8_t *)b.mm + sz[6];
+    b.h = (float *)((uint8_t *)b.xq_h + sz[7]);
     return b;
 }
 

@@ -31,7 +31,7 @@ from ctypes import c_float, c_int, c_void_p
 import numpy as np
 
 from ..errors import EdgeLLMError
-from ..heap import release_free_pages
+from ..heap import no_huge_pages, release_free_pages
 from ..model.config import ModelConfig
 from . import neon
 from .neon import PreparedWeights, QMatrix
@@ -345,6 +345,7 @@ class DecodeStep:
         self._chunk_x = np.empty((T, self.cfg.d_model), np.float32)
         self._chunk_rope = np.empty((2, T, self.cfg.rope_dim // 2), np.float32)
         self._chunk_scratch = np.empty(need, np.uint8)
+        no_huge_pages(self._chunk_scratch)   # (its fp32 h / act regions stay untouched, Q4 weights)
         self._chunk_ptrs = (self._chunk_x.ctypes.data, self._chunk_rope[0].ctypes.data,
                             self._chunk_rope[1].ctypes.data)   # rows 0..T-1's first addresses
         self._chunk_scratch_p = self._chunk_scratch.ctypes.data
