@@ -94,7 +94,7 @@ int el_f32_to_f16(const float *x, uint16_t *y, size_t n) {
 static size_t el_a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 /* A layer runs over a chunk in slices of S = min(T, EL_CHUNK_SLICE) rows, so every buffer but
- * h holds one slice: a chunk's scratch stops growing with T (SmolLM2: 24.4 KiB a token, 14.5
+ * h and xq_h holds one slice: a chunk's scratch grows little with T (SmolLM2: 24.4 KiB a token, 14.5
  * MiB at 608 tokens before slices, 6.9 MiB with them, 4.4 MiB with the FFN pieces below). A
  * slice's attention reads the K/V rows earlier slices of the same layer stored. Why 256 and
  * not 128 (4.1 MiB before the FFN pieces): each slice reads the layer's weights
@@ -115,7 +115,7 @@ static size_t el_a64(size_t n) { return (n + 63) & ~(size_t)63; }
 
 typedef struct {
     float *h;      /* (T, d) normed input of a projection: the next layer's, for every row (fp32
-                    * projections; block-quantized ones read xq_h, and h stays untouched) */
+                    * projections; block-quantized ones read xq_h); el_chunk_logits' normed row */
     float *o;      /* (S, d) attn_out / down output, added to x */
     /* the attention half of a layer; dead once attn_out has read att */
     float *qkv;    /* (S, H*hd + 2*KVH*hd) q | k | v per row; q and k rotated in place, q read
@@ -124,8 +124,8 @@ typedef struct {
     /* the FFN half, in the same bytes as the attention half */
     float *gu;     /* (F, 2*ff) gate | up, F = min(S, EL_CHUNK_FFN_ROWS): one FFN piece */
     float *act;    /* (F, ff) swiglu output */
-    void *mm;      /* el_matmul's scratch: S rows of the attention half's K, F of the FFN's; the
-                    * SwiGLU output quantized for down (el_matmul_xq layout, F rows of ff) */
+    void *mm;      /* el_matmul's scratch for attn_out (S rows of H*hd) and the head (1 row of d);
+                    * the SwiGLU output quantized for down (el_matmul_xq layout, F rows of ff) */
     void *xq_h;    /* h quantized for block-type projections: el_matmul_xq layout, T rows of d */
 } el_chunk_bufs;
 
@@ -137,7 +137,9 @@ typedef struct {
  * same offsets for every chunk, and a chunk touches only their first rows: the pages ever touched
  * are those of the largest chunk, where a layout per T touched the union of every chunk size's
  * (a 512-token prompt run as 384 + 128 rows touched 3.5 MiB of its 4.2 MiB scratch, h's pages
- * among them). The T-sized regions come last, h (untouched for block-type weights) at the end. */
+ * among them). The T-sized regions come last, h at the end: with block-type projections h is
+ * written only by el_chunk_logits (one row). (With fp32 projections h is written, and it moves
+ * with xq_h's size: a smaller chunk then touches some pages of its own.) */
 static void el_chunk_sizes(const el_model_dims *m, int T, size_t sz[EL_CHUNK_NBUF]) {
     const size_t q = (size_t)m->H * m->hd, kv = (size_t)m->KVH * m->hd, t = (size_t)T;
     const int S = T > 1 ? EL_CHUNK_SLICE : 1, F = EL_MIN(S, EL_CHUNK_FFN_ROWS);
@@ -148,8 +150,10 @@ static void el_chunk_sizes(const el_model_dims *m, int T, size_t sz[EL_CHUNK_NBU
     sz[3] = el_a64(s * q * 4);
     sz[4] = el_a64(f * m->ff * 2 * 4);
     sz[5] = el_a64(f * m->ff * 4);
-    /* qkv and gate|up read d-wide rows, attn_out q-wide, down ff-wide */
-    sz[6] = el_a64(EL_MAX(el_matmul_scratch(S, EL_MAX(m->d, (int)q)), el_matmul_scratch(F, EL_MAX(m->d, m->ff))));
+    /* attn_out quantizes q-wide rows here, the head one d-wide row; down's ff-wide rows come
+     * quantized from the SwiGLU (qkv and gate|up read xq_h, or fp32 h, never this) */
+    sz[6] = el_a64(EL_MAX(EL_MAX(el_matmul_scratch(S, (int)q), el_matmul_scratch(F, m->ff)),
+                          el_matmul_scratch(1, m->d)));
     sz[7] = el_a64(el_matmul_scratch(T, m->d));
 }
 

@@ -148,3 +148,34 @@ def test_a_file_replaced_by_another_of_the_same_size_is_a_typed_error(tiny, tmp_
     os.replace(other, tiny.path)                    # a new inode at the same path
     with pytest.raises(ModelFormatError, match="changed after it was read"):
         list(mf.metadata[KEY])
+
+
+def test_threads_reading_at_once_load_the_strings_once():
+    """Several threads reading an unloaded GGUFStringsOnDemand at once: one re-read, every
+    thread sees the strings (without the lock each thread re-read and decoded the array)."""
+    import threading
+    import time
+
+    words = ["Ġ t", "Ġ a", "h e", "i n"]
+    loads = []
+
+    def load():
+        loads.append(1)
+        time.sleep(0.05)            # a slow file read: the other threads arrive meanwhile
+        text = "".join(words)
+        starts = np.cumsum([0] + [len(w) for w in words]).astype(np.int32)
+        return GGUFStrings(text, starts)
+
+    lazy = GGUFStringsOnDemand(len(words), load)
+    barrier, seen = threading.Barrier(8), []
+
+    def reader():
+        barrier.wait()
+        seen.append(list(lazy))
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(loads) == 1 and seen == [words] * 8

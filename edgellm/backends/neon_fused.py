@@ -345,7 +345,7 @@ class DecodeStep:
         self._chunk_x = np.empty((T, self.cfg.d_model), np.float32)
         self._chunk_rope = np.empty((2, T, self.cfg.rope_dim // 2), np.float32)
         self._chunk_scratch = np.empty(need, np.uint8)
-        no_huge_pages(self._chunk_scratch)   # (its fp32 h / act regions stay untouched, Q4 weights)
+        no_huge_pages(self._chunk_scratch)   # (its fp32 h / act regions are not written for block weights)
         self._chunk_ptrs = (self._chunk_x.ctypes.data, self._chunk_rope[0].ctypes.data,
                             self._chunk_rope[1].ctypes.data)   # rows 0..T-1's first addresses
         self._chunk_scratch_p = self._chunk_scratch.ctypes.data

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import operator
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -118,17 +119,22 @@ class GGUFStringsOnDemand(GGUFStrings):
     tokenizer reads them, once, while the model opens (gguf_file.release_strings). A later
     reader (requant copies every key) gets the same strings, re-read from the file."""
 
-    __slots__ = ("_n", "_load")
+    __slots__ = ("_n", "_load", "_lock")
 
     def __init__(self, n: int, load: Callable[[], GGUFStrings]):
         self._n = n
         self._load = load           # () -> GGUFStrings; raises when the strings cannot be had
+        self._lock = threading.Lock()   # one re-read when several threads read at once
 
     def __getattr__(self, name):
         # reached only while the _text/_starts slots are unset: the first read of the strings
         if name not in ("_text", "_starts"):
             raise AttributeError(name)
-        self._text, self._starts = self._load().joined()
+        with self._lock:
+            if not self.loaded:
+                text, starts = self._load().joined()
+                self._starts = starts
+                self._text = text       # (set last: `loaded` tests _starts, a reader _text)
         return object.__getattribute__(self, name)
 
     def __len__(self) -> int:
