@@ -39,8 +39,9 @@ from . import quant
 from .model import layout
 from .model.ggml_types import GGML_QUANT_SIZES, GGUFValueType
 from .model.ggml_types import GGMLQuantizationType as T
-from .errors import ConfigError, UnsupportedModelError
+from .errors import ConfigError, ModelFormatError, UnsupportedModelError
 from .fileio import fsync_dir, remove_dead_writers, writer_tag
+from .model.gguf_file import read_tensor
 
 __all__ = [
     "FORMATS", "GGUF_FORMATS", "GGUF_TYPE_FOR", "PLAN_OPS", "Converted", "TensorReport", "Report",
@@ -373,6 +374,32 @@ def _plan_jobs(mf: Any, formats: Mapping[str, str]) -> list[_Job]:
     return jobs
 
 
+def _file_key(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What changes when a file is replaced (device, inode) or written in place (size, mtime)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _check_unchanged(path: str, key: tuple[int, int, int, int] | None, now: os.stat_result | None) -> None:
+    """ModelFormatError unless the source is still the file `key` describes. A rewrite within one
+    tick of a coarse file-system clock can keep mtime: that one goes unseen; a size change or a
+    replacement does not."""
+    changes = []
+    if now is None:
+        changes.append("it was removed")
+    elif key is not None and _file_key(now) != key:
+        dev, ino, size, mtime = key
+        if (now.st_dev, now.st_ino) != (dev, ino):
+            changes.append("it was replaced by another file")
+        if now.st_size != size:
+            changes.append(f"its size went from {size} to {now.st_size} bytes")
+        if now.st_mtime_ns != mtime:
+            changes.append("its modification time changed")
+    if changes:
+        raise ModelFormatError(path, "file", f"expected it unchanged while quantize read it, found that "
+                                             f"{', '.join(changes)} (another process changed it: a download "
+                                             "restarting?); no output was written")
+
+
 def _free_bytes(d: str) -> int | None:
     try:
         return shutil.disk_usage(d).free
@@ -399,10 +426,17 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     target block size does not divide, a 1-D tensor asked for a block type, a tensor to convert
     that holds NaN or infinite values (checked as each is converted), or dst == src;
     ModelFormatError / UnsupportedModelError / ModelNotFoundError from the loader pass through.
+    ModelFormatError too when the source changes while it is read: shorter than parsed (naming
+    the tensor), or rewritten, replaced or removed (checked after the last tensor); dst is then
+    left as it was.
     """
     from .model.loader import open_model
 
     src_path, dst_path = os.fspath(src_path), os.fspath(dst_path)
+    try:   # before the parse: a rewrite from here on is seen (_check_unchanged below)
+        src_key: tuple[int, int, int, int] | None = _file_key(os.stat(src_path))
+    except OSError:
+        src_key = None                          # (open_model says what is wrong)
     mf = open_model(src_path)
     if os.path.exists(dst_path) and os.path.samefile(src_path, dst_path):
         raise ConfigError(f"{dst_path}: the output must not be the source file")
@@ -431,6 +465,17 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     if free is not None and free < predicted:   # known before any work: said now, not ~40 MB in
         raise ConfigError(f"{dst_path}: the file needs {predicted / 2**20:.1f} MiB but {d} has "
                           f"{free / 2**20:.1f} MiB free")
+    # the tensors are read with plain reads, not through the loader's memmap: a source that
+    # shrinks under a mapping (another process rewriting it, a download restarting) kills the
+    # process with SIGBUS; a read past the end is a ModelFormatError naming the tensor
+    # (gguf_file.read_tensor). The descriptor keeps the inode checked here, whatever the path
+    # becomes later.
+    src = open(src_path, "rb", buffering=0)
+    try:
+        _check_unchanged(src_path, src_key, os.fstat(src.fileno()))
+    except BaseException:
+        src.close()
+        raise
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dst_path)}.{writer_tag()}.", suffix=".tmp", dir=d)
     os.close(fd)
     writer = _Writer(tmp, g.metadata.get("general.architecture", "llama"))
@@ -447,7 +492,7 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for i, j in enumerate(jobs):
-            raw = mf.raw(j.name)
+            raw = read_tensor(src, g, g.tensors[j.name])
             sq = math.inf
             if j.dst_type != j.src_type:
                 w = quant.dequantize(raw, j.src_type, j.np_shape)   # (…, K) fp32
@@ -463,6 +508,13 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
         assert writer.fout is not None
         os.fsync(writer.fout[0].fileno())
         writer.close()
+        # a source rewritten in place (same size or grown back) reads without error, and the
+        # output would mix its old and new tensors: seen here, before the rename
+        try:
+            now: os.stat_result | None = os.stat(src_path)
+        except FileNotFoundError:
+            now = None
+        _check_unchanged(src_path, src_key, now)
         actual = os.path.getsize(tmp)
         # mkstemp makes the file owner-only; a model file gets the usual permissions (umask)
         umask = os.umask(0)
@@ -481,6 +533,8 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
             raise ConfigError(f"{dst_path}: cannot write it: {e} (the disk is full or a file-size limit "
                               f"was reached)") from None
         raise
+    finally:
+        src.close()
     fsync_dir(d)
     return Report(src=src_path, dst=dst_path, tensors=tuple(reports), mapped=mapped,
                   predicted_size=predicted, actual_size=actual)

@@ -1,4 +1,5 @@
-"""A validating walk over a GGUF v2/v3 header (little-endian), and zero-copy tensor views.
+"""A validating walk over a GGUF v2/v3 header (little-endian), and zero-copy tensor views (or
+checked copies, for a reader the file may shrink under: read_tensor).
 
 Why our own parser: the `gguf` package's GGUFReader builds a numpy view per field and per array
 element (seconds on a 49k-token vocabulary, which hurts cold start) and, in older versions,
@@ -36,7 +37,7 @@ import struct
 import zlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Sequence
 
 import numpy as np
 
@@ -44,7 +45,8 @@ from edgellm.errors import ModelFormatError, ModelNotFoundError, UnsupportedMode
 from edgellm.model.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from edgellm.model.gguf_strings import GGUFStrings, GGUFStringsOnDemand
 
-__all__ = ["GGUFFile", "TensorInfo", "describe_value", "read_gguf", "release_strings", "tensor_view"]
+__all__ = ["GGUFFile", "TensorInfo", "describe_value", "read_gguf", "read_tensor", "release_strings",
+           "tensor_view"]
 
 # Caps. Each is far above anything a real model needs and low enough that a hostile count
 # cannot make the walk spend more than a moment or allocate more than about twice the file's
@@ -602,7 +604,37 @@ def tensor_view(gguf_file: GGUFFile, info: TensorInfo) -> np.ndarray:
     many leading axes as the tensor has), row_bytes = ne[0] / block_size * type_size."""
     if gguf_file.tensors.get(info.name) != info:
         raise ValueError(f"tensor {info.name!r} is not a tensor of {gguf_file.path}")
-    raw = file_memmap(gguf_file)[info.offset:info.offset + info.nbytes]
+    return _shaped(file_memmap(gguf_file)[info.offset:info.offset + info.nbytes], info)
+
+
+def read_tensor(f: BinaryIO, gguf_file: GGUFFile, info: TensorInfo) -> np.ndarray:
+    """A copy of one tensor's data, read from `f` (the file, opened unbuffered: open(path, "rb",
+    buffering=0)) with plain reads, shaped as tensor_view shapes it.
+
+    For a reader that must survive the file shrinking under it (requant): a mapped page past the
+    file's new end is SIGBUS, the process killed without a word, and no check of the size before
+    touching the mapping closes the race; a read past the end is a short count, which is a
+    ModelFormatError naming the file and the tensor. The engine keeps tensor_view: zero copies."""
+    if gguf_file.tensors.get(info.name) != info:
+        raise ValueError(f"tensor {info.name!r} is not a tensor of {gguf_file.path}")
+    buf = np.empty(info.nbytes, dtype=np.uint8)
+    view, got = memoryview(buf), 0
+    f.seek(info.offset)
+    while got < info.nbytes:        # (one read returns at most ~2 GiB on Linux)
+        n = f.readinto(view[got:])
+        if not n:
+            size = os.fstat(f.fileno()).st_size
+            raise ModelFormatError(gguf_file.path, f"tensor {info.name!r}",
+                                   f"expected {info.nbytes} bytes at offset {info.offset}, found {got}: the "
+                                   f"file is now {size} bytes, not the {gguf_file.file_size} parsed; it "
+                                   "changed after it was read")
+        got += n
+    buf.flags.writeable = False     # (as a view of the read-only mapping is)
+    return _shaped(buf, info)
+
+
+def _shaped(raw: np.ndarray, info: TensorInfo) -> np.ndarray:
+    """A tensor's bytes (uint8, 1-D) as tensor_view returns them."""
     np_shape = tuple(reversed(info.shape))
     dt = _NUMPY_TENSOR_DTYPES.get(info.ggml_type)
     if dt is not None:
