@@ -1186,10 +1186,12 @@ def cache_list():
 @cache_app.command("info")
 @friendly
 def cache_info():
-    """Directory, entry count and total size."""
+    """Directory, entry count and total size; the other caches' sizes, and the npu caches' cap."""
+    from .backends import npu_cache
     from .kv import disk_cache
 
     cache_check()
+    cap = npu_cache.cap_bytes()      # a bad EDGELLM_NPU_CACHE_MB: the error alone, before any line
     for k, v in disk_cache.info().items():
         typer.echo(f"{k:<12} {v}")
     # the other caches beside the sessions (`cache clear --all` removes them too)
@@ -1197,6 +1199,11 @@ def cache_info():
         files = [f for f in _walk(d) if not f.is_dir() or f.is_symlink()]
         size = sum(_lsize(f) for f in files)
         typer.echo(f"{d.name + '/':<12} {len(files)} file(s), {size / 2**20:.1f} MiB")
+    # the npu graph caches are bounded, each folder on its own (backends/npu_cache.py): use vs cap
+    for d, suffix in npu_cache.folders():
+        u = npu_cache.usage(d, suffix)
+        typer.echo(f"{'npu/' + d.name + '/':<12} {u.files} file(s), {u.bytes / 2**20:.1f} MiB of a "
+                   f"{cap / 2**20:g} MiB cap ({npu_cache.CAP_ENV})")
 
 
 def _lsize(p: Path) -> int:

@@ -25,7 +25,8 @@ only) are rebuilt once, one warning for all of them. A cached model that onnxrun
 is compared with a fresh build: when they differ, the fresh one replaces it and gets the session.
 Sessions load the file by path: from bytes, the Python InferenceSession keeps its own copy of the
 serialized model (measured: 2x the weight bytes resident instead of 1x). Temporary files a killed
-writer left in the cache folder are removed before a write.
+writer left in the cache folder are removed before a write. The folder is bounded in size
+(least recently used files evicted after each write, EDGELLM_NPU_CACHE_MB): npu_cache.py.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import numpy as np
 from ..hashing import bulk_sha256, sha256
 from ..errors import ConfigError, EdgeLLMError
 from ..fileio import remove_dead_writers, write_atomic
+from . import npu_cache
 from .npu_graphs import FORMATS, INT4_BLOCK, FfnGraph, LinearGraph, NpuGraphError, NpuInputError, QLinear
 
 log = logging.getLogger("edgellm")
@@ -419,6 +421,7 @@ def _cached_model(graph, cache_dir) -> tuple[Path | bytes, bool]:
         why = _read_cached(path, graph)
         if why is None:
             stats.loaded += 1
+            npu_cache.touch(path)          # a hit: most recently used, last to be evicted
             return path, True
         _report_rejected(path, why)
     return _store(path, build_model(graph).SerializeToString()), False
@@ -434,6 +437,7 @@ def _store(path: Path, data: bytes) -> Path | bytes:
     except OSError as e:
         log.warning("npu model cache %s cannot be written (%s); the session loads from memory", path, e)
         return data
+    npu_cache.evict(path.parent, ".onnx", keep=path)
     return path
 
 
@@ -600,10 +604,14 @@ def compile(graph, *, providers, provider_options=None,
     in `provider_options`). Raises NpuUnavailable, NpuGraphError (the caller falls back to the
     CPU for this op) or ConfigError."""
     _dims(graph)
+    npu_cache.cap_bytes()          # a bad EDGELLM_NPU_CACHE_MB is refused on a hit as on a miss
     model, from_cache = _cached_model(graph, cache_dir)
 
     def session(m):
-        return OnnxSubgraph(graph, m, providers=providers, provider_options=provider_options)
+        sub = OnnxSubgraph(graph, m, providers=providers, provider_options=provider_options)
+        if not isinstance(m, bytes):
+            npu_cache.hold(sub, m)     # its file is not evicted while the subgraph lives
+        return sub
 
     try:
         return session(model)

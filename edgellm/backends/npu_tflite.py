@@ -11,7 +11,9 @@ Cache: <cache_dir>/<name>-<sha256(writer version, key)[:32]>.tflc = a header (ma
 writer version, payload length, sha256 of the payload, digest of the graph key) and the .tflite
 bytes. A file that fails any check is rebuilt with one warning, never trusted. Temporary files
 a killed writer left in the cache folder are removed before the next write. Every model, built
-or loaded, passes validate() before an interpreter sees it (RELIABILITY.md item 16).
+or loaded, passes validate() before an interpreter sees it (RELIABILITY.md item 16). The folder
+is bounded in size (least recently used files evicted after each write, EDGELLM_NPU_CACHE_MB):
+npu_cache.py.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import numpy as np
 from ..hashing import bulk_sha256, sha256
 from ..errors import ConfigError, EdgeLLMError
 from ..fileio import remove_dead_writers, write_atomic
+from . import npu_cache
 from .npu_graphs import LinearGraph, NpuGraphError, NpuInputError, reference
 from .npu_tflite_validate import TfliteModelError, validate
 from .npu_tflite_writer import (WRITER_VERSION, _ADD, _DEQ, _FC, _LOGISTIC, _MUL, _SPLIT, _TT,
@@ -96,6 +99,7 @@ def load_or_build(graph, cache_dir: str | os.PathLike | None = None) -> bytes:
     payload = _read_cache(path, key_digest)
     if payload is not None:
         stats.loaded += 1
+        npu_cache.touch(path)              # a hit: most recently used, last to be evicted
         return payload
     payload = build_flatbuffer(graph)
     try:
@@ -148,6 +152,7 @@ def _write_cache(path: Path, payload: bytes, key_digest: bytes) -> None:
     remove_dead_writers(path.parent)
     write_atomic(path, _HEADER.pack(_MAGIC, _CACHE_FORMAT, WRITER_VERSION, len(payload),
                                     bulk_sha256(payload).digest(), key_digest) + payload)
+    npu_cache.evict(path.parent, ".tflc", keep=path)
 
 
 # -- the runtime -------------------------------------------------------------------------------
@@ -366,5 +371,10 @@ def compile(graph, *, delegate: str | None = None, delegate_options: dict | None
         ok, why = int4_supported()
         if not ok:
             raise NpuGraphError(graph.name, why)
-    return TfliteSubgraph(graph, load_or_build(graph, cache_dir), delegate=delegate,
-                          delegate_options=delegate_options, num_threads=num_threads)
+    npu_cache.cap_bytes()          # a bad EDGELLM_NPU_CACHE_MB is refused on a hit as on a miss
+    sub = TfliteSubgraph(graph, load_or_build(graph, cache_dir), delegate=delegate,
+                         delegate_options=delegate_options, num_threads=num_threads)
+    # the interpreter holds the bytes, not the file; the file is kept anyway while the subgraph
+    # lives, so that a model larger than the cap does not evict its own files as it loads
+    npu_cache.hold(sub, cache_path(graph, cache_dir))
+    return sub
