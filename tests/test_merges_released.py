@@ -179,3 +179,17 @@ def test_threads_reading_at_once_load_the_strings_once():
     for t in threads:
         t.join()
     assert len(loads) == 1 and seen == [words] * 8
+
+
+def test_a_directory_in_the_files_place_or_a_chdir(tiny, tmp_path, monkeypatch):
+    """The re-read opens the file by its absolute path (a chdir after the load changes nothing),
+    and any OSError on the way is a ModelFormatError, not an untyped IsADirectoryError."""
+    monkeypatch.chdir(os.path.dirname(tiny.path))
+    mf = open_model(os.path.basename(tiny.path))        # a relative path
+    monkeypatch.chdir(tmp_path)
+    assert len(list(mf.metadata[KEY])) == len(mf.metadata[KEY])
+    mf2 = open_model(tiny.path)
+    os.remove(tiny.path)
+    os.mkdir(tiny.path)
+    with pytest.raises(ModelFormatError, match="cannot read it again"):
+        list(mf2.metadata[KEY])

@@ -558,7 +558,8 @@ def release_strings(gguf_file: GGUFFile, key: str) -> None:
     span = gguf_file.string_arrays.get(key)
     if span is None or not isinstance(gguf_file.metadata.get(key), GGUFStrings):
         return
-    path, size = gguf_file.path, gguf_file.file_size     # (not gguf_file: no reference cycle)
+    # (not gguf_file: no reference cycle; absolute: a later chdir must not lose the file)
+    path, size = os.path.abspath(gguf_file.path), gguf_file.file_size
     gguf_file.metadata[key] = GGUFStringsOnDemand(span.count, lambda: _reread_strings(path, size, span))
 
 
@@ -575,6 +576,8 @@ def _reread_strings(path: str, file_size: int, span: StringArraySpan) -> GGUFStr
             raw = f.read(span.end - span.start)
     except FileNotFoundError:
         raise ModelFormatError(path, span.field, "the file was removed after it was read") from None
+    except OSError as e:     # (permissions changed, a folder in its place, an I/O error)
+        raise ModelFormatError(path, span.field, f"cannot read it again: {e.strerror or e}") from None
     crc = zlib.crc32(raw)
     if crc != span.crc32:
         raise ModelFormatError(path, span.field, f"expected the bytes parsed (crc32 {span.crc32:08x}), "
