@@ -3,6 +3,7 @@ out of sparse scratch."""
 from __future__ import annotations
 
 import ctypes
+import errno
 
 
 def release_free_pages() -> bool:
@@ -22,6 +23,17 @@ def release_free_pages() -> bool:
 MADV_NOHUGEPAGE = 15    # linux/mman.h
 
 
+def madvise(addr: int, length: int, advice: int) -> int:
+    """madvise(2): 0 when taken, else the errno (EINVAL where the C library has no madvise)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return errno.EINVAL
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return 0 if fn(addr, length, advice) == 0 else ctypes.get_errno()
+
+
 def no_huge_pages(arr) -> bool:
     """Keeps transparent huge pages out of a large, sparsely touched array (a native step's
     scratch, whose regions for fp32 inputs stay untouched with quantized weights). numpy advises
@@ -31,12 +43,4 @@ def no_huge_pages(arr) -> bool:
     page = 4096
     start = (arr.ctypes.data + page - 1) & ~(page - 1)
     end = (arr.ctypes.data + arr.nbytes) & ~(page - 1)
-    if end <= start:
-        return False
-    try:
-        fn = ctypes.CDLL(None).madvise
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn(start, end - start, MADV_NOHUGEPAGE) == 0
+    return end > start and madvise(start, end - start, MADV_NOHUGEPAGE) == 0

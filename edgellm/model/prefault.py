@@ -25,7 +25,6 @@ in the caller's thread.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..heap import madvise
 from ..threads import start_quietly
 
 log = logging.getLogger("edgellm.load")
@@ -71,14 +71,7 @@ def _madvise_populate(addr: int, length: int, advice: int = MADV_POPULATE_READ) 
     """0 when done, else the errno: EINVAL where the kernel lacks MADV_POPULATE_* (before 5.14,
     or no madvise at all); EFAULT where a page cannot be read (the file shrank under the
     mapping: reading it would be a SIGBUS)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return errno.EINVAL
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return 0 if fn(addr, length, advice) == 0 else ctypes.get_errno()
+    return madvise(addr, length, advice)
 
 
 def _touch(mm: np.ndarray, start: int, end: int) -> None:
