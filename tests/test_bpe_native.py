@@ -284,8 +284,9 @@ def test_every_pre_tokenizer_family_runs_natively():
 @pytest.mark.parametrize("astral", [False, True])
 def test_token_lookup_matches_whole_code_points_in_either_storage_width(astral):
     """bpe.c keeps a vocabulary's code points as uint16 when every one fits (byte-level
-    vocabularies: half the memory), else as uint32. Either way a lookup matches whole code
-    points: U+1F600 is not U+F600, and every token is found at its own id."""
+    vocabularies: half the memory), else as uint32. Either way every token is found at its own
+    id (a wrong copy or comparison of the stored code points fails this), and U+1F600 is not
+    U+F600 (which a truncating comparison could only show when the two hash to one slot)."""
     tokens = ["a", "b", "ab", "\uf600", "x\uf600", "\uffff"] + (["\U0001f600", "x\U0001f600"] if astral else [])
     bpe = NativeBPE(tokens, ["a b"], T._pre_tokenizer(T._PRE_FAMILIES["gpt2"]), False)
     assert [bpe.token_id(t) for t in tokens] == list(range(len(tokens)))
