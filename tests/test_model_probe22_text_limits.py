@@ -9,6 +9,7 @@
   naming the text's length.
 """
 import time
+import tracemalloc
 
 import pytest
 
@@ -49,6 +50,28 @@ def test_huge_render_is_refused_quickly(case):
     assert time.perf_counter() - t0 < 3.0
     assert e.value.field == "tokenizer.chat_template" and e.value.path == "/m.gguf"
     assert "too large" in str(e.value) and "4,194,304 characters" in str(e.value)
+
+
+# jinja compiles `~` to a join in the template's own code, which call_binop never sees: 40
+# doublings of a string in a loop had the process killed for memory
+DOUBLING = ("{% set ns = namespace(a='x') %}{% for i in range(26) %}{% set ns.a = ns.a ~ ns.a %}{% endfor %}"
+            "{{ ns.a|length }}")
+
+
+def test_tilde_concatenation_stops_at_the_limit():
+    # an ordinary `~` renders as jinja renders it (unsandboxed jinja2 gave 'a1hi')
+    assert ChatTemplate("/m.gguf", "{{ 'a' ~ 1 ~ messages[0]['content'] }}", "", "").render(MSGS) == "a1hi"
+    t = ChatTemplate("/m.gguf", DOUBLING, "", "")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelFormatError, match="operator ~ gives a length of 8,388,608"):
+            t.render(MSGS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # the concatenation past the limit is the last one built: ~12 MB of strings, not the 64M
+    # characters (and 32M before them) that 26 doublings reach (the output cap caught those)
+    assert peak < 40 * 1024 * 1024, peak
 
 
 def test_limit_grows_with_the_conversation():
