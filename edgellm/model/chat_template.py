@@ -3,7 +3,7 @@
 The environment matches what transformers and llama-cpp-python use for these templates:
 trim_blocks + lstrip_blocks, the loopcontrols extension, ``raise_exception``, ``strftime_now``
 and a ``tojson`` that keeps non-ASCII text. A model without a template gets ChatML, and
-``fallback_reason`` says so.
+``fallback_reason`` says so. The sandbox and its size and time bounds: template_sandbox.py.
 
 jinja2 is imported when a template is compiled, not with this module: its import takes ~20 ms
 and, through its bytecode cache's hashlib, maps OpenSSL (~5 MB resident with jinja2 itself),
@@ -13,15 +13,13 @@ needs jinja2 at all, unless a call passes the template extra variables.
 """
 from __future__ import annotations
 
-import contextvars
-import functools
 import json
-import re
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from edgellm.errors import ConfigError, ModelFormatError
 from edgellm.model.tokenizer import check_unicode
+from edgellm.model import template_sandbox
 from edgellm.model.chat_builtin import BUILTIN, CHATML
 
 _KEY = "tokenizer.chat_template"
@@ -34,136 +32,6 @@ CHATML_TEMPLATE = CHATML
 # {{ 'x' * 1000000000 }} took 14 s and 3.9 GB before the tokenizer failed on it. Real templates
 # add a few hundred characters of markup per message, far below this.
 MAX_MARKUP_CHARS = 4 * 1024 * 1024
-# {{ 9 ** 9 ** 9 }}: a bigint that takes minutes to compute, refused above this many bits
-_MAX_POWER_BITS = 1 << 16
-
-_limit: contextvars.ContextVar[int] = contextvars.ContextVar("edgellm_chat_template_limit", default=MAX_MARKUP_CHARS)
-
-
-class _TooLarge(Exception):
-    """The template would build a string or list past the render's limit."""
-
-
-_SIZED = (str, list, tuple)
-
-
-def _check_size(value: Any, what: str) -> Any:
-    if isinstance(value, _SIZED) and len(value) > _limit.get():
-        raise _TooLarge(f"{what} gives a length of {len(value):,}")
-    return value
-
-
-# calls and filters whose integer arguments are widths or counts of what they build
-_WIDENING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
-_WIDENING_FILTERS = frozenset({"center", "indent"})
-_PERCENT_SPEC = re.compile(r"%[-#0 +]*(\d+|\*)?(?:\.(\d+|\*))?")
-_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
-
-
-def _check_widths(what: str, widths) -> None:
-    """A width or count past the limit ('x'.ljust(10**9), '%1000000000s') is refused before the
-    call builds anything that large; no chat template needs one."""
-    limit = _limit.get()
-    big = [w for w in widths if isinstance(w, int) and w > limit]
-    if big:
-        raise _TooLarge(f"{what} with a width of {max(big):,}")
-
-
-def _percent_widths(fmt: str, args: Any) -> list[int]:
-    """The field widths and precisions of a printf-style format ('*' ones taken from args)."""
-    out = [int(g) for m in _PERCENT_SPEC.finditer(fmt) for g in m.groups() if g and g != "*"]
-    if "*" in fmt:
-        out += [a for a in (args if isinstance(args, tuple) else (args,)) if isinstance(a, int)]
-    return out
-
-
-def _brace_widths(fmt: str) -> list[int]:
-    """The numbers in the format specs of a str.format string ('{:>1000000000}')."""
-    return [int(d) for m in _BRACE_SPEC.finditer(fmt) for d in re.findall(r"\d+", m.group(1))]
-
-
-def _checked_filter(name: str, f):
-    """A filter whose result is held to the limit, and whose width arguments are too where it
-    widens (join, center, indent, format, ... build their strings outside call_binop)."""
-    passes_first = hasattr(f, "jinja_pass_arg")     # a context / environment before the value
-
-    @functools.wraps(f)     # (keeps jinja's pass_context / pass_environment marks)
-    def filt(*args: Any, **kwargs: Any) -> Any:
-        rest = args[1:] if passes_first else args
-        if rest:
-            value, params = rest[0], rest[1:]
-            if name in _WIDENING_FILTERS:
-                _check_widths(f"filter {name}", [*params, *kwargs.values()])
-            elif name == "format" and isinstance(value, str):
-                _check_widths("filter format", _percent_widths(value, tuple(params)))
-            elif name == "join":
-                sep = kwargs.get("d", params[0] if params else "")
-                if isinstance(sep, str) and hasattr(value, "__len__"):
-                    items = sum(len(v) for v in value if isinstance(v, str)) if isinstance(value, (list, tuple)) else 0
-                    if len(value) * len(sep) + items > _limit.get():
-                        raise _TooLarge(f"filter join of {len(value):,} items ({items:,} characters) with a "
-                                        f"separator of {len(sep):,}")
-        return _check_size(f(*args, **kwargs), f"filter {name}")
-    return filt
-
-
-def _sandbox_class():
-    """ImmutableSandboxedEnvironment whose repetition, concatenation, formatting and calls
-    refuse results past the render's limit before building them where the size is known in
-    advance ('x' * n, '%*s', 'x'.ljust(n)), and right after otherwise. Not covered: what a
-    filter builds before its result is checked; the rendered output's cap (render) holds."""
-    from jinja2.compiler import CodeGenerator
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class BoundedConcat(CodeGenerator):
-        """Jinja compiles `a ~ b` to a plain join in the template's code, past call_binop: a
-        template doubling a string with `~` in a loop was killed for memory (40 doublings). Each
-        join's result now goes through the size check, so it stops at the first one past the
-        limit, having built at most twice the limit."""
-
-        def visit_Concat(self, node, frame):
-            self.write("environment.checked_concat(")
-            super().visit_Concat(node, frame)
-            self.write(")")
-
-    class Sandbox(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "+", "%", "**"})
-        code_generator_class = BoundedConcat
-
-        @staticmethod
-        def checked_concat(value):
-            return _check_size(value, "operator ~")
-
-        def call_binop(self, context, operator, left, right):
-            limit = _limit.get()
-            if operator == "*":
-                for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, _SIZED) and isinstance(n, int) and len(seq) * n > limit:
-                        raise _TooLarge(f"a repetition of {len(seq):,} items {n:,} times")
-            elif operator == "+":
-                if isinstance(left, _SIZED) and isinstance(right, _SIZED) and len(left) + len(right) > limit:
-                    raise _TooLarge(f"a concatenation of {len(left):,} and {len(right):,} items")
-            elif operator == "%" and isinstance(left, str):
-                _check_widths("a % format", _percent_widths(left, right))
-            elif operator == "**":
-                if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
-                        and right * abs(left).bit_length() > _MAX_POWER_BITS:
-                    raise _TooLarge(f"{left} ** {right}")
-            return _check_size(super().call_binop(context, operator, left, right), f"operator {operator}")
-
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
-            what = getattr(__obj, "__name__", type(__obj).__name__)
-            if isinstance(getattr(__obj, "__self__", None), str) and what in _WIDENING_METHODS:
-                _check_widths(f"str.{what}", [*args, *kwargs.values()])
-            return _check_size(super().call(__context, __obj, *args, **kwargs), what)
-
-        def wrap_str_format(self, value):
-            owner = getattr(value, "__self__", None)
-            if isinstance(owner, str) and getattr(value, "__name__", "") in ("format", "format_map"):
-                _check_widths("str.format", _brace_widths(owner))
-            return super().wrap_str_format(value)
-
-    return Sandbox
 
 
 def _conversation_chars(messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]) -> int:
@@ -182,13 +50,6 @@ class _TemplateRaised(Exception):
 
 def _raise_exception(message: str) -> None:
     raise _TemplateRaised(message)
-
-
-def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
-            ensure_ascii: bool = False, **_: Any) -> str:
-    """Hugging Face's tojson: its keywords are honoured (templates ask for compact separators)."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=tuple(separators) if separators is not None else None, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -211,9 +72,7 @@ class ChatTemplate:
     def _compile(self):
         import jinja2
 
-        env = _sandbox_class()(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.filters["tojson"] = _tojson
-        env.filters.update({k: _checked_filter(k, f) for k, f in env.filters.items()})
+        env = template_sandbox.sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         try:
@@ -252,31 +111,31 @@ class ChatTemplate:
         if self._template is None:          # a known template asked for extra variables
             self._template = self._compile()
         limit = MAX_MARKUP_CHARS + 2 * _conversation_chars(messages, extra)
-        token = _limit.set(limit)
         try:
-            # streamed, the length counted as it grows: a loop printing forever stops at the limit
-            parts, n = [], 0
-            for part in self._template.generate(messages=[dict(m) for m in messages],
-                                                add_generation_prompt=add_generation_prompt,
-                                                bos_token=self.bos_token, eos_token=self.eos_token, **extra):
-                n += len(part)
-                if n > limit:
-                    raise _TooLarge(f"the output passes {limit:,} characters")
-                parts.append(part)
-            return "".join(parts)
-        except _TooLarge as e:
+            with template_sandbox.bounded(limit):
+                # streamed, the length counted as it grows: a loop printing forever stops at the limit
+                parts, n = [], 0
+                for part in self._template.generate(messages=[dict(m) for m in messages],
+                                                    add_generation_prompt=add_generation_prompt,
+                                                    bos_token=self.bos_token, eos_token=self.eos_token, **extra):
+                    n += len(part)
+                    if n > limit:
+                        raise template_sandbox.TooLarge(f"the output passes {limit:,} characters")
+                    parts.append(part)
+                return "".join(parts)
+        except template_sandbox.TooLarge as e:
             raise ModelFormatError(self.source, _KEY,
                                    f"the template renders too large a prompt: {e}; the limit is "
                                    f"{MAX_MARKUP_CHARS:,} characters plus twice the conversation's "
                                    f"({limit:,} here)") from None
+        except template_sandbox.TooLong as e:
+            raise ModelFormatError(self.source, _KEY, f"the template runs too long: {e}") from None
         except _TemplateRaised as e:
             raise ConfigError(f"the chat template of {self.source} rejected the conversation: {e}") from None
         except jinja2.TemplateError as e:
             raise ModelFormatError(self.source, _KEY, f"rendering failed: {e}") from None
         except Exception as e:   # (a template's own arithmetic or call: ZeroDivisionError, TypeError, ...)
             raise ModelFormatError(self.source, _KEY, f"rendering failed: {type(e).__name__}: {e}") from None
-        finally:
-            _limit.reset(token)
 
     @staticmethod
     def check_conversation(messages: Any) -> None:

@@ -1,0 +1,299 @@
+"""The sandbox chat templates render in: jinja2's ImmutableSandboxedEnvironment, bounded.
+
+A GGUF file's tokenizer.chat_template is code from whoever made the file. jinja2's sandbox keeps
+it away from Python's internals, not from building gigabytes of text or looping for hours. The
+bounds here refuse both with TooLarge / TooLong, which chat_template turns into a
+ModelFormatError naming the field:
+
+- size: every string or container an operator, call, filter, literal or `~` gives is held to
+  the render's limit (chat_template sets it: a few MB plus twice the conversation). A
+  container's size is what printing it prints (`weight`): a list of 1,000 references to a 4 MB
+  string prints 4 GB, though its length is 1,000. Where the size is known before building
+  ('x' * n, [s] * n, '%*s', 'x'.ljust(n), tojson's indent), it is refused before; tojson stops
+  as its output passes the limit.
+- time: loop iterations and calls (macros included) share MAX_STEPS per render. Two nested
+  loops over range(100000) that print nothing ran for hours, and so did a macro calling itself
+  twice 40 levels deep.
+
+Not covered: what a filter builds inside before its result is checked (bounded by its inputs'
+sizes), and namespace objects, which count as one item when printed.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+# Steps per render: a loop iteration is one, a call (a macro's, a method's) CALL_STEPS, about
+# their cost's ratio (0.19 us a bare iteration, 3.3 us a macro call, measured here). Real
+# templates take a few per message; two nested loops over every message, as some templates run
+# to find the last user turn, a million at 1,000 messages. The budget runs out in about a second.
+MAX_STEPS = 4_000_000
+CALL_STEPS = 16
+# {{ 9 ** 9 ** 9 }}: a bigint that takes minutes to compute, refused above this many bits
+MAX_POWER_BITS = 1 << 16
+# tojson's indent: each line's indentation is built whole (indent x depth), before any check
+MAX_TOJSON_INDENT = 1024
+
+
+class TooLarge(Exception):
+    """The template would build a string or container past the render's limit."""
+
+
+class TooLong(Exception):
+    """The template ran past the render's loop iterations and calls."""
+
+
+@dataclass
+class _Render:
+    limit: int
+    steps: int = MAX_STEPS
+    # id -> (container, weight): containers cannot change in the immutable sandbox; holding them
+    # keeps their ids from being reused by new objects for the render's length
+    weights: dict[int, tuple[Any, int]] = field(default_factory=dict)
+
+
+_render: contextvars.ContextVar[_Render] = contextvars.ContextVar("edgellm_chat_template_render")
+DEFAULT_LIMIT = 4 * 1024 * 1024
+
+
+def _state() -> _Render:
+    """The render's bounds; outside `bounded`, DEFAULT_LIMIT and no step budget (a fresh one
+    each time)."""
+    r = _render.get(None)
+    return r if r is not None else _Render(DEFAULT_LIMIT)
+
+
+@contextlib.contextmanager
+def bounded(limit: int) -> Iterator[None]:
+    """Renders inside this are held to `limit` characters and MAX_STEPS steps."""
+    token = _render.set(_Render(limit))
+    try:
+        yield
+    finally:
+        _render.reset(token)
+
+
+def limit() -> int:
+    return _state().limit
+
+
+_CONTAINERS = (list, tuple, dict)
+
+
+def _children(x: Any) -> list[Any]:
+    return [*x.keys(), *x.values()] if isinstance(x, dict) else list(x)
+
+
+def weight(value: Any) -> int:
+    """About how many characters printing `value` gives: a string's length; a list's, tuple's or
+    dict's items' weights and separators, a shared item counted each time it appears (it prints
+    each time); anything else 1. Each distinct container is walked once per render."""
+    if isinstance(value, str):
+        return len(value)
+    if not isinstance(value, _CONTAINERS):
+        return 1
+    memo = _state().weights
+    if id(value) in memo:
+        return memo[id(value)][1]
+    stack = [(value, False)]
+    while stack:        # post-order without recursion (nesting from the app's data is unbounded)
+        x, ready = stack.pop()
+        if ready:
+            w = 2
+            for c in _children(x):
+                w += 2 + (len(c) if isinstance(c, str) else memo[id(c)][1] if isinstance(c, _CONTAINERS) else 1)
+            memo[id(x)] = (x, w)
+        elif id(x) not in memo:
+            memo[id(x)] = (x, 1)    # until its items are summed: a cycle back to it counts 1
+            stack.append((x, True))
+            stack.extend((c, False) for c in _children(x) if isinstance(c, _CONTAINERS) and id(c) not in memo)
+    return memo[id(value)][1]
+
+
+def check_size(value: Any, what: str) -> Any:
+    if isinstance(value, (str, *_CONTAINERS)):
+        w = weight(value)
+        if w > limit():
+            kind = "a length" if isinstance(value, str) else "a printed size"
+            raise TooLarge(f"{what} gives {kind} of {w:,}")
+    return value
+
+
+def _step(what: str, n: int = 1) -> None:
+    r = _state()
+    r.steps -= n
+    if r.steps < 0:
+        raise TooLong(f"more than {MAX_STEPS:,} steps: loop iterations, and calls at {CALL_STEPS} each "
+                      f"(stopped at {what})")
+
+
+def _counted(iterable: Any) -> Iterator[Any]:
+    for item in iterable:
+        _step("a loop")
+        yield item
+
+
+# calls and filters whose integer arguments are widths or counts of what they build
+_WIDENING_METHODS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs"})
+_WIDENING_FILTERS = frozenset({"center", "indent", "slice"})
+_PERCENT_SPEC = re.compile(r"%[-#0 +]*(\d+|\*)?(?:\.(\d+|\*))?")
+_BRACE_SPEC = re.compile(r"\{[^{}]*?:([^{}]*)\}")
+
+
+def _check_widths(what: str, widths) -> None:
+    """A width or count past the limit ('x'.ljust(10**9), '%1000000000s') is refused before the
+    call builds anything that large; no chat template needs one."""
+    big = [w for w in widths if isinstance(w, int) and w > limit()]
+    if big:
+        raise TooLarge(f"{what} with a width of {max(big):,}")
+
+
+def _percent_widths(fmt: str, args: Any) -> list[int]:
+    """The field widths and precisions of a printf-style format ('*' ones taken from args)."""
+    out = [int(g) for m in _PERCENT_SPEC.finditer(fmt) for g in m.groups() if g and g != "*"]
+    if "*" in fmt:
+        out += [a for a in (args if isinstance(args, tuple) else (args,)) if isinstance(a, int)]
+    return out
+
+
+def _brace_widths(fmt: str) -> list[int]:
+    """The numbers in the format specs of a str.format string ('{:>1000000000}')."""
+    return [int(d) for m in _BRACE_SPEC.finditer(fmt) for d in re.findall(r"\d+", m.group(1))]
+
+
+def tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
+           ensure_ascii: bool = False, **_: Any) -> str:
+    """Hugging Face's tojson: its keywords are honoured (templates ask for compact separators).
+    Encoded piece by piece (the pure-Python encoder json uses for iterencode), counted as it
+    grows: an indent of 1,000 over a list of 100,000 numbers is 100M characters."""
+    if isinstance(indent, int) and indent > MAX_TOJSON_INDENT:
+        raise TooLarge(f"filter tojson with an indent of {indent:,} (at most {MAX_TOJSON_INDENT:,})")
+    enc = json.JSONEncoder(ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys,
+                           separators=tuple(separators) if separators is not None else None)
+    parts, n, cap = [], 0, limit()
+    for part in enc.iterencode(value):
+        n += len(part)
+        if n > cap:
+            raise TooLarge(f"filter tojson passes {cap:,} characters")
+        parts.append(part)
+    return "".join(parts)
+
+
+def _checked_filter(name: str, f):
+    """A filter whose result is held to the limit, and whose width arguments are too where it
+    widens (join, center, indent, format, ... build their strings outside call_binop)."""
+    passes_first = hasattr(f, "jinja_pass_arg")     # a context / environment before the value
+
+    @functools.wraps(f)     # (keeps jinja's pass_context / pass_environment marks)
+    def filt(*args: Any, **kwargs: Any) -> Any:
+        rest = args[1:] if passes_first else args
+        if rest:
+            value, params = rest[0], rest[1:]
+            if name in _WIDENING_FILTERS:
+                _check_widths(f"filter {name}", [*params, *kwargs.values()])
+            elif name == "format" and isinstance(value, str):
+                _check_widths("filter format", _percent_widths(value, tuple(params)))
+            elif name == "join":
+                sep = kwargs.get("d", params[0] if params else "")
+                if isinstance(sep, str) and hasattr(value, "__len__"):
+                    items = weight(value) if isinstance(value, (list, tuple)) else 0
+                    if len(value) * len(sep) + items > limit():
+                        raise TooLarge(f"filter join of {len(value):,} items ({items:,} characters) with a "
+                                       f"separator of {len(sep):,}")
+        return check_size(f(*args, **kwargs), f"filter {name}")
+    return filt
+
+
+def sandbox(**options: Any):
+    """A bounded ImmutableSandboxedEnvironment (see the module's docstring) with `filters`
+    checked; render its templates inside `bounded`."""
+    from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedCode(CodeGenerator):
+        """What jinja compiles into the template's own code, past call_binop: `a ~ b` (a join; a
+        template doubling a string with `~` in a loop was killed for memory), list, tuple and
+        dict literals ([s, s, s, s] of a 4 MB s) and for loops (their iterations are counted)."""
+
+        def _checked(self, fn: str, visit, node, frame) -> None:
+            self.write(f"environment.{fn}(")
+            visit(node, frame)
+            self.write(")")
+
+        def visit_Concat(self, node, frame):
+            self._checked("checked_concat", super().visit_Concat, node, frame)
+
+        def visit_List(self, node, frame):
+            self._checked("checked_literal", super().visit_List, node, frame)
+
+        def visit_Dict(self, node, frame):
+            self._checked("checked_literal", super().visit_Dict, node, frame)
+
+        def visit_Tuple(self, node, frame):
+            if node.ctx == "load":      # (not an unpacking target: `for a, b in ...`, `set a, b = ...`)
+                self._checked("checked_literal", super().visit_Tuple, node, frame)
+            else:
+                super().visit_Tuple(node, frame)
+
+        def visit_For(self, node, frame):
+            counted = nodes.EnvironmentAttribute("counted_loop", lineno=node.lineno)
+            if not (isinstance(node.iter, nodes.Call) and node.iter.node == counted):
+                node.iter = nodes.Call(counted, [node.iter], [], None, None, lineno=node.lineno)
+            super().visit_For(node, frame)
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "+", "%", "**"})
+        code_generator_class = BoundedCode
+
+        counted_loop = staticmethod(_counted)
+
+        @staticmethod
+        def checked_literal(value):
+            return check_size(value, "a literal")
+
+        @staticmethod
+        def checked_concat(value):
+            return check_size(value, "operator ~")
+
+        def call_binop(self, context, operator, left, right):
+            cap = limit()
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and weight(seq) * n > cap:
+                        raise TooLarge(f"a repetition of {len(seq):,} items ({weight(seq):,} characters) "
+                                       f"{n:,} times")
+            elif operator == "+":
+                sized = (str, list, tuple)
+                if isinstance(left, sized) and isinstance(right, sized) and weight(left) + weight(right) > cap:
+                    raise TooLarge(f"a concatenation of {weight(left):,} and {weight(right):,} characters")
+            elif operator == "%" and isinstance(left, str):
+                _check_widths("a % format", _percent_widths(left, right))
+            elif operator == "**":
+                if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
+                        and right * abs(left).bit_length() > MAX_POWER_BITS:
+                    raise TooLarge(f"{left} ** {right}")
+            return check_size(super().call_binop(context, operator, left, right), f"operator {operator}")
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
+            what = getattr(__obj, "__name__", type(__obj).__name__)
+            _step(f"a call of {what}", CALL_STEPS)
+            if isinstance(getattr(__obj, "__self__", None), str) and what in _WIDENING_METHODS:
+                _check_widths(f"str.{what}", [*args, *kwargs.values()])
+            return check_size(super().call(__context, __obj, *args, **kwargs), what)
+
+        def wrap_str_format(self, value):
+            owner = getattr(value, "__self__", None)
+            if isinstance(owner, str) and getattr(value, "__name__", "") in ("format", "format_map"):
+                _check_widths("str.format", _brace_widths(owner))
+            return super().wrap_str_format(value)
+
+    env = Sandbox(**options)
+    env.filters["tojson"] = tojson
+    env.filters.update({k: _checked_filter(k, f) for k, f in env.filters.items()})
+    return env

@@ -1,0 +1,123 @@
+"""The chat-template sandbox's size and time bounds (edgellm/model/template_sandbox.py).
+
+A GGUF file's chat template is code from whoever made the file. Before these bounds, each
+template below either ran for hours (loops, macros and a filter counting to 10^9, none printing
+anything) or built its text in full before the output's cap saw it (hundreds of MB, gigabytes
+at larger counts: a list of references to one big string, printed; tojson indenting)."""
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+
+import jinja2
+import pytest
+
+from edgellm.errors import ModelFormatError
+from edgellm.model import template_sandbox
+from edgellm.model.chat_template import ChatTemplate
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+ENDLESS = {
+    "nested loops printing nothing": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "macro calling itself twice": "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+                                  "{{ f(40) }}",
+    "slice into 10^9 parts": "{{ 'x'|slice(1000000000)|list|length }}",
+}
+
+
+@pytest.mark.parametrize("case", list(ENDLESS))
+def test_endless_templates_stop_with_a_typed_error(case):
+    # in a child: on a sandbox without the bound this runs for hours, and the timeout fails it
+    code = textwrap.dedent(f"""
+        from edgellm.errors import ModelFormatError
+        from edgellm.model.chat_template import ChatTemplate
+        try:
+            ChatTemplate("/m.gguf", {ENDLESS[case]!r}, "", "").render([{{"role": "user", "content": "hi"}}])
+        except ModelFormatError as e:
+            print("ModelFormatError", e.field, e)
+    """)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{case}: still rendering after 60 s")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ModelFormatError tokenizer.chat_template"), out.stdout + out.stderr
+    assert "runs too long" in out.stdout or "filter slice with a width of 1,000,000,000" in out.stdout, out.stdout
+
+
+BIG = {   # template -> what the error names; each built 40M-100M characters before
+    "a list of references, printed": ("{% set s = 'x' * 4000000 %}{{ [s] * 10 }}", "a repetition of 1 items"),
+    "a list literal of references": ("{% set s = 'x' * 3000000 %}{{ [s, s, s, s] }}",
+                                     "a literal gives a printed size of 12,000,"),
+    "lists concatenated": ("{% set s = ['x' * 3000000] %}{{ s + s }}", "a concatenation of 3,000,004 and"),
+    "tojson indenting a long list": ("{{ range(100000)|list|tojson(indent=1000) }}", "filter tojson passes 4,194,3"),
+    "tojson indenting by 10^6": ("{{ [[[[[[1]]]]]]|tojson(indent=1000000) }}",
+                                 "filter tojson with an indent of 1,000,000"),
+}
+
+
+@pytest.mark.parametrize("case", list(BIG))
+def test_big_results_are_refused_before_they_are_built(case):
+    src, named = BIG[case]
+    t = ChatTemplate("/m.gguf", src, "", "")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ModelFormatError, match="too large") as e:
+            t.render(MSGS)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert named in str(e.value)
+    assert peak < 30 * 1024 * 1024, f"{peak / 2**20:.0f} MB traced"
+
+
+ORDINARY = [
+    "{% for a, b in [(1, 2), (3, 4)] %}{{ a ~ b }}{% else %}none{% endfor %}{% for x in [] %}{% else %}empty{% endfor %}",
+    "{% for m in messages %}{{ loop.index }}/{{ loop.length }}{{ loop.last }}{{ loop.cycle('a', 'b') }}{% endfor %}",
+    "{% for x in [[1, [2]], [3]] recursive %}[{% if x is iterable %}{{ loop(x) }}{% else %}{{ x }}{% endif %}]"
+    "{% endfor %}",
+    "{% for x in range(10) %}{% if x == 2 %}{% continue %}{% endif %}{% if x == 5 %}{% break %}{% endif %}{{ x }}"
+    "{% endfor %}",
+    "{% set ns = namespace(n=0) %}{% for m in messages * 3 %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
+    "{% set t = (1, 'a') %}{{ t }}{{ {'k': [1, (2, 3)], 'é': none} }}",
+    "{{ {'b': [1, 2], 'a': 'é'}|tojson }}{{ {'a': [1, {'c': 2}]}|tojson(indent=2) }}"
+    "{{ messages|tojson(separators=(',', ':')) }}",
+]
+
+
+@pytest.mark.parametrize("src", ORDINARY)
+def test_ordinary_templates_render_as_jinja2_does(src):
+    def tojson(v, indent=None, separators=None, sort_keys=False):
+        import json
+        return json.dumps(v, ensure_ascii=False, indent=indent, sort_keys=sort_keys,
+                          separators=tuple(separators) if separators else None)
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    want = env.from_string(src).render(messages=MSGS, add_generation_prompt=True, bos_token="", eos_token="")
+    assert ChatTemplate("/m.gguf", src, "", "").render(MSGS) == want
+
+
+def test_a_long_conversation_through_nested_loops_fits_the_budget():
+    # 1,000 messages, every one looking back over all of them: a million loop iterations
+    msgs = [{"role": "user" if i % 2 else "assistant", "content": f"m{i}"} for i in range(1000)]
+    src = ("{% for m in messages %}{% set ns = namespace(users=0) %}{% for n in messages %}"
+           "{% if n.role == 'user' %}{% set ns.users = ns.users + 1 %}{% endif %}{% endfor %}"
+           "{% if loop.last %}{{ ns.users }}{% endif %}{% endfor %}")
+    assert ChatTemplate("/m.gguf", src, "", "").render(msgs) == "500"
+
+
+def test_weight_counts_what_printing_prints():
+    s = "x" * 1000
+    shared = [s, s]
+    with template_sandbox.bounded(10**9):
+        assert template_sandbox.weight(s) == 1000
+        assert template_sandbox.weight([shared] * 3) >= len(str([shared] * 3)) - 100
+        assert template_sandbox.weight({"k": shared}) >= 2000
+        cyclic = []
+        cyclic.append(cyclic)     # (an app's extra variable can be anything)
+        assert template_sandbox.weight(cyclic) < 10
+        deep = []
+        for _ in range(100000):   # nesting deeper than Python's recursion limit
+            deep = [deep]
+        assert template_sandbox.weight(deep) == 4 * 100000 + 2
