@@ -172,7 +172,7 @@ static void el_prefetch_rows(const el_kv_src *s, const void *base, const size_t 
     const size_t esz = el_kv_esz(s), row_bytes = (size_t)hd * esz;
     for (int i = 0; i < npf; i++) {
         const char *r = (const char *)base + pf[i] * esz;
-        for (size_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(r + b);
+        for (size_t b = 0; b < row_bytes; b += 64) el_prefetch_ahead(r + b);
     }
 }
 
@@ -575,8 +575,8 @@ static EL_AI float32x4_t el_kv_ld4(const int F16, const char *p) {
 
 /* Prefetches bytes [p, p + n): the last byte as well, rows need not start on a line */
 static EL_AI void el_prefetch_span(const char *p, size_t n) {
-    for (size_t b = 0; b < n; b += 64) __builtin_prefetch(p + b);
-    __builtin_prefetch(p + n - 1);
+    for (size_t b = 0; b < n; b += 64) el_prefetch_ahead(p + b);
+    el_prefetch_ahead(p + n - 1);
 }
 
 /* s[r][0..3] = scale * (q[r] . key k), k < 4, for NR (1..4) query rows; kr: the 4 keys' rows

@@ -99,7 +99,7 @@ static inline size_t el_x5_pfd(size_t rb) { return EL_MAX((size_t)8, (EL_X5_PF_B
 static inline __attribute__((always_inline)) void el_x5_rows4(const uint8_t *w, size_t rb, int r0, int nr, size_t pfd,
                                                               const uint8_t *row[4]) {
     for (int r = 0; r < 4; r++) row[r] = w + (size_t)(r0 + EL_MIN(r, nr - 1)) * rb;
-    for (size_t o = 0; o < 4 * rb; o += 64) __builtin_prefetch(row[0] + pfd + o);
+    for (size_t o = 0; o < 4 * rb; o += 64) el_prefetch_ahead(row[0] + pfd + o);
 }
 
 /* y[r0 + r] = sum of acc[r]'s lanes (+ bias[r0 + r]), r < nr */
