@@ -85,6 +85,17 @@ def test_bench_reports_decode_against_the_floor(tiny, tmp_path):
     assert rec["decode_vs_floor"] == pytest.approx(rec["decode_ms_per_token"] / rec["decode_floor_ms"], rel=1e-2)
     assert "x the memory floor" in r.stdout
 
+    assert "under 1" not in r.stdout or rec["decode_vs_floor"] < 1
+
+
+def test_bench_says_when_decode_beats_the_probe(tiny, tmp_path, monkeypatch):
+    # a probe slower than the decode kernels' own streaming (the sgemv against prefetching GEMVs)
+    import edgellm.bench_floor as bf
+    monkeypatch.setattr(bf, "read_bandwidth_gbs", lambda *a, **k: 1e-3)
+    r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--gen-tokens", "4", "--runs", "2"])
+    assert r.exit_code == 0, r.output
+    assert "under 1: the probe, an sgemv, reads slower than the decode kernels stream" in r.stdout
+
 
 def test_bench_without_floor_skips_the_probe(tiny, tmp_path):
     out = tmp_path / "b.json"
