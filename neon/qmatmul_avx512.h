@@ -15,6 +15,11 @@
 #if EL_SIMDE && defined(__AVX512F__) && defined(__AVX512BW__)
 #define EL_G5 1
 #define EL_G5_ROWS 16
+/* With at most this many x rows the next panel is prefetched into L2 (el_prefetch_ahead): a
+ * panel's few tiles then end before its L1 prefetches do, and the GEMM waits on memory. Paired
+ * runs, 30 layers' Q4_1 GEMMs (Zen 4, 2 threads): 2 rows 0.78x, 8 rows 0.93x; at 12-32 rows
+ * into L2 was no better (1.00x) or worse (32: 1.03-1.05x), so those keep L1. */
+#define EL_G5_PF_L2_ROWS 8
 /* a repacked block of 16 rows: 8 registers of 16 rows x 4 bytes, then d of the 16 rows, then m */
 #define EL_G5_QBYTES (EL_G5_ROWS * QK)
 #define EL_G5_BLOCK (EL_G5_QBYTES + 2 * EL_G5_ROWS * (int)sizeof(float))
@@ -79,7 +84,7 @@ static inline __attribute__((always_inline)) void el_g5_repack16(const int wt, c
 static inline __attribute__((always_inline)) void el_g5_tile(const int wt, const int ng, const int nx,
                                                              const uint8_t *wp, const int8_t *xq, const float *xd,
                                                              const float *xs, int nb, const uint8_t *pf,
-                                                             int pf_lines, __m512 acc[8]) {
+                                                             int pf_lines, int pf_l2, __m512 acc[8]) {
 #if !defined(__AVX512VNNI__)
     const __m512i ones = _mm512_set1_epi16(1);
 #endif
@@ -88,7 +93,10 @@ static inline __attribute__((always_inline)) void el_g5_tile(const int wt, const
     int pf_k = 0;
     for (int i = 0; i < ng * nx; i++) acc[i] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++, wp += ng * EL_G5_BLOCK) {
-        for (int i = 0; i < pf_per && pf_k < pf_lines; i++, pf_k++) __builtin_prefetch(pf + 64 * (size_t)pf_k);
+        for (int i = 0; i < pf_per && pf_k < pf_lines; i++, pf_k++) {
+            if (pf_l2) el_prefetch_ahead(pf + 64 * (size_t)pf_k);
+            else __builtin_prefetch(pf + 64 * (size_t)pf_k);
+        }
         __m512i s[8];
         for (int j = 0; j < 8; j++) {
             __m512i w[2];
@@ -147,6 +155,7 @@ static inline __attribute__((always_inline)) void el_g5_panel(const int wt, cons
      * DRAM). Spread, the turn (400 tokens cached) went 24 -> 23 ms, bench --shared-prefix 400
      * ratio 0.110-0.112 -> 0.106-0.107 in 4 alternations; the cold 433-token TTFT stayed. */
     const size_t pf_step = el_g_pf_step(pf_bytes, tiles);
+    const int pf_l2 = nx_all <= EL_G5_PF_L2_ROWS;
     for (int c0 = 0; c0 < nx_all; c0 += 4) {
         const int nx = EL_MIN(4, nx_all - c0);
         const uint8_t *pft = pf;
@@ -157,14 +166,14 @@ static inline __attribute__((always_inline)) void el_g5_panel(const int wt, cons
         __m512 acc[8];
         float *yt = y + (size_t)c0 * ldy;
         switch (ng * 8 + nx) {
-        case 9: el_g5_tile(wt, 1, 1, buf, q, d, s, nb, pft, pf_lines, acc); break;
-        case 10: el_g5_tile(wt, 1, 2, buf, q, d, s, nb, pft, pf_lines, acc); break;
-        case 11: el_g5_tile(wt, 1, 3, buf, q, d, s, nb, pft, pf_lines, acc); break;
-        case 12: el_g5_tile(wt, 1, 4, buf, q, d, s, nb, pft, pf_lines, acc); break;
-        case 17: el_g5_tile(wt, 2, 1, buf, q, d, s, nb, pft, pf_lines, acc); break;
-        case 18: el_g5_tile(wt, 2, 2, buf, q, d, s, nb, pft, pf_lines, acc); break;
-        case 19: el_g5_tile(wt, 2, 3, buf, q, d, s, nb, pft, pf_lines, acc); break;
-        default: el_g5_tile(wt, 2, 4, buf, q, d, s, nb, pft, pf_lines, acc); break;
+        case 9: el_g5_tile(wt, 1, 1, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
+        case 10: el_g5_tile(wt, 1, 2, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
+        case 11: el_g5_tile(wt, 1, 3, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
+        case 12: el_g5_tile(wt, 1, 4, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
+        case 17: el_g5_tile(wt, 2, 1, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
+        case 18: el_g5_tile(wt, 2, 2, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
+        case 19: el_g5_tile(wt, 2, 3, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
+        default: el_g5_tile(wt, 2, 4, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
         }
         for (int g = 0; g < ng && EL_G5_ROWS * g < nr; g++)
             el_g5_store(acc + g * nx, nx, EL_MIN(EL_G5_ROWS, nr - EL_G5_ROWS * g), yt + EL_G5_ROWS * g, ldy,
