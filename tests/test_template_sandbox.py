@@ -23,6 +23,9 @@ ENDLESS = {
     "macro calling itself twice": "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
                                   "{{ f(40) }}",
     "slice into 10^9 parts": "{{ 'x'|slice(1000000000)|list|length }}",
+    # each |list result's size is checked by walking it: 10^10 items walked without the charge
+    "a loop re-checking a big list": "{% set big = range(100000)|list %}{% for i in range(100000) %}"
+                                     "{% set y = big|list %}{% endfor %}",
 }
 
 

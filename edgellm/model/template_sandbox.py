@@ -25,7 +25,7 @@ import contextvars
 import functools
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 # Steps per render: a loop iteration is one, a call (a macro's, a method's) CALL_STEPS, about
@@ -34,6 +34,7 @@ from typing import Any, Iterator
 # to find the last user turn, a million at 1,000 messages. The budget runs out in about a second.
 MAX_STEPS = 4_000_000
 CALL_STEPS = 16
+WALK_ITEMS = 4
 # {{ 9 ** 9 ** 9 }}: a bigint that takes minutes to compute, refused above this many bits
 MAX_POWER_BITS = 1 << 16
 # tojson's indent: each line's indentation is built whole (indent x depth), before any check
@@ -52,9 +53,6 @@ class TooLong(Exception):
 class _Render:
     limit: int
     steps: int = MAX_STEPS
-    # id -> (container, weight): containers cannot change in the immutable sandbox; holding them
-    # keeps their ids from being reused by new objects for the render's length
-    weights: dict[int, tuple[Any, int]] = field(default_factory=dict)
 
 
 _render: contextvars.ContextVar[_Render] = contextvars.ContextVar("edgellm_chat_template_render")
@@ -92,27 +90,31 @@ def _children(x: Any) -> list[Any]:
 def weight(value: Any) -> int:
     """About how many characters printing `value` gives: a string's length; a list's, tuple's or
     dict's items' weights and separators, a shared item counted each time it appears (it prints
-    each time); anything else 1. Each distinct container is walked once per render."""
+    each time); anything else 1. Each distinct container is walked once, and the walk is charged
+    to the step budget (WALK_ITEMS items a step): a loop checking a big list on every turn would
+    otherwise run unbounded. Nothing is kept between calls (a render-long memo held every list
+    a loop made)."""
     if isinstance(value, str):
         return len(value)
     if not isinstance(value, _CONTAINERS):
         return 1
-    memo = _state().weights
-    if id(value) in memo:
-        return memo[id(value)][1]
+    memo: dict[int, int] = {}
+    items = 0
     stack = [(value, False)]
     while stack:        # post-order without recursion (nesting from the app's data is unbounded)
         x, ready = stack.pop()
         if ready:
             w = 2
             for c in _children(x):
-                w += 2 + (len(c) if isinstance(c, str) else memo[id(c)][1] if isinstance(c, _CONTAINERS) else 1)
-            memo[id(x)] = (x, w)
+                w += 2 + (len(c) if isinstance(c, str) else memo[id(c)] if isinstance(c, _CONTAINERS) else 1)
+            memo[id(x)] = w
+            items += len(x)
         elif id(x) not in memo:
-            memo[id(x)] = (x, 1)    # until its items are summed: a cycle back to it counts 1
+            memo[id(x)] = 1    # until its items are summed: a cycle back to it counts 1
             stack.append((x, True))
             stack.extend((c, False) for c in _children(x) if isinstance(c, _CONTAINERS) and id(c) not in memo)
-    return memo[id(value)][1]
+    _step("a size check", items // WALK_ITEMS)
+    return memo[id(value)]
 
 
 def check_size(value: Any, what: str) -> Any:
