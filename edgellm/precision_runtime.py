@@ -91,15 +91,20 @@ def cache_dir() -> Path:
 
 
 def _cache_key(src: str, formats: Mapping[str, str]) -> str:
+    """The source file's path, size and times, and the formats. mtime alone missed another model
+    of the same size put in its place with its mtime kept (cp -p, an archive's timestamps): the
+    old model's copy was used. A rename over it changes the inode; a write in place, or setting
+    its mtime back, changes ctime, which no tool can set (a chmod does too: a needless rewrite)."""
     st = os.stat(src)
     desc = json.dumps({"schema": CACHE_SCHEMA, "src": os.path.abspath(src), "size": st.st_size,
-                       "mtime_ns": st.st_mtime_ns, "formats": sorted(formats.items())})
+                       "mtime_ns": st.st_mtime_ns, "dev": st.st_dev, "ino": st.st_ino, "ctime_ns": st.st_ctime_ns,
+                       "formats": sorted(formats.items())})
     return sha256(desc.encode()).hexdigest()
 
 
 def _identity(src: str, formats: Mapping[str, str]) -> str:
-    """What a cached copy is of: the source's path and the formats (its key adds the source's size
-    and mtime). A copy of the same identity under another key is stale; one of another identity
+    """What a cached copy is of: the source's path and the formats (its key adds the source's size,
+    times and inode). A copy of the same identity under another key is stale; one of another identity
     (the same file name elsewhere, the same plan name with other formats) is not."""
     desc = json.dumps({"src": os.path.abspath(src), "formats": sorted(formats.items())})
     return sha256(desc.encode()).hexdigest()[:8]

@@ -387,6 +387,29 @@ def test_a_repulled_model_replaces_its_stale_cache_copy_and_dead_writers_go(home
     assert left == sorted([Path(second.path).name, Path(second.path).name + ".sample-sha256"]), left
 
 
+
+def test_another_model_put_in_place_with_the_mtime_kept_is_requantized(home, tmp_path):
+    """The key held the source's path, size and mtime: another model of the same size copied over
+    it with its mtime kept (cp -p) got the first model's requantized copy, silently."""
+    a = write_tiny_model(tmp_path / "a.gguf", tensor_type=QT.Q4_1, n_layers=5, seed=3).path
+    b = write_tiny_model(tmp_path / "b.gguf", tensor_type=QT.Q4_1, n_layers=5, seed=4).path
+    assert os.path.getsize(a) == os.path.getsize(b)
+    name = "blk.2.ffn_down.weight"     # (requantized by the plan: Q4_1 -> Q4_0)
+    first, _ = plan_model(open_model(a), load_plan("fast"))
+    stale = bytes(first.raw(name))
+    st = os.stat(a)
+    time.sleep(0.1)    # (past a tick of the kernel's coarse file clock: a rewrite within it keeps ctime)
+    with open(a, "r+b") as f:
+        f.write(Path(b).read_bytes())
+    os.utime(a, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second, note = plan_model(open_model(a), load_plan("fast"))
+    assert "written" in note
+    assert not os.path.exists(first.path)           # the stale copy went
+    want, _ = plan_model(open_model(b), load_plan("fast"))
+    assert stale != bytes(want.raw(name))           # (the two models' copies differ there)
+    assert bytes(second.raw(name)) == bytes(want.raw(name))
+
+
 def test_dead_writers_are_recognised_by_their_tag(tmp_path):
     import subprocess
     import sys
