@@ -374,12 +374,13 @@ def _plan_jobs(mf: Any, formats: Mapping[str, str]) -> list[_Job]:
     return jobs
 
 
-def _file_key(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What changes when a file is replaced (device, inode) or written in place (size, mtime)."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def _file_key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What changes when a file is replaced (device, inode) or written in place (size, mtime, and
+    ctime, which a writer that sets mtime back cannot set back)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _check_unchanged(path: str, key: tuple[int, int, int, int] | None, now: os.stat_result | None) -> None:
+def _check_unchanged(path: str, key: tuple[int, int, int, int, int] | None, now: os.stat_result | None) -> None:
     """ModelFormatError unless the source is still the file `key` describes. A rewrite within one
     tick of a coarse file-system clock can keep mtime: that one goes unseen; a size change or a
     replacement does not."""
@@ -387,13 +388,15 @@ def _check_unchanged(path: str, key: tuple[int, int, int, int] | None, now: os.s
     if now is None:
         changes.append("it was removed")
     elif key is not None and _file_key(now) != key:
-        dev, ino, size, mtime = key
+        dev, ino, size, mtime, ctime = key
         if (now.st_dev, now.st_ino) != (dev, ino):
             changes.append("it was replaced by another file")
         if now.st_size != size:
             changes.append(f"its size went from {size} to {now.st_size} bytes")
         if now.st_mtime_ns != mtime:
             changes.append("its modification time changed")
+        elif now.st_ctime_ns != ctime and (now.st_dev, now.st_ino) == (dev, ino):
+            changes.append("it was written or its times set (its ctime changed)")
     if changes:
         raise ModelFormatError(path, "file", f"expected it unchanged while quantize read it, found that "
                                              f"{', '.join(changes)} (another process changed it: a download "
@@ -434,7 +437,7 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
 
     src_path, dst_path = os.fspath(src_path), os.fspath(dst_path)
     try:   # before the parse: a rewrite from here on is seen (_check_unchanged below)
-        src_key: tuple[int, int, int, int] | None = _file_key(os.stat(src_path))
+        src_key: tuple[int, int, int, int, int] | None = _file_key(os.stat(src_path))
     except OSError:
         src_key = None                          # (open_model says what is wrong)
     mf = open_model(src_path)

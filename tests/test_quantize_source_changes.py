@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +147,13 @@ def _truncate_and_restore(src: str) -> None:
         f.write(data)
 
 
+def _rewrite_mtime_restored(src: str) -> None:
+    st = os.stat(src)
+    time.sleep(0.05)     # (past a tick of the kernel's coarse file clock, which stamps ctime)
+    _rewrite_same_size(src)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))   # size, inode and mtime as before
+
+
 def _replace(src: str) -> None:
     tmp = src + ".new"
     Path(tmp).write_bytes(Path(src).read_bytes())
@@ -155,9 +163,10 @@ def _replace(src: str) -> None:
 @pytest.mark.parametrize("change,match", [
     (_rewrite_same_size, "modification time"),
     (_truncate_and_restore, "modification time"),
+    (_rewrite_mtime_restored, "its ctime changed"),
     (_replace, "replaced by another file"),
     (os.unlink, "removed"),
-], ids=["rewritten-same-size", "truncated-and-restored", "replaced", "removed"])
+], ids=["rewritten-same-size", "truncated-and-restored", "rewritten-mtime-restored", "replaced", "removed"])
 @pytest.mark.parametrize("existing", [False, True])
 def test_a_source_changed_mid_run_is_a_typed_error_and_no_output(tmp_path, change, match, existing):
     m = write_tiny_model(tmp_path / "src.gguf", tensor_type=QT.Q8_0, seed=6, **SMALL)
