@@ -31,7 +31,7 @@ CHATML_TEMPLATE = CHATML
 # (its messages' roles and contents and the extra variables): a template rendering
 # {{ 'x' * 1000000000 }} took 14 s and 3.9 GB before the tokenizer failed on it. Real templates
 # add a few hundred characters of markup per message, far below this.
-MAX_MARKUP_CHARS = 4 * 1024 * 1024
+MAX_MARKUP_CHARS = template_sandbox.DEFAULT_LIMIT     # (4 MiB)
 
 
 def _conversation_chars(messages: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]) -> int:

@@ -56,7 +56,7 @@ class _Render:
 
 
 _render: contextvars.ContextVar[_Render] = contextvars.ContextVar("edgellm_chat_template_render")
-DEFAULT_LIMIT = 4 * 1024 * 1024
+DEFAULT_LIMIT = 4 * 1024 * 1024   # characters: chat_template's MAX_MARKUP_CHARS (why this size: there)
 
 
 def _state() -> _Render:
