@@ -118,10 +118,12 @@ static inline void el_store_tile(const float32x4_t *acc, int nx, int nr, float *
  * to L2 (PREFETCHT1): bursts of PREFETCHT0 (a chunk's K/V rows, 64 keys x 3 kv heads) ran the
  * core out of L1 miss slots, and the loads behind them waited (Zen 4, 2 threads, KV from DRAM,
  * paired runs in one process): decode attention at 1,024 keys over 30 layers 1.99 -> 1.31 ms
- * (512: 1.07 -> 0.75, 2,048: 3.77 -> 2.32), the decode GEMV over 30 layers' Q4_1 0.78x, a
- * cached 32-token chat turn's tile rows 0.986x. Not everywhere: the head's Q8_0 GEMV went
- * 1.1 -> 1.4 ms with it and the GEMM tile's next panel lost 3-5% at 32 rows (it uses L2 up to
- * EL_G5_PF_L2_ROWS rows only). Arm keeps L1 (PLDL1KEEP) until measured on a device. */
+ * (512: 1.07 -> 0.75, 2,048: 3.77 -> 2.32), the AVX-512 decode GEMV over 30 layers' Q4_1 0.78x
+ * (on Zen 4 the AVX2 GEMV runs, el_x86_gemv: it was as fast, 0.99x, and with L2 it went 1.16x,
+ * so it keeps L1), a cached 32-token chat turn's tile rows 0.986x. Not everywhere: the AVX2
+ * head's Q8_0 GEMV went 1.1 -> 1.4 ms with it and the GEMM tile's next panel lost 3-5% at 32
+ * rows (it uses L2 up to EL_G5_PF_L2_ROWS rows only). Arm keeps L1 (PLDL1KEEP) until measured
+ * on a device. */
 static inline __attribute__((always_inline)) void el_prefetch_ahead(const void *p) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_prefetch(p, 0, 2);
