@@ -6,8 +6,8 @@ beat bytes / bandwidth; how far above it a token's time sits is what the kernels
 table. The bandwidth probe is the profile's own (an sgemv over a matrix far larger than the
 caches), run in a child process: its 256+ MiB buffer would otherwise become this process's peak
 RSS, which the bench also reports. It is a floor only as far as the probe reads at the memory's
-speed: with their prefetches into L2 the x86 decode kernels stream faster than the sgemv on Zen
-4 (decode at 128 tokens read 0.94x once), and the bench says so when a ratio falls under 1.
+speed: the x86 decode kernels can stream faster than the sgemv reads (decode at 128 tokens read
+0.94x and 0.96x of it in two benches on Zen 4), and the bench says so when a ratio falls under 1.
 """
 from __future__ import annotations
 
