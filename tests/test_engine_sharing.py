@@ -166,7 +166,14 @@ def test_two_engines_stepping_op_by_op_in_two_threads_keep_their_numbers(tmp_pat
 
 
 _FORK_SCRIPT = """
-import os, sys, threading, time
+import faulthandler, os, signal, sys, threading, time
+# a hang prints every thread's stack and ends the process (before the test's timeout): SIGALRM
+# dumps, then its default action; the child arms its own alarm in the first after-fork hook
+# (faulthandler.dump_traceback_later would not do: re-armed in a child it waits on the parent's
+# watchdog thread, which the child does not have)
+faulthandler.register(signal.SIGALRM, all_threads=True, chain=True)
+os.register_at_fork(after_in_child=lambda: signal.alarm(70))
+signal.alarm(75)
 import edgellm
 from edgellm.errors import ConfigError
 from edgellm.errors import ConfigError
@@ -213,8 +220,8 @@ def test_a_forked_child_uses_the_engine_and_exits(tmp_path_factory):
     tm = write_tiny_model(tmp_path_factory.mktemp("fork") / "m.gguf", tensor_type=QT.Q4_1, seed=3, context_length=512)
     try:
         r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, tm.path], capture_output=True, text=True, timeout=90)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the forked child (or its parent) hung")
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the forked child (or its parent) hung; output so far: {e.stdout!r} {e.stderr!r}")
     assert "child ok" in r.stdout and "child exit 0" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
