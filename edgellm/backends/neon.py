@@ -51,19 +51,35 @@ class NativePool:
     under a step running on it, which then waited forever on the freed pool."""
 
     def __init__(self, threads: int, cores: tuple[int, ...]):
+        self.threads, self.cores = threads, cores
+        self._start()
+
+    def _start(self) -> None:
         lib = _lib()
         before = set(_thread_ids())
-        arr = (ctypes.c_int * max(1, len(cores)))(*cores)
-        self.ptr = lib.el_pool_create(threads, arr if cores else None, len(cores))
-        if not self.ptr:
+        arr = (ctypes.c_int * max(1, len(self.cores)))(*self.cores)
+        ptr = lib.el_pool_create(self.threads, arr if self.cores else None, len(self.cores))
+        if not ptr:
             raise RuntimeError("el_pool_create failed")
-        self.threads, self.cores = threads, cores
+        self._ptr, self._pid = ptr, os.getpid()
         # its workers' thread ids (pin_threads leaves them on the cores they were given)
         self.worker_tids = frozenset(set(_thread_ids()) - before)
         # (in a forked child the workers do not exist: joining their stale handles hung its exit;
         # there the pool is left to the process's end)
-        weakref.finalize(self, _destroy_pool, lib, self.ptr, os.getpid())
+        weakref.finalize(self, _destroy_pool, lib, ptr, self._pid)
         _live_pools.add(self)
+
+    @property
+    def ptr(self) -> int:
+        """The native pool; in a forked child, one of the child's own, started on first use. The
+        parent's pool has no workers there, and a worker that held its mutex at the fork (going
+        to sleep after a job) left it locked in the child: the child's first job waited on it
+        forever (a fork test hung once in CI, 90 s)."""
+        if self._pid != os.getpid():
+            with _lock:
+                if self._pid != os.getpid():
+                    self._start()
+        return self._ptr
 
 
 _live_pools: "weakref.WeakSet[NativePool]" = weakref.WeakSet()
@@ -75,7 +91,11 @@ def _destroy_pool(lib, ptr: int, pid: int) -> None:
 
 
 def _after_fork_in_child() -> None:
-    # the configured pool's workers are the parent's: the child's next op makes its own pool
+    # the configured pool's workers are the parent's: the child's next op makes its own pool (a
+    # pool held elsewhere, by an engine's fused step, starts its own through NativePool.ptr); the
+    # module's lock, if another thread held it at the fork, would stay held in the child
+    global _lock
+    _lock = threading.Lock()
     _state["pool"] = None
     _live_pools.clear()
 
