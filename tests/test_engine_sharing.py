@@ -176,7 +176,6 @@ os.register_at_fork(after_in_child=lambda: signal.alarm(70))
 signal.alarm(75)
 import edgellm
 from edgellm.errors import ConfigError
-from edgellm.errors import ConfigError
 from edgellm.scheduler import Scheduler
 e = edgellm.load(sys.argv[1], n_ctx=256, threads=2)
 kw = dict(temperature=0, max_tokens=24, ignore_eos=True)

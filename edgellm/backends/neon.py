@@ -61,7 +61,7 @@ class NativePool:
         ptr = lib.el_pool_create(self.threads, arr if self.cores else None, len(self.cores))
         if not ptr:
             raise RuntimeError("el_pool_create failed")
-        self._ptr, self._pid = ptr, os.getpid()
+        self._ptr, self._pid = ptr, _process["pid"]
         # its workers' thread ids (pin_threads leaves them on the cores they were given)
         self.worker_tids = frozenset(set(_thread_ids()) - before)
         # (in a forked child the workers do not exist: joining their stale handles hung its exit;
@@ -75,14 +75,15 @@ class NativePool:
         parent's pool has no workers there, and a worker that held its mutex at the fork (going
         to sleep after a job) left it locked in the child: the child's first job waited on it
         forever (a fork test hung once in CI, 90 s)."""
-        if self._pid != os.getpid():
+        if self._pid != _process["pid"]:   # (a dict read: every op reads ptr, a getpid() is a syscall)
             with _lock:
-                if self._pid != os.getpid():
+                if self._pid != _process["pid"]:
                     self._start()
         return self._ptr
 
 
 _live_pools: "weakref.WeakSet[NativePool]" = weakref.WeakSet()
+_process = {"pid": os.getpid()}   # this process's, set again in a forked child (below)
 
 
 def _destroy_pool(lib, ptr: int, pid: int) -> None:
@@ -96,6 +97,7 @@ def _after_fork_in_child() -> None:
     # module's lock, if another thread held it at the fork, would stay held in the child
     global _lock
     _lock = threading.Lock()
+    _process["pid"] = os.getpid()
     _state["pool"] = None
     _live_pools.clear()
 
