@@ -573,6 +573,7 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     (neon), so that the first request does not fault them in (model/prefault.py); None: on unless
     EDGELLM_PREFAULT=0. Engine.wait_loaded() waits for it.
     progress(stage, done, total) is called while pulling and while preparing weights.
+    A library EDGELLM_NEON_LIB names that cannot be loaded is a ConfigError naming it, as in the CLI.
     """
     # one load at a time: two loads in two threads swapped the neon unit's configured pool
     # between them (an engine's fused step held the other's thread count), and both passed the
@@ -631,6 +632,12 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                           "default model")
     if isinstance(units, str):
         units = [u.strip() for u in units.split(",") if u.strip()]
+    # a library the user named must load: the neon unit would otherwise be unavailable and the
+    # engine run on the numpy reference, which the CLI refuses too
+    from .backends import neon_lib
+    problem = neon_lib.named_library_problem()
+    if problem:
+        raise ConfigError(problem)
     profile = device_profile(device)
     if profile.gpu is not None:
         # the dispatcher probes the OpenCL unit (whatever `units` says: the plan shows every unit

@@ -113,20 +113,13 @@ _NO_KERNELS = frozenset({"build", "pull", "cache_list", "cache_info", "cache_cle
 
 
 def neon_lib_check() -> None:
-    """A library EDGELLM_NEON_LIB names must load. The neon unit's probe turns a library that
-    does not into an unavailable unit, and the run went on with the numpy reference (10x slower,
-    ~700 MiB more memory) and exit 0: the user named that file, so its reason is the error."""
+    """A library EDGELLM_NEON_LIB names must load (neon_lib.named_library_problem)."""
     from .backends import neon_lib
     from .errors import ConfigError
 
-    named = os.environ.get("EDGELLM_NEON_LIB")
-    if not named:
-        return
-    try:
-        neon_lib.load("dotprod")   # (the named file whatever the variant: what it is, it says)
-    except neon_lib.NeonLibError as e:
-        raise ConfigError(f"EDGELLM_NEON_LIB={named}: cannot use it: {e} (unset EDGELLM_NEON_LIB to use the "
-                          f"installed library)") from None
+    problem = neon_lib.named_library_problem()
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_out_path(path, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:

@@ -83,6 +83,24 @@ def test_a_named_library_that_cannot_be_used_is_an_error_not_a_fallback(tiny, tm
     assert runner.invoke(app, ["build", "--out", str(tmp_path / "b")]).exit_code == 0
 
 
+@pytest.mark.parametrize("kind", ("other machine", "missing"))
+def test_the_api_refuses_a_named_library_it_cannot_use(tiny, tmp_path, monkeypatch, kind):
+    """edgellm.load() as the CLI: it warned, made the neon unit unavailable and ran the model on
+    the numpy reference (session 22's probe: peak RSS 709 MiB, token by token)."""
+    import edgellm
+    from edgellm.errors import ConfigError
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    usable = _installed("dotprod")
+    lib = _other_machine(tmp_path) if kind == "other machine" else tmp_path / "missing.so"
+    monkeypatch.setenv("EDGELLM_NEON_LIB", str(lib))
+    with pytest.raises(ConfigError, match=f"EDGELLM_NEON_LIB={lib}: cannot use it: "):
+        edgellm.load(tiny)
+    monkeypatch.setenv("EDGELLM_NEON_LIB", str(usable))   # a usable one loads
+    eng = edgellm.load(tiny, prefault=False)
+    assert "neon" in eng.plan.units_used()
+
+
 def test_a_bundles_library_is_checked_against_bundle_json(tmp_path):
     lib = _bundle(tmp_path / "bundle", sizes=False)                  # (the size check aside: the hash's)
     assert neon_lib.load("dotprod", path=lib).path == lib            # as built: loads

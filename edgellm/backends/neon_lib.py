@@ -343,6 +343,22 @@ def load(variant: str | None = None, path: str | os.PathLike | None = None, part
     return lib
 
 
+def named_library_problem() -> str | None:
+    """Why the library EDGELLM_NEON_LIB names cannot be used (None: it loads, or none is named).
+    The neon unit's probe turns such a library into an unavailable unit, and the engine ran on
+    the numpy reference (10x slower, ~700 MiB more memory): the user named that file, so the CLI
+    and edgellm.load() both make its reason an error instead."""
+    named = os.environ.get("EDGELLM_NEON_LIB")
+    if not named:
+        return None
+    try:
+        load("dotprod")   # (the named file whatever the variant: what it is, it says)
+    except NeonLibError as e:
+        return (f"EDGELLM_NEON_LIB={named}: cannot use it: {e} (unset EDGELLM_NEON_LIB to use the installed "
+                f"library)")
+    return None
+
+
 def fptr(a) -> "ctypes._Pointer":
     """float* of a C-contiguous float32 numpy array (no copy; the caller keeps `a` alive)."""
     return a.ctypes.data_as(_c_float_p)
