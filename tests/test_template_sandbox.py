@@ -57,6 +57,13 @@ BIG = {   # template -> what the error names; each built 40M-100M characters bef
     "tojson indenting a long list": ("{{ range(100000)|list|tojson(indent=1000) }}", "filter tojson passes 4,194,3"),
     "tojson indenting by 10^6": ("{{ [[[[[[1]]]]]]|tojson(indent=1000000) }}",
                                  "filter tojson with an indent of 1,000,000"),
+    # a namespace or a dict view weighed 1, and printing prints its contents: 3 GB at once
+    "a list of references to a namespace": ("{% set ns = namespace(x='x' * 3000000) %}{{ [ns] * 1000 }}",
+                                            "a repetition of 1 items (3,000,0"),
+    "a list of references to a dict view": ("{% set d = {'a': 'x' * 3000000} %}{{ [d.items()] * 1000 }}",
+                                            "a repetition of 1 items (3,000,0"),
+    "a list literal of namespace references": ("{% set ns = namespace(x='x' * 3000000) %}{{ [ns, ns] }}",
+                                               "a literal gives a printed size of 6,000,"),
 }
 
 
@@ -120,6 +127,11 @@ def test_weight_counts_what_printing_prints():
         cyclic = []
         cyclic.append(cyclic)     # (an app's extra variable can be anything)
         assert template_sandbox.weight(cyclic) < 10
+        ns = jinja2.utils.Namespace(a=shared, b=s)
+        assert template_sandbox.weight(ns) >= len(repr(ns)) - 100
+        d = {"k": shared}
+        for view in (d.keys(), d.values(), d.items()):
+            assert template_sandbox.weight(view) >= len(str(list(view))) - 100
         deep = []
         for _ in range(100000):   # nesting deeper than Python's recursion limit
             deep = [deep]

@@ -15,8 +15,10 @@ ModelFormatError naming the field:
   loops over range(100000) that print nothing ran for hours, and so did a macro calling itself
   twice 40 levels deep.
 
+Namespace objects and dict views (d.items()) print their contents, and weigh them: counted as
+one item, [ns] * 1000 of a namespace holding 3 MB passed, and printing it built 3 GB at once.
 Not covered: what a filter builds inside before its result is checked (bounded by its inputs'
-sizes), and namespace objects, which count as one item when printed.
+sizes).
 """
 from __future__ import annotations
 
@@ -80,11 +82,32 @@ def limit() -> int:
     return _state().limit
 
 
-_CONTAINERS = (list, tuple, dict)
+_DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+# what prints its items: lists, tuples, dicts, a namespace (its attributes' dict) and a dict
+# view (its dict's keys, values or both: a view's items are made as it is read, so it is
+# weighed through its dict)
+_CONTAINERS = (list, tuple, dict, *_DICT_VIEWS)
+
+
+def _is_namespace(x: Any) -> bool:
+    # by name: importing jinja2 here would load it for chats that render without it
+    return type(x).__name__ == "Namespace" and type(x).__module__ == "jinja2.utils"
+
+
+def _is_container(x: Any) -> bool:
+    return isinstance(x, _CONTAINERS) or _is_namespace(x)
 
 
 def _children(x: Any) -> list[Any]:
-    return [*x.keys(), *x.values()] if isinstance(x, dict) else list(x)
+    if _is_namespace(x):
+        x = x._Namespace__attrs       # (its __getattribute__ lets this one name through)
+    if isinstance(x, dict):
+        return [*x.keys(), *x.values()]
+    if isinstance(x, _DICT_VIEWS):
+        m = x.mapping
+        return [*m.keys()] if isinstance(x, _DICT_VIEWS[0]) else [*m.values()] if isinstance(x, _DICT_VIEWS[1]) \
+            else [*m.keys(), *m.values()]
+    return list(x)
 
 
 def weight(value: Any) -> int:
@@ -96,7 +119,7 @@ def weight(value: Any) -> int:
     a loop made)."""
     if isinstance(value, str):
         return len(value)
-    if not isinstance(value, _CONTAINERS):
+    if not _is_container(value):
         return 1
     memo: dict[int, int] = {}
     items = 0
@@ -104,21 +127,22 @@ def weight(value: Any) -> int:
     while stack:        # post-order without recursion (nesting from the app's data is unbounded)
         x, ready = stack.pop()
         if ready:
-            w = 2
-            for c in _children(x):
-                w += 2 + (len(c) if isinstance(c, str) else memo[id(c)] if isinstance(c, _CONTAINERS) else 1)
+            kids = _children(x)
+            w = 14 if _is_namespace(x) else 2     # (<Namespace {...}>)
+            for c in kids:
+                w += 2 + (len(c) if isinstance(c, str) else memo[id(c)] if _is_container(c) else 1)
             memo[id(x)] = w
-            items += len(x)
+            items += len(kids)
         elif id(x) not in memo:
             memo[id(x)] = 1    # until its items are summed: a cycle back to it counts 1
             stack.append((x, True))
-            stack.extend((c, False) for c in _children(x) if isinstance(c, _CONTAINERS) and id(c) not in memo)
+            stack.extend((c, False) for c in _children(x) if _is_container(c) and id(c) not in memo)
     _step("a size check", items // WALK_ITEMS)
     return memo[id(value)]
 
 
 def check_size(value: Any, what: str) -> Any:
-    if isinstance(value, (str, *_CONTAINERS)):
+    if isinstance(value, str) or _is_container(value):
         w = weight(value)
         if w > limit():
             kind = "a length" if isinstance(value, str) else "a printed size"
