@@ -64,6 +64,19 @@ BIG = {   # template -> what the error names; each built 40M-100M characters bef
                                             "a repetition of 1 items (3,000,0"),
     "a list literal of namespace references": ("{% set ns = namespace(x='x' * 3000000) %}{{ [ns, ns] }}",
                                                "a literal gives a printed size of 6,000,"),
+    # results many times their inputs: each built ~3 GB (2.9 GB traced) before its size was seen
+    "filter replace": ("{{ ('a' * 3000000)|replace('a', 'b' * 1000) }}", "filter replace would give a length of 3,"),
+    "str.replace": ("{{ ('a' * 3000000).replace('a', 'b' * 1000) }}", "str.replace would give a length of 3,"),
+    "filter indent": ("{{ ('a\n' * 1500000)|indent(1000) }}", "filter indent would give a length of 1,50"),
+    "str.expandtabs": ("{{ ('a\t' * 1000000).expandtabs(1000) }}", "str.expandtabs would give a length of 1,00"),
+    "filter wordwrap": ("{{ ('ab ' * 1000000)|wordwrap(2, wrapstring='x' * 1000) }}",
+                        "filter wordwrap would give a length of 3,"),
+    "str.join": ("{{ ('x' * 1000).join('a' * 3000000) }}", "str.join would give a length of 3,"),
+    "str.format": ("{{ ('{0}' * 1000000).format('a' * 3000) }}", "str.format would give a length of 3,"),
+    "str.format_map": ("{{ ('{a}' * 1000000).format_map({'a': 'a' * 3000}) }}",
+                       "str.format_map would give a length of 3,"),
+    "filter format": ("{{ ('%s' * 1000)|format(*(['x' * 3000] * 1000)) }}", "filter format would give a length of 3,"),
+    "a % format": ("{{ ('%(a)s' * 500000) % {'a': 'x' * 3000} }}", "a % format would give a length of 1,"),
 }
 
 
@@ -93,6 +106,9 @@ ORDINARY = [
     "{% set t = (1, 'a') %}{{ t }}{{ {'k': [1, (2, 3)], 'é': none} }}",
     "{{ {'b': [1, 2], 'a': 'é'}|tojson }}{{ {'a': [1, {'c': 2}]}|tojson(indent=2) }}"
     "{{ messages|tojson(separators=(',', ':')) }}",
+    "{{ 'a-b'.replace('-', '+') }}{{ 'x\ny'|indent(2, true) }}{{ '%s=%d' % ('k', 3) }}{{ '{}/{}'.format(1, 2) }}"
+    "{{ '{a}'.format_map({'a': 5}) }}{{ ', '.join(['a', 'b']) }}{{ 'a b c'|wordwrap(3) }}{{ '%s-%s'|format(1, 2) }}"
+    "{{ 'a\tb'.expandtabs(4) }}{{ messages[0].content|replace('h', 'H') }}",
 ]
 
 
@@ -136,3 +152,9 @@ def test_weight_counts_what_printing_prints():
         for _ in range(100000):   # nesting deeper than Python's recursion limit
             deep = [deep]
         assert template_sandbox.weight(deep) == 4 * 100000 + 2
+
+
+def test_lipsum_is_not_there():
+    # lipsum(10, min=10**6, max=10**6 + 1) ran 49 s and built 234 MB before its size was seen
+    with pytest.raises(ModelFormatError, match="'lipsum' is undefined"):
+        ChatTemplate("/m.gguf", "{{ lipsum(10, min=1000000, max=1000001) }}", "", "").render(MSGS)

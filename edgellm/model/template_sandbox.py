@@ -11,14 +11,17 @@ ModelFormatError naming the field:
   string prints 4 GB, though its length is 1,000. Where the size is known before building
   ('x' * n, [s] * n, '%*s', 'x'.ljust(n), tojson's indent), it is refused before; tojson stops
   as its output passes the limit.
+  Namespace objects and dict views (d.items()) print their contents, and weigh them.
+- growth: where a result can be many times its inputs (replace, indent, wordwrap, expandtabs,
+  str.join, str.format, % and |format), a bound on its length from the arguments is checked
+  before the call; 'a' * 3M with each 'a' replaced by 1,000 characters was 3 GB. lipsum, which
+  builds up to n x max words, is not offered.
 - time: loop iterations and calls (macros included) share MAX_STEPS per render. Two nested
   loops over range(100000) that print nothing ran for hours, and so did a macro calling itself
   twice 40 levels deep.
 
-Namespace objects and dict views (d.items()) print their contents, and weigh them: counted as
-one item, [ns] * 1000 of a namespace holding 3 MB passed, and printing it built 3 GB at once.
-Not covered: what a filter builds inside before its result is checked (bounded by its inputs'
-sizes).
+Not covered: what the other filters build inside before their result is checked (no more than
+a few times their inputs: escape's 5x).
 """
 from __future__ import annotations
 
@@ -192,6 +195,67 @@ def _brace_widths(fmt: str) -> list[int]:
     return [int(d) for m in _BRACE_SPEC.finditer(fmt) for d in re.findall(r"\d+", m.group(1))]
 
 
+# Operations whose result can be many times their inputs' size: 'a' * 3M with every 'a'
+# replaced by 1,000 characters is 3 GB, built whole before its size could be checked (a phone's
+# app is killed for memory first). Each bound is the result's length, or more, from the
+# arguments alone; None where the arguments are not what the bound reads (the call then fails
+# or builds no more than its inputs).
+def _replace_size(s: Any, old: Any = None, new: Any = None, count: Any = None, *_: Any) -> int | None:
+    if not (isinstance(s, str) and isinstance(old, str) and isinstance(new, str)):
+        return None
+    n = len(s) + 1 if old == "" else s.count(old)
+    if isinstance(count, int) and count >= 0:
+        n = min(n, count)
+    return len(s) + n * max(0, len(new) - len(old))
+
+
+def _indent_size(s: Any, width: Any = 4, *_: Any) -> int | None:
+    if not isinstance(s, str):
+        return None
+    w = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+    return len(s) + (s.count("\n") + 1) * max(0, w)
+
+
+def _expandtabs_size(s: Any, tabsize: Any = 8, *_: Any) -> int | None:
+    return len(s) + s.count("\t") * max(0, tabsize) if isinstance(s, str) and isinstance(tabsize, int) else None
+
+
+def _wordwrap_size(s: Any, width: Any = 79, break_long_words: Any = True, wrapstring: Any = None,
+                   *_: Any) -> int | None:
+    # at most one break per character, each one wrapstring (a newline by default)
+    if not isinstance(s, str):
+        return None
+    return len(s) + (len(s) + 1) * (len(wrapstring) if isinstance(wrapstring, str) else 2)
+
+
+def _str_join_size(sep: Any, items: Any = (), *_: Any) -> int | None:
+    if not (isinstance(sep, str) and isinstance(items, (str, list, tuple))):
+        return None
+    return len(sep) * max(0, len(items) - 1) + (len(items) if isinstance(items, str) else weight(items))
+
+
+def _fields_size(mark: str, fmt: Any, *args: Any, **kwargs: Any) -> int | None:
+    # each replacement field prints at most all of the arguments (one may repeat: '{0}' * 10^6);
+    # the count of `mark` ('{' for str.format, '%' for % and |format) is the fields', or more
+    if not isinstance(fmt, str):
+        return None
+    fields = fmt.count(mark)
+    return len(fmt) + fields * weight([*args, *kwargs.values()]) if fields else len(fmt)
+
+
+_brace_size = functools.partial(_fields_size, "{")
+_percent_size = functools.partial(_fields_size, "%")
+_SIZED_METHODS = {"replace": _replace_size, "expandtabs": _expandtabs_size, "join": _str_join_size,
+                  "format": _brace_size, "format_map": _brace_size}
+_SIZED_FILTERS = {"replace": _replace_size, "indent": _indent_size, "wordwrap": _wordwrap_size,
+                  "format": _percent_size}
+
+
+def _check_result_size(what: str, size: Any) -> None:
+    if isinstance(size, int) and size > limit():
+        raise TooLarge(f"{what} would give a length of {size:,}")
+
+
 def tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
            ensure_ascii: bool = False, **_: Any) -> str:
     """Hugging Face's tojson: its keywords are honoured (templates ask for compact separators).
@@ -224,6 +288,8 @@ def _checked_filter(name: str, f):
                 _check_widths(f"filter {name}", [*params, *kwargs.values()])
             elif name == "format" and isinstance(value, str):
                 _check_widths("filter format", _percent_widths(value, tuple(params)))
+            if name in _SIZED_FILTERS:
+                _check_result_size(f"filter {name}", _SIZED_FILTERS[name](value, *params, **kwargs))
             elif name == "join":
                 sep = kwargs.get("d", params[0] if params else "")
                 if isinstance(sep, str) and hasattr(value, "__len__"):
@@ -300,6 +366,7 @@ def sandbox(**options: Any):
                     raise TooLarge(f"a concatenation of {weight(left):,} and {weight(right):,} characters")
             elif operator == "%" and isinstance(left, str):
                 _check_widths("a % format", _percent_widths(left, right))
+                _check_result_size("a % format", _percent_size(left, right))
             elif operator == "**":
                 if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
                         and right * abs(left).bit_length() > MAX_POWER_BITS:
@@ -309,8 +376,12 @@ def sandbox(**options: Any):
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's own signature)
             what = getattr(__obj, "__name__", type(__obj).__name__)
             _step(f"a call of {what}", CALL_STEPS)
-            if isinstance(getattr(__obj, "__self__", None), str) and what in _WIDENING_METHODS:
+            # (str.format comes wrapped: jinja sandboxes it where the template reads the attribute)
+            owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
+            if isinstance(owner, str) and what in _WIDENING_METHODS:
                 _check_widths(f"str.{what}", [*args, *kwargs.values()])
+            if isinstance(owner, str) and what in _SIZED_METHODS:
+                _check_result_size(f"str.{what}", _SIZED_METHODS[what](owner, *args, **kwargs))
             return check_size(super().call(__context, __obj, *args, **kwargs), what)
 
         def wrap_str_format(self, value):
@@ -320,6 +391,9 @@ def sandbox(**options: Any):
             return super().wrap_str_format(value)
 
     env = Sandbox(**options)
+    # lipsum(n, min=, max=) builds n paragraphs of up to max words each before anything sees
+    # its size (lipsum(10, min=10**6, max=10**6 + 1): 49 s, 234 MB); no chat template uses it
+    env.globals.pop("lipsum", None)
     env.filters["tojson"] = tojson
     env.filters.update({k: _checked_filter(k, f) for k, f in env.filters.items()})
     return env
