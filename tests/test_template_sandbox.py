@@ -24,6 +24,11 @@ ENDLESS = {
                                   "{{ f(40) }}",
     "slice into 10^9 parts": "{{ 'x'|slice(1000000000)|list|length }}",
     # each |list result's size is checked by walking it: 10^10 items walked without the charge
+    # a filter's time grows with its input: these made as many passes over 4M characters
+    "a loop of filters on a long string": "{% set s = 'ab ' * 1000000 %}{% for i in range(100000) %}"
+                                          "{% set t = s|upper %}{% endfor %}",
+    "striptags, slower than linear": "{{ ('<a>x</a> ' * 400000)|striptags|length }}",
+    "sum of one-item lists": "{% set l = 'a' * 3000000 %}{{ l|batch(1)|sum(start=[])|length }}",
     "a loop re-checking a big list": "{% set big = range(100000)|list %}{% for i in range(100000) %}"
                                      "{% set y = big|list %}{% endfor %}",
 }
@@ -69,7 +74,7 @@ BIG = {   # template -> what the error names; each built 40M-100M characters bef
     "str.replace": ("{{ ('a' * 3000000).replace('a', 'b' * 1000) }}", "str.replace would give a length of 3,"),
     "filter indent": ("{{ ('a\n' * 1500000)|indent(1000) }}", "filter indent would give a length of 1,50"),
     "str.expandtabs": ("{{ ('a\t' * 1000000).expandtabs(1000) }}", "str.expandtabs would give a length of 1,00"),
-    "filter wordwrap": ("{{ ('ab ' * 1000000)|wordwrap(2, wrapstring='x' * 1000) }}",
+    "filter wordwrap": ("{{ ('ab ' * 100000)|wordwrap(2, wrapstring='x' * 10000) }}",
                         "filter wordwrap would give a length of 3,"),
     "str.join": ("{{ ('x' * 1000).join('a' * 3000000) }}", "str.join would give a length of 3,"),
     "str.format": ("{{ ('{0}' * 1000000).format('a' * 3000) }}", "str.format would give a length of 3,"),
@@ -158,3 +163,12 @@ def test_lipsum_is_not_there():
     # lipsum(10, min=10**6, max=10**6 + 1) ran 49 s and built 234 MB before its size was seen
     with pytest.raises(ModelFormatError, match="'lipsum' is undefined"):
         ChatTemplate("/m.gguf", "{{ lipsum(10, min=1000000, max=1000001) }}", "", "").render(MSGS)
+
+
+def test_sum_concatenates_as_jinja2_does():
+    src = "{{ [[1], [2, 3]]|sum(start=[]) }}{{ [(1,), (2,)]|sum(start=()) }}{{ [1, 2.5]|sum }}" \
+          "{{ [{'n': 2}, {'n': 3}]|sum(attribute='n') }}"
+    want = jinja2.Environment().from_string(src).render()
+    assert ChatTemplate("/m.gguf", src, "", "").render(MSGS) == want == "[1, 2, 3](1, 2)3.55"
+    with pytest.raises(ModelFormatError, match="can only concatenate list"):
+        ChatTemplate("/m.gguf", "{{ [[1], (2,)]|sum(start=[]) }}", "", "").render(MSGS)
