@@ -82,6 +82,11 @@ BIG = {   # template -> what the error names; each built 40M-100M characters bef
                        "str.format_map would give a length of 3,"),
     "filter format": ("{{ ('%s' * 1000)|format(*(['x' * 3000] * 1000)) }}", "filter format would give a length of 3,"),
     "a % format": ("{{ ('%(a)s' * 500000) % {'a': 'x' * 3000} }}", "a % format would give a length of 1,"),
+    # bytes print their characters too: each of these built 1-3 GB
+    "bytes repeated": ("{{ ('a' * 3000000).encode() * 1000 }}", "a repetition of 3,000,000 items"),
+    "bytes.replace": ("{{ ('a' * 3000000).encode().replace('a'.encode(), ('b' * 1000).encode()) }}",
+                      "bytes.replace would give a length of 3,"),
+    "bytes.ljust": ("{{ 'x'.encode().ljust(1000000000) }}", "bytes.ljust with a width of 1,000,000,000"),
 }
 
 

@@ -5,7 +5,7 @@ it away from Python's internals, not from building gigabytes of text or looping 
 bounds here refuse both with TooLarge / TooLong, which chat_template turns into a
 ModelFormatError naming the field:
 
-- size: every string or container an operator, call, filter, literal or `~` gives is held to
+- size: every string (bytes too) or container an operator, call, filter, literal or `~` gives is held to
   the render's limit (chat_template sets it: a few MB plus twice the conversation). A
   container's size is what printing it prints (`weight`): a list of 1,000 references to a 4 MB
   string prints 4 GB, though its length is 1,000. Where the size is known before building
@@ -85,6 +85,8 @@ def limit() -> int:
     return _state().limit
 
 
+# what prints its characters: bytes too ('a' * 3M).encode() * 1000 was 3 GB
+_TEXT = (str, bytes)
 _DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 # what prints its items: lists, tuples, dicts, a namespace (its attributes' dict) and a dict
 # view (its dict's keys, values or both: a view's items are made as it is read, so it is
@@ -120,7 +122,7 @@ def weight(value: Any) -> int:
     to the step budget (WALK_ITEMS items a step): a loop checking a big list on every turn would
     otherwise run unbounded. Nothing is kept between calls (a render-long memo held every list
     a loop made)."""
-    if isinstance(value, str):
+    if isinstance(value, _TEXT):
         return len(value)
     if not _is_container(value):
         return 1
@@ -133,7 +135,7 @@ def weight(value: Any) -> int:
             kids = _children(x)
             w = 14 if _is_namespace(x) else 2     # (<Namespace {...}>)
             for c in kids:
-                w += 2 + (len(c) if isinstance(c, str) else memo[id(c)] if _is_container(c) else 1)
+                w += 2 + (len(c) if isinstance(c, _TEXT) else memo[id(c)] if _is_container(c) else 1)
             memo[id(x)] = w
             items += len(kids)
         elif id(x) not in memo:
@@ -145,10 +147,10 @@ def weight(value: Any) -> int:
 
 
 def check_size(value: Any, what: str) -> Any:
-    if isinstance(value, str) or _is_container(value):
+    if isinstance(value, _TEXT) or _is_container(value):
         w = weight(value)
         if w > limit():
-            kind = "a length" if isinstance(value, str) else "a printed size"
+            kind = "a length" if isinstance(value, _TEXT) else "a printed size"
             raise TooLarge(f"{what} gives {kind} of {w:,}")
     return value
 
@@ -201,7 +203,7 @@ def _brace_widths(fmt: str) -> list[int]:
 # arguments alone; None where the arguments are not what the bound reads (the call then fails
 # or builds no more than its inputs).
 def _replace_size(s: Any, old: Any = None, new: Any = None, count: Any = None, *_: Any) -> int | None:
-    if not (isinstance(s, str) and isinstance(old, str) and isinstance(new, str)):
+    if not (isinstance(s, _TEXT) and isinstance(old, _TEXT) and isinstance(new, _TEXT)):
         return None
     n = len(s) + 1 if old == "" else s.count(old)
     if isinstance(count, int) and count >= 0:
@@ -217,7 +219,9 @@ def _indent_size(s: Any, width: Any = 4, *_: Any) -> int | None:
 
 
 def _expandtabs_size(s: Any, tabsize: Any = 8, *_: Any) -> int | None:
-    return len(s) + s.count("\t") * max(0, tabsize) if isinstance(s, str) and isinstance(tabsize, int) else None
+    if not (isinstance(s, _TEXT) and isinstance(tabsize, int)):
+        return None
+    return len(s) + s.count(b"\t" if isinstance(s, bytes) else "\t") * max(0, tabsize)
 
 
 def _wordwrap_size(s: Any, width: Any = 79, break_long_words: Any = True, wrapstring: Any = None,
@@ -229,17 +233,17 @@ def _wordwrap_size(s: Any, width: Any = 79, break_long_words: Any = True, wrapst
 
 
 def _str_join_size(sep: Any, items: Any = (), *_: Any) -> int | None:
-    if not (isinstance(sep, str) and isinstance(items, (str, list, tuple))):
+    if not (isinstance(sep, _TEXT) and isinstance(items, (*_TEXT, list, tuple))):
         return None
-    return len(sep) * max(0, len(items) - 1) + (len(items) if isinstance(items, str) else weight(items))
+    return len(sep) * max(0, len(items) - 1) + (len(items) if isinstance(items, _TEXT) else weight(items))
 
 
 def _fields_size(mark: str, fmt: Any, *args: Any, **kwargs: Any) -> int | None:
     # each replacement field prints at most all of the arguments (one may repeat: '{0}' * 10^6);
     # the count of `mark` ('{' for str.format, '%' for % and |format) is the fields', or more
-    if not isinstance(fmt, str):
+    if not isinstance(fmt, _TEXT):
         return None
-    fields = fmt.count(mark)
+    fields = fmt.count(mark.encode() if isinstance(fmt, bytes) else mark)
     return len(fmt) + fields * weight([*args, *kwargs.values()]) if fields else len(fmt)
 
 
@@ -288,7 +292,7 @@ _FILTER_STEPS = {**dict.fromkeys(("title", "wordcount", "indent", "urlencode", "
 
 def _input_size(*values: Any) -> int:
     """Characters of the strings, items of the containers (their top level: O(1) to count)."""
-    return sum(len(v) for v in values if isinstance(v, (str, list, tuple, dict)))
+    return sum(len(v) for v in values if isinstance(v, (*_TEXT, list, tuple, dict)))
 
 
 def _sum(environment: Any, iterable: Any, attribute: Any = None, start: Any = 0) -> Any:
@@ -395,15 +399,16 @@ def sandbox(**options: Any):
             cap = limit()
             if operator == "*":
                 for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and weight(seq) * n > cap:
+                    if isinstance(seq, (*_TEXT, list, tuple)) and isinstance(n, int) and weight(seq) * n > cap:
                         raise TooLarge(f"a repetition of {len(seq):,} items ({weight(seq):,} characters) "
                                        f"{n:,} times")
             elif operator == "+":
-                sized = (str, list, tuple)
+                sized = (*_TEXT, list, tuple)
                 if isinstance(left, sized) and isinstance(right, sized) and weight(left) + weight(right) > cap:
                     raise TooLarge(f"a concatenation of {weight(left):,} and {weight(right):,} characters")
-            elif operator == "%" and isinstance(left, str):
-                _check_widths("a % format", _percent_widths(left, right))
+            elif operator == "%" and isinstance(left, _TEXT):
+                if isinstance(left, str):
+                    _check_widths("a % format", _percent_widths(left, right))
                 _check_result_size("a % format", _percent_size(left, right))
             elif operator == "**":
                 if isinstance(left, int) and isinstance(right, int) and abs(left) > 1 \
@@ -416,12 +421,13 @@ def sandbox(**options: Any):
             _step(f"a call of {what}", CALL_STEPS)
             # (str.format comes wrapped: jinja sandboxes it where the template reads the attribute)
             owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
-            if isinstance(owner, str):    # (its time grows with the string, as a filter's)
-                _step(f"str.{what}", _input_size(owner, *args) // CHARS_PER_STEP)
-            if isinstance(owner, str) and what in _WIDENING_METHODS:
-                _check_widths(f"str.{what}", [*args, *kwargs.values()])
-            if isinstance(owner, str) and what in _SIZED_METHODS:
-                _check_result_size(f"str.{what}", _SIZED_METHODS[what](owner, *args, **kwargs))
+            if isinstance(owner, _TEXT):
+                method = f"{type(owner).__name__}.{what}"
+                _step(method, _input_size(owner, *args) // CHARS_PER_STEP)   # (its time grows with it)
+                if what in _WIDENING_METHODS:
+                    _check_widths(method, [*args, *kwargs.values()])
+                if what in _SIZED_METHODS:
+                    _check_result_size(method, _SIZED_METHODS[what](owner, *args, **kwargs))
             return check_size(super().call(__context, __obj, *args, **kwargs), what)
 
         def wrap_str_format(self, value):
