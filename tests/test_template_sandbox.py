@@ -82,6 +82,9 @@ BIG = {   # template -> what the error names; each built 40M-100M characters bef
                        "str.format_map would give a length of 3,"),
     "filter format": ("{{ ('%s' * 1000)|format(*(['x' * 3000] * 1000)) }}", "filter format would give a length of 3,"),
     "a % format": ("{{ ('%(a)s' * 500000) % {'a': 'x' * 3000} }}", "a % format would give a length of 1,"),
+    "str.translate": ("{{ ('a' * 3000000).translate({97: 'x' * 1000}) }}", "str.translate would give a length of 3,"),
+    "filter urlize with a long target": ("{{ ('www.a.bc ' * 20000)|urlize(target='x' * 10000) }}",
+                                         "filter urlize would give a length of"),
     # bytes print their characters too: each of these built 1-3 GB
     "bytes repeated": ("{{ ('a' * 3000000).encode() * 1000 }}", "a repetition of 3,000,000 items"),
     "bytes.replace": ("{{ ('a' * 3000000).encode().replace('a'.encode(), ('b' * 1000).encode()) }}",
@@ -119,6 +122,8 @@ ORDINARY = [
     "{{ 'a-b'.replace('-', '+') }}{{ 'x\ny'|indent(2, true) }}{{ '%s=%d' % ('k', 3) }}{{ '{}/{}'.format(1, 2) }}"
     "{{ '{a}'.format_map({'a': 5}) }}{{ ', '.join(['a', 'b']) }}{{ 'a b c'|wordwrap(3) }}{{ '%s-%s'|format(1, 2) }}"
     "{{ 'a\tb'.expandtabs(4) }}{{ messages[0].content|replace('h', 'H') }}",
+    "{{ 'a\nb'|indent(width=2, first=True) }}{{ 'aaa'|replace('a', 'b', count=2) }}{{ 'ab'.translate({97: 'xy'}) }}"
+    "{{ 'see www.a.bc now'|urlize(target='_blank') }}{{ 'a b'|wordwrap(width=1, wrapstring='|') }}",
 ]
 
 

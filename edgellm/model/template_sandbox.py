@@ -12,7 +12,7 @@ ModelFormatError naming the field:
   ('x' * n, [s] * n, '%*s', 'x'.ljust(n), tojson's indent), it is refused before; tojson stops
   as its output passes the limit.
   Namespace objects and dict views (d.items()) print their contents, and weigh them.
-- growth: where a result can be many times its inputs (replace, indent, wordwrap, expandtabs,
+- growth: where a result can be many times its inputs (replace, translate, indent, wordwrap, urlize, expandtabs,
   str.join, str.format, % and |format), a bound on its length from the arguments is checked
   before the call; 'a' * 3M with each 'a' replaced by 1,000 characters was 3 GB. lipsum, which
   builds up to n x max words, is not offered.
@@ -202,7 +202,7 @@ def _brace_widths(fmt: str) -> list[int]:
 # app is killed for memory first). Each bound is the result's length, or more, from the
 # arguments alone; None where the arguments are not what the bound reads (the call then fails
 # or builds no more than its inputs).
-def _replace_size(s: Any, old: Any = None, new: Any = None, count: Any = None, *_: Any) -> int | None:
+def _replace_size(s: Any, old: Any = None, new: Any = None, count: Any = None, *_: Any, **__: Any) -> int | None:
     if not (isinstance(s, _TEXT) and isinstance(old, _TEXT) and isinstance(new, _TEXT)):
         return None
     n = len(s) + 1 if old == "" else s.count(old)
@@ -211,28 +211,28 @@ def _replace_size(s: Any, old: Any = None, new: Any = None, count: Any = None, *
     return len(s) + n * max(0, len(new) - len(old))
 
 
-def _indent_size(s: Any, width: Any = 4, *_: Any) -> int | None:
+def _indent_size(s: Any, width: Any = 4, *_: Any, **__: Any) -> int | None:
     if not isinstance(s, str):
         return None
     w = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
     return len(s) + (s.count("\n") + 1) * max(0, w)
 
 
-def _expandtabs_size(s: Any, tabsize: Any = 8, *_: Any) -> int | None:
+def _expandtabs_size(s: Any, tabsize: Any = 8, *_: Any, **__: Any) -> int | None:
     if not (isinstance(s, _TEXT) and isinstance(tabsize, int)):
         return None
     return len(s) + s.count(b"\t" if isinstance(s, bytes) else "\t") * max(0, tabsize)
 
 
 def _wordwrap_size(s: Any, width: Any = 79, break_long_words: Any = True, wrapstring: Any = None,
-                   *_: Any) -> int | None:
+                   *_: Any, **__: Any) -> int | None:
     # at most one break per character, each one wrapstring (a newline by default)
     if not isinstance(s, str):
         return None
     return len(s) + (len(s) + 1) * (len(wrapstring) if isinstance(wrapstring, str) else 2)
 
 
-def _str_join_size(sep: Any, items: Any = (), *_: Any) -> int | None:
+def _str_join_size(sep: Any, items: Any = (), *_: Any, **__: Any) -> int | None:
     if not (isinstance(sep, _TEXT) and isinstance(items, (*_TEXT, list, tuple))):
         return None
     return len(sep) * max(0, len(items) - 1) + (len(items) if isinstance(items, _TEXT) else weight(items))
@@ -247,12 +247,28 @@ def _fields_size(mark: str, fmt: Any, *args: Any, **kwargs: Any) -> int | None:
     return len(fmt) + fields * weight([*args, *kwargs.values()]) if fields else len(fmt)
 
 
+def _translate_size(s: Any, table: Any = None, *_: Any, **__: Any) -> int | None:
+    # each character becomes at most the table's longest replacement
+    if not (isinstance(s, str) and isinstance(table, dict)):
+        return None
+    return len(s) * max([1, *(len(v) for v in table.values() if isinstance(v, str))])
+
+
+def _urlize_size(s: Any, trim_url_limit: Any = None, nofollow: Any = False, target: Any = None, rel: Any = None,
+                 *_: Any, **__: Any) -> int | None:
+    # a link is the URL twice plus its markup, target and rel; a URL holds a '.', '@' or ':'
+    if not isinstance(s, str):
+        return None
+    extra = sum(len(v) for v in (target, rel) if isinstance(v, str))
+    return 3 * len(s) + (s.count(".") + s.count("@") + s.count(":")) * (64 + extra)
+
+
 _brace_size = functools.partial(_fields_size, "{")
 _percent_size = functools.partial(_fields_size, "%")
 _SIZED_METHODS = {"replace": _replace_size, "expandtabs": _expandtabs_size, "join": _str_join_size,
-                  "format": _brace_size, "format_map": _brace_size}
+                  "format": _brace_size, "format_map": _brace_size, "translate": _translate_size}
 _SIZED_FILTERS = {"replace": _replace_size, "indent": _indent_size, "wordwrap": _wordwrap_size,
-                  "format": _percent_size}
+                  "format": _percent_size, "urlize": _urlize_size}
 
 
 def _check_result_size(what: str, size: Any) -> None:
