@@ -3,11 +3,11 @@ the read bandwidth `edgellm profile` measures, taken in the same run as the deco
 
 A decode token streams every layer's weights and the output projection once, so no kernel can
 beat bytes / bandwidth; how far above it a token's time sits is what the kernels leave on the
-table. The bandwidth probe is the profile's own (an sgemv over a matrix far larger than the
-caches), run in a child process: its 256+ MiB buffer would otherwise become this process's peak
-RSS, which the bench also reports. It is a floor only as far as the probe reads at the memory's
-speed: the x86 decode kernels can stream faster than the sgemv reads (decode at 128 tokens read
-0.94x and 0.96x of it in two benches on Zen 4), and the bench says so when a ratio falls under 1.
+table. The bandwidth probe is the profile's own (the neon library's threads streaming a buffer
+far larger than the caches; numpy's sgemv without the library), run in a child process: its
+256+ MiB buffer would otherwise become this process's peak RSS, which the bench also reports.
+The sgemv it replaced read slower than the decode kernels stream (decode at 128 tokens read
+0.94x and 0.96x of its floor on Zen 4); the bench still says so when a ratio falls under 1.
 """
 from __future__ import annotations
 

@@ -81,6 +81,10 @@ EL_API int el_pool_affinity(el_pool *pool, int thread, int *cores_out, int max_c
  * pool may be NULL (runs on the caller). */
 EL_API void el_parallel_for(el_pool *pool, int n_tasks, el_task_fn fn, void *ctx);
 
+/* The memory read bandwidth (read_probe.c): the pool's threads stream buf (bytes a multiple of
+ * 64, buf 8-byte aligned) once; *sum = its uint64 words summed (wrapping). The caller times it. */
+EL_API int el_read_probe(el_pool *pool, const void *buf, size_t bytes, uint64_t *sum);
+
 /* ---- matmul ------------------------------------------------------------------------------ */
 /* y (M, N) = x (M, K) @ W^T (+ bias (N,)), W of type wtype given as n_seg row segments (fused
  * projections stay separate GGUF tensors): segment s has seg_rows[s] rows starting at

@@ -215,7 +215,7 @@ def test_affinity_is_restored_when_a_measurement_raises(tmp_path, monkeypatch):
     big, _ = _two_clusters(monkeypatch)
     pinned = []
 
-    def fail(sizes):
+    def fail(sizes, **_):
         pinned.append(current_affinity())
         raise RuntimeError("simulated failure")
 

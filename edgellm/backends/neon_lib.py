@@ -49,6 +49,7 @@ _SIGNATURES = {
     "el_use_generic": (None, [c_int]),
     "el_x86_gemv": (c_int, [c_int]),
     "el_peak_probe": (c_int, [c_int, ctypes.c_long, POINTER(ctypes.c_double)]),
+    "el_read_probe": (c_int, [c_void_p, c_void_p, c_size_t, POINTER(ctypes.c_uint64)]),
     "el_pool_create": (c_void_p, [c_int, _c_int_p, c_int]),
     "el_pool_destroy": (None, [c_void_p]),
     "el_pool_threads": (c_int, [c_void_p]),

@@ -66,6 +66,33 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
 PEAK_KINDS = {"fp32": 0, "fp16": 1, "int8": 2}    # EL_PEAK_* of neon/edgellm_neon.h
 
 
+def read_bandwidth(nbytes: int, threads: int, sizes: ProbeSizes) -> float | None:
+    """bytes/s the neon library's threads stream from memory (el_read_probe over an nbytes
+    buffer, its pages written first), the median of the profile's runs; None when the library is
+    not available. The first pass's word sum is checked against numpy's: a probe that skipped
+    part of the buffer would report a bandwidth it did not read."""
+    from . import neon
+
+    ok, _ = neon.available()
+    if not ok:
+        return None
+    lib = neon._lib()
+    buf = np.empty(max(1, nbytes // 64) * 8, np.uint64)
+    buf[:] = np.arange(buf.size, dtype=np.uint64)     # (written: untouched pages all map to one zero page)
+    pool = neon.NativePool(threads, ())                # (its workers inherit the caller's pinning)
+    total = ctypes.c_uint64()
+
+    def once():
+        rc = lib.el_read_probe(pool.ptr, buf.ctypes.data, buf.nbytes, ctypes.byref(total))
+        if rc != 0:
+            raise RuntimeError(f"el_read_probe returned {rc}")
+    once()
+    want = int(buf.sum(dtype=np.uint64))
+    if total.value != want:
+        raise RuntimeError(f"el_read_probe summed {total.value}, numpy {want}: it did not read the whole buffer")
+    return buf.nbytes / median_seconds(once, sizes)
+
+
 def peak_per_core(seconds: float = 0.02, runs: int = 5) -> tuple[dict[str, float], str] | None:
     """The calling core's arithmetic peak per precision (op/s, multiplies and adds counted as
     GEMM FLOPS are), from el_peak_probe: chains of the widest multiply-accumulate this build

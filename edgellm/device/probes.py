@@ -7,8 +7,8 @@ and measures, each step pinned to the cores it is about:
   numpy computes them, without BLAS: slow, and that is the true figure for the numpy unit), and
   the arithmetic peak of one core (the neon library's multiply-accumulate chains), which replaces
   the nominal peak_per_core of the estimate;
-- DRAM read bandwidth with all big cores: a decode-shaped matmul (one row of activations against
-  a weight matrix many times the last-level cache), as decode streams its weights;
+- DRAM read bandwidth with all big cores: the neon library's threads streaming a buffer many
+  times the last-level cache, as decode streams its weights (numpy's sgemv without the library);
 - every registered unit probe (register_probe): the reference (numpy) unit's GEMM-throughput-by-
   rows curve and call overhead come from here; native, OpenCL and NPU backends add their own.
 
@@ -325,15 +325,35 @@ def gemm_peak_share(profile: DeviceProfile, unit: str, u: UnitMeasurement) -> st
             f"{100 * best.flops / peak:.0f}% of {n} big cores' {precision} peak ({peak / 1e9:.0f})")
 
 
-def measure_read_bandwidth(sizes: ProbeSizes) -> float:
-    """bytes/s: one row of activations against a (rows, gemm_k) fp32 matrix far larger than the
-    caches, through the reference backend's matmul: the sgemv every decode matmul does, on all
-    big cores (np.sum reads on one thread and under-reports what decode streams)."""
+def measure_read_bandwidth(sizes: ProbeSizes, threads: int | None = None, notes: list[str] | None = None) -> float:
+    """bytes/s read from a buffer far larger than the caches by `threads` threads (default: one
+    per core the caller may run on), as decode streams its weights: the neon library's streaming
+    read (el_read_probe). Without the library, numpy's sgemv of one row against a (rows, gemm_k)
+    matrix of that size, noted: it measures the BLAS numpy has as much as the memory."""
+    nbytes = sizes.bandwidth_bytes or 256 * MiB
+    threads = threads or max(1, len(current_affinity()))
+    why = "the neon library is not available"
+    try:
+        from ..backends import neon_probe
+
+        got = neon_probe.read_bandwidth(nbytes, threads, sizes)
+        if got is not None:
+            return got
+    except Exception as e:  # noqa: BLE001 - a broken library must not end the profile run
+        why = f"the neon read probe failed ({type(e).__name__}: {e})"
+    if notes is not None:
+        notes.append(f"memory bandwidth: measured with numpy's sgemv ({why})")
+    return _sgemv_read_bandwidth(nbytes, sizes)
+
+
+def _sgemv_read_bandwidth(nbytes: int, sizes: ProbeSizes) -> float:
+    """bytes/s: one row of activations against a (rows, gemm_k) fp32 matrix of ~nbytes through
+    the reference backend's matmul (np.sum reads on one thread and under-reports)."""
     from ..backends import reference
 
     k = sizes.gemm_k
-    rows = max(1, (sizes.bandwidth_bytes or 256 * MiB) // (4 * k))
-    w = np.empty((rows, k), dtype=np.float32)           # (rows, k), ~bandwidth_bytes
+    rows = max(1, nbytes // (4 * k))
+    w = np.empty((rows, k), dtype=np.float32)           # (rows, k), ~nbytes
     w.fill(_FILL)
     x = np.full((1, k), 1.0, dtype=np.float32)
     return w.nbytes / median_seconds(lambda: reference.matmul(x, w), sizes)
@@ -509,7 +529,7 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
     i = next(step)
     report(i)
     with _on_cores(big, "memory bandwidth", notes, must_pin=False):
-        bandwidth = measure_read_bandwidth(sizes)
+        bandwidth = measure_read_bandwidth(sizes, threads=len(big), notes=notes)
     report(i, done=i + 1)
 
     units: dict[str, UnitMeasurement] = {}
