@@ -5,6 +5,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,24 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) 
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def read_capped(path: str | os.PathLike, max_bytes: int) -> bytes:
+    """The bytes of a cache file edgellm wrote, read without trusting what is at the path now:
+    opened non-blocking (a FIFO planted there hung the read for ever), a regular file only, at
+    most max_bytes (a 3 GB sparse file in place of a kernel binary was read whole: 6.4 GB peak
+    RSS, 27 s). OSError (FileNotFoundError when absent) otherwise: callers' cache-miss path."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if st.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"{st.st_size:,} bytes, more than the {max_bytes:,} expected", str(path))
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:   # (it grew since the fstat)
+        raise OSError(errno.EFBIG, f"more than the {max_bytes:,} bytes expected", str(path))
+    return data
 
 
 def current_umask() -> int:

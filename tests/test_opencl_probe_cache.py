@@ -69,25 +69,36 @@ def test_what_the_answer_depends_on_changing_means_a_new_probe(home, children, k
     assert opencl_probe_cache.load() is not None
 
 
-@pytest.mark.parametrize("damage", [b"", b"{", b"[]", b'{"identity": 3}', b"\xff\xfe",
-                                    {"ok": False}, {"written": 1e300}, {"written": "yesterday"}, {"written": None}])
+@pytest.mark.parametrize("damage", [b"", b"{", b"[]", b'{"identity": 3}', b"\xff\xfe", b"[" * 200_000,
+                                    "fifo", "huge", {"ok": False}, {"int8_dot": "yes"}, {"reason": 5},
+                                    {"written": 1e300}, {"written": "yesterday"}, {"written": None}],
+                         ids=lambda d: repr(d)[:24])
 def test_a_damaged_answer_file_is_a_miss(home, children, damage):
+    # (a FIFO hung every load, an 8 GB file was read whole, deep JSON raised RecursionError, and
+    # an answer with fields the child never writes stood in for a probe)
     assert opencl.available()[0]
     f = _answer_file(home)
     if isinstance(damage, dict):     # the right identity, an answer that did not pass or a bad date
         data = json.loads(f.read_text())
-        if "ok" in damage:
+        if set(damage) & {"ok", "int8_dot", "reason"}:
             data["answer"].update(damage)
         else:
             data.update(damage)
         f.write_text(json.dumps(data))
+    elif damage == "fifo":
+        f.unlink()
+        os.mkfifo(f)
+    elif damage == "huge":
+        with open(f, "wb") as out:
+            out.truncate(1 << 30)     # (sparse)
     else:
         f.write_bytes(damage)
     assert opencl_probe_cache.load() is None
     opencl.reset()
     ok, why = opencl.available()
     assert ok and "the probe's answer of" not in why and len(children) == 2
-    assert opencl_probe_cache.load() is not None       # rewritten by the new probe
+    # rewritten by the new probe (a FIFO is left alone: write_atomic replaces no pipe or device)
+    assert (opencl_probe_cache.load() is not None) == (damage != "fifo")
 
 
 def test_a_failing_probe_is_not_kept(home, children, kernels):

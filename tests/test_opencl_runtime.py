@@ -3,6 +3,7 @@ failures with their log. Runs on whatever OpenCL device this machine has (PoCL i
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -34,18 +35,26 @@ def test_build_options_are_part_of_the_cache_key(tmp_path):
     assert len(list(tmp_path.glob("probe_kernels-*.bin"))) == 2
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "fifo", "huge"])
 def test_a_damaged_cache_file_is_rebuilt_with_a_warning(tmp_path, caplog, damage):
     ClRuntime.create(cache_dir=tmp_path).program("probe_kernels")
     (path,) = tmp_path.glob("probe_kernels-*.bin")
     data = bytearray(path.read_bytes())
-    if damage == "truncate":
-        data = data[: len(data) // 2]
-    elif damage == "flip":
-        data[len(data) // 2] ^= 0x40
+    if damage in ("fifo", "huge"):       # read whole, a FIFO hung for ever, a 3 GB file took 6.4 GB
+        path.unlink()
+        if damage == "fifo":
+            os.mkfifo(path)
+        else:
+            with open(path, "wb") as f:
+                f.truncate(1 << 30)      # (sparse)
     else:
-        data = bytearray()
-    path.write_bytes(bytes(data))
+        if damage == "truncate":
+            data = data[: len(data) // 2]
+        elif damage == "flip":
+            data[len(data) // 2] ^= 0x40
+        else:
+            data = bytearray()
+        path.write_bytes(bytes(data))
     rt = ClRuntime.create(cache_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="edgellm"):
         assert np.all(_fill(rt, 4.0) == 4.0)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from .. import __version__
-from ..fileio import write_atomic
+from ..fileio import read_capped, write_atomic
 from ..hashing import sha256
 from ..model.registry import edgellm_home
 
@@ -116,16 +116,28 @@ def load() -> dict | None:
         return None
     try:
         ident = identity()
-        data = json.loads(_path(ident).read_text())
+        # (~400 bytes; read_capped: a FIFO there hung every edgellm.load(), an 8 GB file was read whole)
+        data = json.loads(read_capped(_path(ident), _MAX_ANSWER_BYTES))
         if data.get("identity") != ident:
             return None
         answer = data["answer"]
-        if not (isinstance(answer, dict) and answer.get("ok") is True):
+        if not (isinstance(answer, dict) and answer.get("ok") is True and _typed(answer)):
             return None
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(float(data["written"])))
         return dict(answer, cached_at=when)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
         return None
+
+
+_MAX_ANSWER_BYTES = 64 << 10
+# the probe child's fields (opencl_probe.main) and their types: an answer the child did not
+# write ({"ok": true} alone, "int8_dot": "yes") would stand in for a probe that never ran
+_ANSWER_TYPES = {"ok": bool, "reason": str, "device": str, "build_s": (int, float), "int8_dot": bool,
+                 "seconds": (int, float)}
+
+
+def _typed(answer: dict) -> bool:
+    return all(isinstance(answer.get(k), t) for k, t in _ANSWER_TYPES.items())
 
 
 def store(answer: dict) -> None:

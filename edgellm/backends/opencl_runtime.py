@@ -33,7 +33,7 @@ import numpy as np
 
 from ..hashing import sha256
 from ..errors import EdgeLLMError
-from ..fileio import write_atomic
+from ..fileio import read_capped, write_atomic
 from .opencl_probe_cache import kernel_dir
 
 log = logging.getLogger("edgellm")
@@ -341,11 +341,18 @@ def _write_log(d: Path, family: str, key: str, text: str) -> Path | None:
         return None
 
 
+# a program binary is a few hundred KB (PoCL, Mali); one far larger is not one we wrote
+_MAX_BINARY_BYTES = 64 << 20
+
+
 def _read_binary(path: Path, key: str) -> bytes | None:
     """The cached binary of the program `key` names, or None (absent, or unusable: one warning)."""
     try:
-        data = path.read_bytes()
-    except OSError:
+        data = read_capped(path, _MAX_BINARY_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as e:   # (a FIFO, a folder, a file far too large: read_capped says which)
+        log.warning("OpenCL binary cache %s is unusable (%s); rebuilding", path, e.strerror or e)
         return None
     if data.startswith(_MAGIC_V1):
         log.warning("OpenCL binary cache %s was written by an older edgellm (no program key in its header); "
