@@ -598,7 +598,7 @@ def parse_plan(text: str, source: str = "<string>", name: str | None = None) -> 
 
 # -- finding -----------------------------------------------------------------------------------
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")   # (bounded: a longer name failed its stat, untyped)
 
 
 def presets_dir() -> Path:

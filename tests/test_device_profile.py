@@ -317,7 +317,7 @@ def test_invalid_profile_names_file_and_field(tmp_path, edit, field, says):
     ("schema: 1\nsoc: a\nsoc: b\n", "bad.yaml: line 3: duplicate key 'soc'"),
     ("schema: 1\nsoc: &s x\nmemory: *s\n", "YAML aliases are not allowed"),
     ("a: 1\n---\nb: 2\n", "YAML syntax error"),
-    ("x: " + "[" * 5000 + "]" * 5000 + "\n", "bad.yaml: YAML nested too deeply"),
+    ("x: " + "[" * 5000 + "]" * 5000 + "\n", "bad.yaml: line 1: YAML nested too deeply (more than 100 levels)"),
     ("schema: 1\nsoc: !!int neon\n", "bad.yaml: YAML value cannot be read"),   # PyYAML leaks ValueError
     ("schema: !!float \n", "bad.yaml: YAML value cannot be read"),               # ... IndexError
     ("soc: !!timestamp x\n", "bad.yaml: YAML value cannot be read"),              # ... AttributeError
@@ -497,6 +497,31 @@ def test_fuzz_mutated_profile(edits):
         assert str(e).startswith("fuzz.yaml: ")
     else:
         assert isinstance(p, DeviceProfile) and p.clusters
+
+
+@pytest.mark.parametrize("text", ["[" * 30000 + "]" * 30000, "- " * 60000 + "1", "{a: " * 60000 + "1" + "}" * 60000,
+                                  "[" * 101 + "]" * 101], ids=["brackets", "block", "braces", "101"])
+def test_deep_nesting_is_refused_not_a_crash(tmp_path, text):
+    """libyaml 0.2.5's composer recursed once per level with no limit: a 60 KB profile of
+    brackets overflowed the C stack (a segfault, exit 139). In a child, so a crash fails the test."""
+    import subprocess
+    import sys
+    path = tmp_path / "deep.yaml"
+    path.write_text(text + "\n")
+    code = ("from edgellm.device.profile_yaml import load_profile\nfrom edgellm.errors import ConfigError\n"
+            f"try:\n    load_profile({str(path)!r})\nexcept ConfigError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-500:])
+    assert "deep.yaml: line 1: YAML nested too deeply (more than 100 levels)" in r.stdout
+
+
+@pytest.mark.parametrize("bad, says", [("a\0b.yaml", "is not a usable path (embedded null byte)"),
+                                       ("/tmp/\ud800.yaml", "is not a usable path"),
+                                       ("a" * 300, "unknown device profile 'aaaa")], ids=["nul", "surrogate", "long"])
+def test_a_path_the_system_cannot_open_is_a_config_error(bad, says):
+    """ValueError, UnicodeEncodeError and ENAMETOOLONG's OSError reached edgellm.load(device=)."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_profile(bad)
 
 
 @pytest.mark.parametrize("bad", [123, b"rk3588", ["rk3588"]])

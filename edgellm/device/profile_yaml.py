@@ -215,9 +215,34 @@ def _check_tree(node: yaml.Node, file: str, seen: set[int]) -> None:
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+# Profiles nest a few levels. libyaml's composer recurses once per level with no limit of its
+# own in 0.2.5: '[' * 30000 (a 60 KB file) overflowed the C stack, a segfault no handler sees.
+_MAX_DEPTH = 100
+
+
+def _check_depth(text: str, file: str) -> None:
+    """Refuse nesting past _MAX_DEPTH from the parser's events (a flat loop) before any node is
+    composed."""
+    events = _LOADER(text)
+    try:
+        depth = 0
+        while events.check_event():
+            ev = events.get_event()
+            if isinstance(ev, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                depth += 1
+                if depth > _MAX_DEPTH:
+                    raise ConfigError(f"{file}: line {ev.start_mark.line + 1}: YAML nested too deeply (more "
+                                      f"than {_MAX_DEPTH} levels)")
+            elif isinstance(ev, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                depth -= 1
+    finally:
+        events.dispose()
+
+
 def _parse_yaml(text: str, file: str) -> Any:
     loader = _LOADER(text)
     try:
+        _check_depth(text, file)
         root = loader.get_single_node()  # nodes only, nothing constructed: checked first
         if root is None:
             return None
@@ -415,7 +440,8 @@ def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
 
 # -- finding -----------------------------------------------------------------------------------
 
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# (bounded: a 300-character name made the lookup's stat fail with ENAMETOOLONG, untyped)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def shipped_profiles_dir() -> Path:
@@ -475,6 +501,8 @@ def load_profile(name_or_path: str | os.PathLike) -> DeviceProfile:
         raise ConfigError(f"{path}: no such device profile file") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:   # (a NUL byte, a lone surrogate: no path the system can open)
+        raise ConfigError(f"device: {s!r} is not a usable path ({e})") from None
     if len(data) > MAX_PROFILE_BYTES:
         raise ConfigError(f"{path}: a device profile is at most {MAX_PROFILE_BYTES} bytes")
     try:
