@@ -28,7 +28,7 @@ from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (
 from .errors import ConfigError, ContextFull
 from .kv.pool import KVPool
 from .kv.ring import RingKV
-from .kv.session_file import foreign_file, read_session, write_session
+from .kv.session_file import MAX_HEADER_BYTES, foreign_file, read_session, write_session
 from .kv.store import KVConfig, make_store
 from .model.gguf_file import file_memmap
 from .model.loader import ModelFile, open_model
@@ -373,6 +373,14 @@ class Engine:
         cfg_hash = sha256(repr((self.config, self.kv.kv.layout)).encode()).hexdigest()[:32]
         return dict(model_sha256=self.model_sha256(), config_hash=cfg_hash, kv_layout=self.kv.kv.layout)
 
+    def _session_max_bytes(self) -> int:
+        """The most a session file of this engine can hold: n_ctx tokens' ids and K/V at 4 bytes a
+        value (the widest storage; int8's per-head scales counted too), its header and padding.
+        A header declaring more was allocated whole before its checksum failed (2 GB, 8 s)."""
+        c = self.config
+        per_token = 8 + 2 * c.n_layers * c.n_kv_heads * (c.head_dim + 1) * 4
+        return self.n_ctx * per_token + MAX_HEADER_BYTES + (1 << 20)
+
     def save_session(self, path: str | os.PathLike, meta: dict | None = None) -> int:
         """Write the last conversation (token ids and KV) atomically; returns its token count.
         `meta` (JSON-able, e.g. the chat messages) comes back as session_meta on load."""
@@ -398,7 +406,8 @@ class Engine:
         path = _session_path(path, "load_session")
         # (n_ctx, not n_ctx - 1: a conversation that ran to the end of the context saved, then was
         # refused here as "more than the capacity")
-        data = read_session(path, max_tokens=self.n_ctx, **self._session_keys())
+        data = read_session(path, max_tokens=self.n_ctx, max_bytes=self._session_max_bytes(),
+                            **self._session_keys())
         if data is None:
             return False
         ids = data.token_ids.tolist()

@@ -212,6 +212,8 @@ def cache_check(flag: str = "") -> None:
     from .kv.disk_cache import cache_dir
 
     d = cache_dir()
+    if d.is_symlink() and not d.is_dir():   # (exists() is False for a dangling link or a loop)
+        raise ConfigError(f"{flag}EDGELLM_HOME/cache {d}: is a link that leads to no folder")
     if d.exists() and not d.is_dir():
         raise ConfigError(f"{flag}EDGELLM_HOME/cache {d}: is not a folder")
 
@@ -348,15 +350,22 @@ def _conversation_only(path: Path, chat: bool) -> dict:
     precision or layout, model or context; the warning said which): its chat messages or text,
     from the header, to be prefilled again. A run that ignored them saved over the file and the
     conversation was lost. {} when the header cannot be read or holds none."""
-    from .errors import ConfigError
     from .kv.session_file import SessionFileError, read_header
-    from .model.chat_template import ChatTemplate
 
     try:
         h = read_header(path, whole=False)   # (a file cut short in its data keeps its header)
     except SessionFileError:
         return {}
-    meta = h.meta if h is not None else {}
+    return _conversation_in(h.meta if h is not None else {})
+
+
+def _conversation_in(meta: dict) -> dict:
+    """The chat messages or the text a session's meta holds, checked; {} when it holds neither
+    (or something else under their names: an int "text" was a TypeError traceback in `run`, a
+    list of ints as "messages" an AttributeError in `chat`)."""
+    from .errors import ConfigError
+    from .model.chat_template import ChatTemplate
+
     if "messages" in meta:
         try:
             ChatTemplate.check_messages(meta["messages"])
@@ -380,7 +389,16 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
     if why is not None:   # (a user's document given by mistake: never overwritten)
         raise ConfigError(f"--session {session}: {why}")
     seen = _file_state(session)
-    saved = eng.session_meta if eng.load_session(session) else _conversation_only(session, chat)
+    if eng.load_session(session):
+        saved = _conversation_in(eng.session_meta)
+        n = eng.session_meta.get("n_tokens")
+        if not saved:
+            typer.echo(f"edgellm: warning: {session} holds no readable conversation beside its KV; starting a "
+                       f"new one", err=True)
+        elif isinstance(n, int) and not isinstance(n, bool):
+            saved["n_tokens"] = n
+    else:
+        saved = _conversation_only(session, chat)
     if "messages" in saved and not chat:
         raise ConfigError(f"--session {session} holds a chat: continue it with --chat")
     if "text" in saved and chat:
@@ -1173,9 +1191,15 @@ def cache_list():
     if not entries:
         typer.echo(f"(empty: {disk_cache.cache_dir()})")
     for e in entries:
-        what = (f"{e.n_tokens:>6} tok  {e.size / 2**20:7.1f} MiB  {e.model_name or e.model_short}  {e.kv_layout}"
-                if e.valid else f"invalid: {e.reason}")
-        typer.echo(f"{e.path.name}  {what}")
+        what = (f"{e.n_tokens:>6} tok  {e.size / 2**20:7.1f} MiB  {_shown(e.model_name or e.model_short)}  "
+                f"{_shown(e.kv_layout)}" if e.valid else f"invalid: {_shown(e.reason)}")
+        typer.echo(f"{_shown(e.path.name)}  {what}")
+
+
+def _shown(text) -> str:
+    """A file name or header string on one line: a newline in an entry's name split it in two."""
+    text = str(text)
+    return text if text.isprintable() else repr(text)
 
 
 @cache_app.command("info")

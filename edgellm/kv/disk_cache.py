@@ -80,7 +80,7 @@ def _candidates() -> list[os.DirEntry]:
     try:
         with os.scandir(cache_dir()) as it:
             return [e for e in it if e.name.endswith(SUFFIX) or _TEMP.fullmatch(e.name)]
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:   # (absent, not a folder, a link loop: no entries to list)
         return []
 
 

@@ -367,7 +367,7 @@ def _parse_header(path, raw: bytes, header_len: int, file_size: int, whole: bool
         if not _is_int(off) or off < 0 or off % ALIGN:
             raise bad(f"{where} ({_short(name)}) offset must be a non-negative multiple of "
                       f"{ALIGN}, found {_short(off)}")
-        count = 1
+        count = 0 if 0 in shape else 1   # (a 0 after the early stop: (2, 0, ...) was "more")
         for d in shape:  # Python ints: no overflow; stop early once past any real size
             count *= d
             if count > data_nbytes:

@@ -140,6 +140,14 @@ class PoolStore:
         want = (self.pool.n_layers, n, self.pool.n_kv_heads, self.pool.head_dim)
         if k.shape != want or v.shape != want:
             raise ConfigError(f"session KV has shape {k.shape}, expected {want}")
+        # what snapshot() writes: the storage precision's dtype, finite values. A NaN K loaded, and
+        # the next prompt failed blaming the model's weights; int32 arrays overflowed in the pool
+        store = np.dtype(np.float32 if self.kv.precision == "int8" else PRECISIONS[self.kv.precision])
+        for name, a in (("k", k), ("v", v)):
+            if a.dtype != store:
+                raise ConfigError(f"session KV {name} is {a.dtype}, expected {store}")
+            if not np.isfinite(a).all():
+                raise ConfigError(f"session KV {name} holds non-finite values")
         # the prefix cache stays: prompts an app warmed keep their blocks, evicted (least recently
         # used first) only as far as the session needs the room (it emptied the cache before)
         self.release_last()
