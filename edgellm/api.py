@@ -25,7 +25,7 @@ from .hashing import bulk_sha256, sha256
 from .heap import release_free_pages
 from .procmem import available_bytes
 from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (GenerationStats: part of the API)
-from .errors import ConfigError, ContextFull
+from .errors import ConfigError, ContextFull, shown
 from .kv.pool import KVPool
 from .kv.ring import RingKV
 from .kv.session_file import MAX_HEADER_BYTES, foreign_file, read_session, write_session
@@ -137,6 +137,10 @@ class Engine:
         """Waits for load()'s background work (paging the mapped weights in, committing the KV
         pool's memory); True once done. Called before any request, it makes load_rss_mb the
         resident memory of the loaded model."""
+        if timeout is not None and not (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+                                        and 0 <= timeout <= 1e9):   # (10**400 overflowed the deadline's float)
+            raise ConfigError(f"wait_loaded: timeout must be None or a number of seconds in 0..1e9, got "
+                              f"{shown(timeout)}")
         if self._closed:
             return True
         jobs = [j for j in (self.prefault, self.kv.commit) if j is not None]
@@ -174,6 +178,8 @@ class Engine:
         """Ends `gen` as cancelled in a turn of its own. Inside a turn of this thread (a garbage
         collector finalising a dropped stream mid-step) it waits for the next turn instead: a
         step must not see the KV store change under it."""
+        if not isinstance(gen, Generation):   # (None was an AttributeError, later, in a turn)
+            raise ConfigError(f"end_generation: expected the Generation of a stream, found {type(gen).__name__}")
         if getattr(self._turn_depth, "n", 0):
             self._orphans.append(gen)
             return
@@ -224,8 +230,7 @@ class Engine:
         return self.tokenizer.decode(check_token_ids(ids, self.config.vocab_size), skip_special=skip_special)
 
     def render_chat(self, messages: Sequence[dict]) -> str:
-        ChatTemplate.check_conversation(messages)
-        return self.template.render(messages)
+        return self.template.render(ChatTemplate.check_conversation(messages))
 
     # -- generation ----------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -251,7 +256,7 @@ class Engine:
         """messages: [{"role": "system"|"user"|"assistant", "content": str}, ...]. The template is
         rendered inside the TTFT clock, as part of tokenization."""
         cfg = generation_config(config, **kwargs)
-        ChatTemplate.check_conversation(messages)
+        messages = ChatTemplate.check_conversation(messages)   # (a copy: what the app changes later stays out)
         return self._stream(lambda: self.render_chat(messages), cfg, self._cancel_token(cancel))
 
     def _cancel_token(self, cancel: CancelToken | None) -> CancelToken:
@@ -288,6 +293,12 @@ class Engine:
 
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced next-token logits, (len(token_ids), vocab) float32, from an empty cache."""
+        try:
+            n = len(token_ids)          # (first: 20M ids took 8 s to check one by one before this)
+        except Exception:   # noqa: BLE001 - no length: check_token_ids says what it is
+            n = 0
+        if n > self.n_ctx:
+            raise ContextFull(f"logits: {n} token ids but the context holds {self.n_ctx} (raise n_ctx / --ctx)")
         token_ids = check_token_ids(token_ids, self.config.vocab_size)
         if len(token_ids) > self.n_ctx:
             raise ContextFull(f"logits: {len(token_ids)} token ids but the context holds {self.n_ctx} "
@@ -395,8 +406,8 @@ class Engine:
         meta = {**(meta or {}), "model_name": self.config.name, "n_tokens": len(tokens)}
         try:
             write_session(path, token_ids=tokens, arrays=arrays, meta=meta, **self._session_keys())
-        except (OSError, TypeError, ValueError) as e:
-            raise ConfigError(f"{path}: cannot save the session: {e}") from None
+        except (OSError, TypeError, ValueError, RecursionError) as e:   # (RecursionError: a meta nested 10^5 deep)
+            raise ConfigError(f"{path}: cannot save the session: {type(e).__name__}: {e}") from None
         return len(tokens)
 
     def load_session(self, path: str | os.PathLike) -> bool:
@@ -448,6 +459,10 @@ def _session_path(path, what: str):
         raise ConfigError(f"{what}: the session path is empty: give a file name")
     if "\0" in p:
         raise ConfigError(f"{what}: the session path {p!r} contains a NUL byte, which no file name may hold")
+    try:
+        os.fsencode(p)
+    except UnicodeError:   # (a lone surrogate: UnicodeEncodeError from the first stat)
+        raise ConfigError(f"{what}: the session path {p!r} cannot be a file name here (not encodable)") from None
     return path
 
 
@@ -480,21 +495,21 @@ def generation_config(config: GenerationConfig | None = None, **kwargs) -> Gener
     unknown = set(kwargs) - set(GenerationConfig.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"unknown generation option(s): {', '.join(sorted(unknown))}")
-    if "stop" in kwargs:
-        s = kwargs["stop"]
-        if isinstance(s, str):
-            s = (s,)
-        elif s is None:
-            s = ()
-        elif not isinstance(s, (list, tuple, set, frozenset)):
-            raise ConfigError(f"stop: expected a string or a list of strings, found {type(s).__name__}")
-        kwargs["stop"] = tuple(s)
     cfg = replace(cfg, **kwargs)
+    # stop as a keyword or inside config alike (config=GenerationConfig(stop=None) was a TypeError)
+    s = cfg.stop
+    if isinstance(s, str):
+        s = (s,)
+    elif s is None:
+        s = ()
+    elif not isinstance(s, (list, tuple, set, frozenset)):
+        raise ConfigError(f"stop: expected a string or a list of strings, found {type(s).__name__}")
+    cfg = replace(cfg, stop=tuple(s))
     if not _is_int(cfg.max_tokens) or cfg.max_tokens < 1:
-        raise ConfigError(f"max_tokens must be an integer >= 1, got {cfg.max_tokens!r}")
+        raise ConfigError(f"max_tokens must be an integer >= 1, got {shown(cfg.max_tokens)}")
     cfg = replace(cfg, max_tokens=int(cfg.max_tokens))   # (a numpy integer, as top_k and seed take)
     if not isinstance(cfg.ignore_eos, bool):
-        raise ConfigError(f"ignore_eos must be True or False, got {cfg.ignore_eos!r}")
+        raise ConfigError(f"ignore_eos must be True or False, got {shown(cfg.ignore_eos)}")
     cfg.sampling()  # validates the sampling parameters with named errors
     StopChecker(cfg.stop)  # and the stop strings, here rather than at the first piece
     return cfg
@@ -657,7 +672,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     else:
         opencl_child.discard()   # edgellm.load started it for a GPU this profile does not list
     t0 = time.perf_counter()
-    path = resolve_model(None if model is None else os.fspath(model),
+    path = resolve_model(model,
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)
     mf = open_model(path)
     compute = None

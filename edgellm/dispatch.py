@@ -18,7 +18,7 @@ from .chunking import ChunkChoice, choose_chunk, chunk_bounds
 from .precision_runtime import ComputeTable
 from .costmodel import FFN_INNER_KINDS, FUSED_OP_S, Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
 from .device.profile import DeviceProfile
-from .errors import ConfigError
+from .errors import ConfigError, shown
 from .model.config import ModelConfig
 from .ops import ACT_BYTES, MATMUL_KINDS, OpSpec, layer_ops, mixed_formats, model_ops, op_cost
 
@@ -228,7 +228,7 @@ class Dispatcher:
         if override is not None and (isinstance(override, (str, bytes)) or not hasattr(override, "__iter__")
                                      or not all(isinstance(n, str) for n in override)):
             known = [u.name for u in units] if units is not None else list(backends.names())
-            raise ConfigError(f"units: expected a list of unit names ({', '.join(known)}), found {override!r}")
+            raise ConfigError(f"units: expected a list of unit names ({', '.join(known)}), found {shown(override)}")
         self.override = tuple(override) if override else None
         # (units outside --units are not probed: build_units)
         self.units = tuple(units) if units is not None else build_units(profile, probe=probe, threads=threads,

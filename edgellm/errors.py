@@ -51,3 +51,14 @@ class ContextFull(EdgeLLMError):
 
 class Cancelled(EdgeLLMError):
     """A generation was cancelled through its handle; the engine stays reusable."""
+
+
+def shown(value: object, limit: int = 200) -> str:
+    """A bad value as an error message shows it: its repr, cut at `limit` characters, or its
+    type's name where repr itself fails (an app's object whose __repr__ raised turned a typed
+    refusal into its own exception)."""
+    try:
+        text = repr(value)
+    except Exception:   # noqa: BLE001 - any failure of someone else's __repr__
+        return f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[:limit] + "..."

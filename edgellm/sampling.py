@@ -29,14 +29,21 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from edgellm.errors import ConfigError, EdgeLLMError
+from edgellm.errors import ConfigError, EdgeLLMError, shown
 from edgellm.model.tokenizer import check_unicode
 
 __all__ = ["SamplingConfig", "Sampler", "StopChecker", "StopStep"]
 
 
 def _bad(name: str, allowed: str, value: object) -> ConfigError:
-    return ConfigError(f"sampling.{name}: expected {allowed}, found {value!r}")
+    return ConfigError(f"sampling.{name}: expected {allowed}, found {shown(value)}")
+
+
+def _finite(v: object) -> bool:
+    try:
+        return math.isfinite(v)
+    except (OverflowError, TypeError, ValueError):   # (10**400: an int too large for a float)
+        return False
 
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -68,7 +75,7 @@ class SamplingConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first bad parameter, its allowed range and its value."""
         t = self.temperature
-        if not (_is_real(t) and math.isfinite(t) and t >= 0):
+        if not (_is_real(t) and _finite(t) and t >= 0):
             raise _bad("temperature", "a finite number >= 0 (0 = greedy)", t)
         if not (_is_int(self.top_k) and self.top_k >= 0):
             raise _bad("top_k", "an integer >= 0 (0 = off)", self.top_k)
@@ -351,9 +358,13 @@ class StopChecker:
     def __init__(self, stops: Sequence[str] = ()):
         if isinstance(stops, str):
             stops = [stops]
+        elif stops is None:
+            stops = ()
+        elif not isinstance(stops, (list, tuple, set, frozenset)):   # (a GenerationConfig's own stop=5)
+            raise ConfigError(f"sampling.stop: expected a string or a list of strings, found {type(stops).__name__}")
         for s in stops:
             if not isinstance(s, str) or s == "":
-                raise ConfigError(f"sampling.stop: expected non-empty strings, found {s!r}")
+                raise ConfigError(f"sampling.stop: expected non-empty strings, found {shown(s)}")
             check_unicode(s, "sampling.stop")   # (one holding a lone surrogate could never match)
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
         self._held = ""

@@ -37,7 +37,7 @@ import weakref
 from typing import Iterator, Sequence
 
 from .engine import CancelToken
-from .errors import ConfigError, ContextFull, EdgeLLMError
+from .errors import ConfigError, ContextFull, EdgeLLMError, shown
 from .generation import Generation, GenerationStats
 from .model.chat_template import ChatTemplate
 from .model.tokenizer import check_unicode
@@ -199,14 +199,12 @@ class Scheduler:
         if (prompt is None) == (messages is None):
             raise ConfigError("submit needs exactly one of prompt or messages")
         if isinstance(priority, bool) or not isinstance(priority, numbers.Real) or priority != priority:
-            raise ConfigError(f"priority must be a number (higher goes first), got {priority!r}")
-        if messages is not None:
-            ChatTemplate.check_conversation(messages)
+            raise ConfigError(f"priority must be a number (higher goes first), got {shown(priority)}")
+        if messages is not None:   # (copies: the caller's list may change while it waits)
+            messages = ChatTemplate.check_conversation(messages)
         else:
             check_unicode(prompt, "prompt")
         cfg = generation_config(**kwargs)
-        if messages is not None:
-            messages = [dict(m) for m in messages]   # (the caller's list may change while it waits)
         job = _Job(next(self._ids), priority, prompt if prompt is not None else messages, messages is not None, cfg)
         self._worker.add(job)
         return Request(job)

@@ -17,7 +17,7 @@ import json
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
-from edgellm.errors import ConfigError, ModelFormatError
+from edgellm.errors import ConfigError, ModelFormatError, shown
 from edgellm.model.tokenizer import check_unicode
 from edgellm.model import template_sandbox
 from edgellm.model.chat_builtin import BUILTIN, CHATML
@@ -103,7 +103,7 @@ class ChatTemplate:
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                **extra: Any) -> str:
         """The prompt text for ``messages``; ``extra`` reaches the template (e.g. tools)."""
-        self.check_messages(messages)
+        messages = self.check_messages(messages)
         if self.builtin is not None and not extra:
             return self.builtin(messages, add_generation_prompt)
         import jinja2
@@ -138,23 +138,30 @@ class ChatTemplate:
             raise ModelFormatError(self.source, _KEY, f"rendering failed: {type(e).__name__}: {e}") from None
 
     @staticmethod
-    def check_conversation(messages: Any) -> None:
+    def check_conversation(messages: Any) -> list:
         """check_messages, and at least one message: what the Engine renders for a request (a
         template reading messages[0] failed on an empty list, blaming the model file; others
         rendered a bare generation prompt)."""
-        ChatTemplate.check_messages(messages)
-        if not messages:
+        items = ChatTemplate.check_messages(messages)
+        if not items:
             raise ConfigError("messages: the conversation is empty: give at least one message")
+        return items
 
     @staticmethod
-    def check_messages(messages: Any) -> None:
-        """ConfigError unless messages is a list of {'role': str, 'content': str}."""
+    def check_messages(messages: Any) -> list:
+        """ConfigError unless messages is a list of {'role': str, 'content': str}; returns them
+        as a list. (An app's own Sequence or Mapping is read once: one whose len() raised, or
+        whose get() and [] disagreed, leaked its own error from here.)"""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise ConfigError(f"messages: expected a list of {{role, content}} dicts, found "
                               f"{type(messages).__name__}")
-        for k, m in enumerate(messages):
-            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise ConfigError(f"messages[{k}]: expected {{'role': str, 'content': str}}, found {m!r}")
+        try:
+            items = [dict(m) if isinstance(m, Mapping) else m for m in messages]   # (plain copies, read once)
+        except Exception as e:   # noqa: BLE001 - an app's sequence or mapping that fails as it is read
+            raise ConfigError(f"messages: could not be read ({type(e).__name__}: {shown(e)})") from None
+        for k, m in enumerate(items):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ConfigError(f"messages[{k}]: expected {{'role': str, 'content': str}}, found {shown(m)}")
             # named here, not at an offset of the rendered prompt
             check_unicode(m["content"], f"messages[{k}].content")
+        return items

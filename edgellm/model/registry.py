@@ -143,10 +143,18 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, *, pull_if_miss
     GGUF, pulled first when missing or of the wrong size (truncated / corrupt). Anything else ->
     ModelNotFoundError.
     """
+    if name_or_path is not None and not isinstance(name_or_path, (str, os.PathLike)):
+        raise ModelNotFoundError(f"model: expected a GGUF path, a registry name or None, found "
+                                 f"{type(name_or_path).__name__}")
     arg = DEFAULT_MODEL if name_or_path is None else os.fspath(name_or_path)
+    if not isinstance(arg, str) or "\0" in arg:   # (a bytes path; a NUL byte: untyped errors from the OS calls)
+        raise ModelNotFoundError(f"model: expected a text path without NUL bytes, found {arg!r}")
     p = Path(arg).expanduser()
-    if p.is_file():
-        return p
+    try:
+        if p.is_file():
+            return p
+    except (OSError, ValueError) as e:   # (a 5,000-character name: ENAMETOOLONG; a lone surrogate)
+        raise ModelNotFoundError(f"{arg[:200]}: not a usable model path ({e})") from None
     e = _find(arg)
     if e is None:
         if p.exists():

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from edgellm.errors import ConfigError, ModelFormatError, TokenIdError, UnsupportedModelError
+from edgellm.errors import ConfigError, ModelFormatError, TokenIdError, UnsupportedModelError, shown
 from edgellm.backends.neon_lib import NeonLibError
 from edgellm.model.bpe_native import SPLIT, DuplicateToken, MergeError, NativeBPE, NativeSPM
 from edgellm.model.fragment_memo import FragmentMemo
@@ -412,12 +412,23 @@ def check_unicode(text: str, what: str = "text") -> None:
 def check_token_ids(ids, vocab_size: int, what: str = "token ids") -> list[int]:
     """ids as a list of ints inside the vocabulary: a ConfigError naming what is not a token id
     (a str, a float that would be truncated, None), TokenIdError for an id outside."""
-    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__"):
-        raise ConfigError(f"{what}: expected a sequence of integer token ids, found {type(ids).__name__}")
+    if isinstance(ids, (str, bytes, bytearray)) or not hasattr(ids, "__iter__") or \
+            (isinstance(ids, np.ndarray) and ids.ndim != 1):   # (a 0-d array: "iteration over a 0-d array")
+        raise ConfigError(f"{what}: expected a sequence of integer token ids, found {type(ids).__name__}"
+                          + (f" of {ids.ndim} dimensions" if isinstance(ids, np.ndarray) else ""))
+    if isinstance(ids, np.ndarray) and np.issubdtype(ids.dtype, np.integer) and ids.dtype != np.bool_:
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))    # (whole arrays at once, not id by id)
+        if bad.size:
+            raise TokenIdError(f"token id {ids[bad[0]]} outside the vocabulary (0..{vocab_size - 1})")
+        return ids.astype(np.int64).tolist()
+    try:
+        ids = list(ids)
+    except Exception as e:   # noqa: BLE001 - an app's iterable that fails as it is read
+        raise ConfigError(f"{what}: could not be read as a sequence ({type(e).__name__}: {e})") from None
     out = []
     for i, t in enumerate(ids):
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-            raise ConfigError(f"{what}[{i}]: expected an integer token id, found {t!r}")
+            raise ConfigError(f"{what}[{i}]: expected an integer token id, found {shown(t)}")
         if not 0 <= t < vocab_size:
             raise TokenIdError(f"token id {t} outside the vocabulary (0..{vocab_size - 1})")
         out.append(int(t))
