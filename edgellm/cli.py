@@ -122,9 +122,11 @@ def neon_lib_check() -> None:
         raise ConfigError(problem)
 
 
-def check_out_path(path, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:
+def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=None) -> Path | None:
     """Refuses, before any long work, an output path that cannot be written: a directory, a
-    path ending in '/', a missing or read-only folder, a suffix the writer does not know.
+    path ending in '/', a missing or read-only folder, a suffix the writer does not know, and
+    an existing file the writer must not replace: replaces=(test(first bytes), what) names the
+    files it may (`bench --json` over a model file replaced the model with 500 bytes of JSON).
     Returns it as a Path (None for None).
 
     The options are taken as strings, not typer Paths: pathlib drops a trailing slash, and
@@ -147,7 +149,20 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = ()) -> Path | No
     check_out_folder(p.parent if str(p.parent) else Path("."), flag, p)
     if suffixes and p.suffix.lower() not in suffixes:
         raise ConfigError(f"{flag} {p}: expected a file ending in {', '.join(suffixes)}")
+    if replaces is not None and p.is_file() and p.stat().st_size:
+        test, what = replaces
+        try:
+            with open(p, "rb") as f:
+                head = f.read(64)
+        except OSError as e:
+            raise ConfigError(f"{flag} {p}: cannot be checked before it is replaced: {e.strerror or e}") from None
+        if not test(head):
+            raise ConfigError(f"{flag} {p}: exists and is not {what}; give another path, or remove it first")
     return p
+
+
+# what a --json output may replace: an earlier JSON output (records, a report)
+JSON_FILE = (lambda head: head.lstrip()[:1] in (b"[", b"{"), "a JSON file")
 
 
 def check_out_folder(parent: Path, flag: str, out: Path) -> None:
@@ -848,7 +863,7 @@ def bench(
         raise ConfigError(f"--short-tokens must be >= 1, got {short_tokens}")
     if concurrent and not (math.isfinite(delay_ms) and delay_ms >= 0):
         raise ConfigError(f"--delay-ms must be a finite number >= 0, got {delay_ms}")
-    json_path = check_out_path(json_path, "--json")
+    json_path = check_out_path(json_path, "--json", replaces=JSON_FILE)
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
     eng = _load(model, max(2048, need), threads, device=device, units=units, precision=precision)
     if need > eng.n_ctx:   # (it failed after the load and the first runs, advising a --ctx bench has not)
@@ -1092,7 +1107,9 @@ def quantize(
     model: Optional[str] = typer.Argument(None, help=MODEL_HELP),
     plan: str = typer.Option(..., "--plan", help="Precision plan: a preset (quality, balanced, fast) or a "
                              "plan YAML (schema: edgellm/precision_presets/README.md)"),
-    out: str = typer.Option(..., "-o", "--out", metavar="PATH", help="The GGUF file to write"),
+    out: str = typer.Option(..., "-o", "--out", metavar="PATH", help="The GGUF file to write (a new file, "
+                            "unless --force)"),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists (never the source model)"),
 ):
     """Write a copy of MODEL whose weights are in the formats the precision PLAN names, as a GGUF
     that llama.cpp and the gguf package read. Formats GGUF has no type for are written as the
@@ -1104,7 +1121,9 @@ def quantize(
     from .precision import load_plan
     from .requant import format_report, plan_formats, requantize_gguf
 
-    out = check_out_path(out, "--out")
+    # an existing file is someone's: a user's text or another model was replaced without a word
+    out = check_out_path(out, "--out", replaces=None if force else (lambda head: False, "a file to replace "
+                                                                    "(pass --force to replace it)"))
     try:   # (before the model is resolved: a bad --plan waited for a download)
         p = load_plan(plan)
     except ConfigError as e:
@@ -1148,7 +1167,7 @@ def precision_analyze(
 
     if top < 0:
         raise ConfigError(f"--top must be >= 0, got {top}")
-    json_out = check_out_path(json_out, "--json")
+    json_out = check_out_path(json_out, "--json", replaces=JSON_FILE)
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     op_list = tuple(o.strip() for o in ops.split(",") if o.strip())
     _check_analysis_args(fmts, op_list, max_tokens)

@@ -1,0 +1,40 @@
+"""Outputs that replaced files they should not have (a probing session, session 25): `bench
+--json` over a model file replaced the model with 500 bytes of JSON, and `quantize -o` over a
+user's text file replaced it with a GGUF, both with exit 0."""
+from gguf import GGMLQuantizationType as QT
+from typer.testing import CliRunner
+
+from edgellm.cli import app
+from tests.cli_checks import one_line_error
+from tests.synthetic import write_tiny_model
+
+runner = CliRunner()
+
+
+def test_bench_json_replaces_json_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    model = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.Q8_0, seed=3).path
+    args = ["bench", "-m", model, "--prompt-tokens", "8", "--gen-tokens", "2", "--runs", "1", "--no-floor", "--json"]
+    for victim, data in (("copy.gguf", open(model, "rb").read()), ("notes.txt", b"my notes\n")):
+        f = tmp_path / victim
+        f.write_bytes(data)
+        r = runner.invoke(app, args + [str(f)])
+        one_line_error(r, f"--json {f}: exists and is not a JSON file")
+        assert f.read_bytes() == data
+    out = tmp_path / "bench.json"
+    out.write_text("[]\n")                              # an earlier run's records: replaced
+    assert runner.invoke(app, args + [str(out)]).exit_code == 0
+    assert out.read_text().lstrip().startswith("[") and len(out.read_text()) > 10
+
+
+def test_quantize_writes_a_new_file_unless_forced(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    model = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.F32, seed=3).path
+    f = tmp_path / "notes.txt"
+    f.write_bytes(b"my notes\n")
+    r = runner.invoke(app, ["quantize", model, "--plan", "fast", "-o", str(f)])
+    one_line_error(r, f"--out {f}: exists and is not a file to replace (pass --force to replace it)")
+    assert f.read_bytes() == b"my notes\n"
+    r = runner.invoke(app, ["quantize", model, "--plan", "fast", "-o", str(f), "--force"])
+    assert r.exit_code == 0, r.output
+    assert f.read_bytes()[:4] == b"GGUF"
