@@ -455,7 +455,7 @@ def check_session_arg(name: str | None) -> None:
         disk_cache.entry_path("0" * 16, name)   # (validates the name; the model's hash comes later)
     except ValueError:
         raise ConfigError(f"--session {name!r}: a session name is 1 to 128 letters, digits, '_' or '-'; a file "
-                          f"is a path (./{name}) or ends in .edgesess") from None
+                          f"is a path ({_shown('./' + name)}) or ends in .edgesess") from None
     cache_check(f"--session {name}: ")
 
 
@@ -1472,6 +1472,29 @@ def _import_numpy_with_signals_held() -> None:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
+def _stderr_to_devnull_if_closed() -> None:
+    """Started with 2>&- the answer still goes to stdout; diagnostics go nowhere. `run` printed
+    nothing and exited 1 (Python starts with sys.stderr None), or, where a file the launcher
+    opened took descriptor 2 read-only, printed the answer and exited 1 on the stats line's
+    EBADF. Descriptor 2 is pointed at /dev/null, so no file opened later takes it and receives a
+    native library's stderr."""
+    try:
+        import fcntl
+        if fcntl.fcntl(2, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+            if sys.stderr is None:   # (open, but Python saw it closed at its start)
+                sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+            return
+    except ImportError:
+        return   # (no fcntl: not a POSIX system; its stderr is as the system gave it)
+    except OSError:
+        pass     # closed
+    fd = os.open(os.devnull, os.O_WRONLY)
+    if fd != 2:
+        os.dup2(fd, 2)
+        os.close(fd)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+
+
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
     try:
@@ -1479,9 +1502,9 @@ def main() -> None:
     except KeyboardInterrupt:   # (one held during the import lands when the mask is restored)
         sys.stderr.write("\n")
         sys.exit(130)
-    if sys.stdout is None or sys.stderr is None:   # (started with >&- or 2>&-: an AttributeError traceback)
-        if sys.stderr is not None:
-            sys.stderr.write("edgellm: error: stdout is closed: run me with somewhere to write to\n")
+    _stderr_to_devnull_if_closed()
+    if sys.stdout is None:   # (started with >&-: an AttributeError traceback)
+        sys.stderr.write("edgellm: error: stdout is closed: run me with somewhere to write to\n")
         sys.exit(1)
     # text the terminal's encoding cannot show (LC_ALL=C without Python's UTF-8 mode) comes out as
     # '?' rather than a UnicodeEncodeError in the middle of an answer

@@ -38,3 +38,46 @@ def test_quantize_writes_a_new_file_unless_forced(tmp_path, monkeypatch):
     r = runner.invoke(app, ["quantize", model, "--plan", "fast", "-o", str(f), "--force"])
     assert r.exit_code == 0, r.output
     assert f.read_bytes()[:4] == b"GGUF"
+
+
+def _run_with_fd2(tmp_path, model, fd2):
+    import os
+    import subprocess
+    import sys
+
+    def setup():
+        if fd2 == "closed":
+            os.close(2)
+        else:                                   # a file the launcher opened, read-only, as fd 2
+            fd = os.open(fd2, os.O_RDONLY)
+            os.dup2(fd, 2)
+            os.close(fd)
+    code = ("import sys; sys.argv = ['edgellm', 'run', 'hi', '-m', %r, '-n', '3', '--temperature', '0']; "
+            "from edgellm.cli import main; main()" % model)
+    env = dict(os.environ, EDGELLM_HOME=str(tmp_path / "home"))
+    return subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, preexec_fn=setup, env=env,
+                          timeout=120)
+
+
+def test_a_closed_stderr_still_gives_the_answer(tmp_path):
+    """2>&-: `run` printed nothing and exited 1, or printed the answer and exited 1 on EBADF."""
+    model = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.Q8_0, seed=3).path
+    ro = tmp_path / "ro.txt"
+    ro.write_text("x")
+    outs = [_run_with_fd2(tmp_path, model, fd2) for fd2 in ("closed", str(ro))]
+    for r in outs:
+        assert r.returncode == 0 and r.stdout.strip()
+    assert outs[0].stdout == outs[1].stdout
+    assert ro.read_text() == "x"
+
+
+def test_model_paths_say_what_is_wrong(tmp_path, monkeypatch):
+    """`info ''` blamed '.' for being a directory, a link loop read "no such file", and
+    /proc/self/mem gave "[Errno 5] Input/output error" without naming the file."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    (tmp_path / "l1").symlink_to(tmp_path / "l2")
+    (tmp_path / "l2").symlink_to(tmp_path / "l1")
+    for arg, says in (("", "model: the model path is empty"),
+                      (str(tmp_path / "l1"), f"{tmp_path / 'l1'}: is a link that leads to no file"),
+                      ("/proc/self/mem", "/proc/self/mem: file: cannot be read: Input/output error")):
+        one_line_error(runner.invoke(app, ["info", arg]), says)

@@ -379,7 +379,11 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     with f:
         size = os.fstat(f.fileno()).st_size
         if size < _SMALL_FILE:
-            return _parse(spath, f.read(), size)
+            try:
+                data = f.read()
+            except OSError as e:   # (/proc/self/mem: "[Errno 5] Input/output error", no file named)
+                raise ModelFormatError(spath, "file", f"cannot be read: {e.strerror or e}") from None
+            return _parse(spath, data, size)
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             return _parse(spath, mm, size)

@@ -149,6 +149,9 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, *, pull_if_miss
     arg = DEFAULT_MODEL if name_or_path is None else os.fspath(name_or_path)
     if not isinstance(arg, str) or "\0" in arg:   # (a bytes path; a NUL byte: untyped errors from the OS calls)
         raise ModelNotFoundError(f"model: expected a text path without NUL bytes, found {arg!r}")
+    if not arg:   # (Path('') is '.': "expected a model file, found a directory")
+        raise ModelNotFoundError("model: the model path is empty: give a GGUF path, a registry name, or none for "
+                                 "the default model")
     p = Path(arg).expanduser()
     try:
         if p.is_file():
@@ -160,6 +163,8 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, *, pull_if_miss
         if p.exists():
             found = "a directory" if p.is_dir() else "no regular file (a device, a pipe or a socket)"
             raise ModelNotFoundError(f"{arg}: expected a model file, found {found}")
+        if p.is_symlink():   # (a loop, or a target that is gone: "no such file" hid the link)
+            raise ModelNotFoundError(f"{arg}: is a link that leads to no file (a loop or a missing target)")
         if os.sep in arg or "/" in arg or arg.lower().endswith(".gguf"):
             raise ModelNotFoundError(f"{arg}: no such file (known model names: {_known_text()})")
         e = lookup(arg)  # raises, listing the known names
