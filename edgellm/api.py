@@ -64,7 +64,9 @@ class GenerationConfig:
 
 class Engine:
     """One loaded model. Its calls may come from several threads: generations take turns a step
-    (a prefill chunk, a decode run) at a time under `lock`, each giving the text it gives alone.
+    (a prefill chunk, a decode run) at a time under `lock`, each giving the text it gives alone
+    while the KV pool holds them all: they share its n_ctx tokens, and one that finds it full
+    ends early with last_stats.stop_reason "context_full", as a generation alone does at n_ctx.
     For priorities, and short requests overtaking a long prefill, submit them to
     edgellm.scheduler.Scheduler instead, whose worker takes the same turns."""
 
