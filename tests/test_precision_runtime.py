@@ -476,3 +476,67 @@ def test_a_copy_under_the_name_before_identities_is_kept(home, tiny):
     pr._fingerprint_file(new).rename(pr._fingerprint_file(old))
     again, note = plan_model(open_model(tiny.path), plan)
     assert "cached" in note and Path(again.path) == new and not old.exists()
+
+
+def test_damage_between_the_samples_is_seen_by_the_whole_file_checksum(home, tiny, caplog, monkeypatch):
+    """109 KB overwritten between two samples of an 11 MB copy loaded without a word (a probing
+    helper, session 25). A file written to since its check (ctime moved) is hashed whole. Here
+    2 samples of 4 KiB leave the middle of the tiny model's copy unsampled."""
+    import edgellm.precision_runtime as pr
+    monkeypatch.setattr(pr, "_SAMPLES", 2)
+    monkeypatch.setattr(pr, "_SAMPLE_BYTES", 4096)
+    mf, plan = open_model(tiny.path), load_plan("fast")
+    got, _ = plan_model(mf, plan)
+    clean = open(got.path, "rb").read()
+    assert "cached" in plan_model(mf, plan)[1]          # unchanged: the samples alone
+    with open(got.path, "r+b") as f:
+        f.seek(len(clean) // 2)
+        f.write(b"\x33" * 64)
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        fixed, note = plan_model(mf, plan)
+    assert "whole-file checksum" in caplog.text and "written" in note
+    assert open(fixed.path, "rb").read() == clean
+
+
+@pytest.mark.parametrize("what, how", [("sidecar", "fifo"), ("sidecar", "devzero"), ("sidecar", "dir"),
+                                       ("copy", "fifo"), ("copy", "dir"), ("copy", "devzero"),
+                                       ("sidecar", "other entry")])
+def test_a_cache_entry_replaced_by_something_else_is_rewritten(home, tiny, caplog, what, how):
+    """A FIFO as the sidecar hung every load, /dev/zero was read whole (MemoryError), and a FIFO
+    or a folder in place of the copy failed every load; another entry's sidecar vouched for it."""
+    import shutil
+    import edgellm.precision_runtime as pr
+    mf, plan = open_model(tiny.path), load_plan("fast")
+    got, _ = plan_model(mf, plan)
+    clean = open(got.path, "rb").read()
+    target = pr._fingerprint_file(Path(got.path)) if what == "sidecar" else Path(got.path)
+    if how == "other entry":
+        text = target.read_text().replace(f"entry {Path(got.path).name}", "entry other.gguf")
+        target.write_text(text)
+        os.utime(got.path)        # (and the copy touched: its stat no longer matches)
+    else:
+        target.unlink()
+        if how == "fifo":
+            os.mkfifo(target)
+        elif how == "dir":
+            target.mkdir()
+        else:
+            target.symlink_to("/dev/zero")
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        fixed, note = plan_model(mf, plan)
+    assert "unusable" in caplog.text and "written" in note
+    assert open(fixed.path, "rb").read() == clean and Path(fixed.path).is_file()
+    assert "cached" in plan_model(mf, plan)[1]
+    if target.is_dir():
+        shutil.rmtree(target)
+
+
+def test_a_folder_named_like_a_stale_copy_does_not_stop_the_load(home, tiny):
+    """IsADirectoryError from the clean-up of stale copies reached edgellm.load."""
+    mf, plan = open_model(tiny.path), load_plan("fast")
+    got, _ = plan_model(mf, plan)
+    p = Path(got.path)
+    stale = p.with_name(p.name.rsplit("-", 1)[0] + "-0000000000000000.gguf")
+    stale.mkdir()
+    p.unlink()
+    assert "written" in plan_model(mf, plan)[1]
