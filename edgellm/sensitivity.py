@@ -35,7 +35,7 @@ import numpy as np
 from . import requant
 from .backends import reference
 from .errors import ConfigError
-from .fileio import write_atomic
+from .fileio import read_capped, write_atomic
 from .model.ggml_types import GGMLQuantizationType
 
 __all__ = ["analyze", "Sensitivity", "Entry", "Skipped", "cache_dir", "cache_path", "forward_passes",
@@ -252,6 +252,9 @@ def _cache_key(model_sha: str, calib_sha: str, formats, ops, activations, n_toke
     return hashlib.sha256(desc.encode()).hexdigest()
 
 
+_MAX_CACHE_BYTES = 64 << 20   # a table is a few hundred KB (layers x ops x formats)
+
+
 def cache_path(model_sha: str, key: str) -> Path:
     return cache_dir() / f"{model_sha[:16]}-{key[:24]}.json"
 
@@ -260,11 +263,19 @@ def _read_cache(path: Path, expect: dict) -> Sensitivity | None:
     """The cached result, or None for a miss. A file that cannot be parsed or describes another
     analysis is a miss with one warning line (it is recomputed and overwritten), never an error."""
     try:
-        text = path.read_text(encoding="utf-8")
+        # capped and non-blocking: a FIFO there hung `precision analyze`, /dev/zero ran out of memory
+        raw = read_capped(path, _MAX_CACHE_BYTES)
+        digest, _, body = raw.partition(b"\n")
+        text = body.decode("utf-8")
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as e:
         log.warning("sensitivity cache miss: %s: unreadable (%s); recomputing", path, e)
+        return None
+    if digest != hashlib.sha256(body).hexdigest().encode():
+        # (a table with every KL edited to 99 was read as measured, and plans were made from it)
+        log.warning("sensitivity cache miss: %s: its checksum does not match (edited, damaged, or written by an "
+                    "older edgellm); recomputing", path)
         return None
     try:
         s = Sensitivity.from_json(text)
@@ -286,8 +297,9 @@ def _read_cache(path: Path, expect: dict) -> Sensitivity | None:
 def _write_cache(path: Path, s: Sensitivity) -> None:
     """Atomic: a reader sees the old file or the whole new one. A failure to write is logged and
     ignored (the result is still returned; the cache only saves time)."""
-    try:
-        write_atomic(path, s.to_json().encode("utf-8"))
+    body = s.to_json().encode("utf-8")
+    try:   # (its sha256 on the first line, then the table)
+        write_atomic(path, hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
     except OSError as e:
         log.warning("sensitivity cache not written: %s: %s", path, e)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes.util
 import importlib
 import logging
+import os
 import struct
 import sys
 import types
@@ -483,6 +484,10 @@ def test_default_cache_dir_is_under_edgellm_home(tmp_path, monkeypatch):
 
 
 def _damage(path, how):
+    if how in ("fifo", "devzero"):    # (a FIFO hung the load; /dev/zero was read to 3.3 GB)
+        path.unlink()
+        os.mkfifo(path) if how == "fifo" else path.symlink_to("/dev/zero")
+        return
     data = bytearray(path.read_bytes())
     hdr = T._HEADER.size
     if how == "truncated":
@@ -504,7 +509,7 @@ def _damage(path, how):
 
 @needs_runtime
 @pytest.mark.parametrize("how", ["truncated", "payload-bit", "empty", "stale-writer",
-                                 "valid-checksum-bad-model"])
+                                 "valid-checksum-bad-model", "fifo", "devzero"])
 def test_a_damaged_cache_file_is_rebuilt_with_one_warning(tmp_path, caplog, how):
     graph = _linear("int8", K, N, 32, bias=True)
     x = _x(graph)

@@ -3,7 +3,9 @@ layer outside the model, a missing or doubled measurement is a cache miss with o
 and the analysis runs again. The search itself never counts a NaN KL as within its budget."""
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import logging
 import math
 
@@ -55,11 +57,13 @@ def test_damaged_entries_are_a_miss_with_one_warning(engine, tmp_path, monkeypat
     text = load_calibration("builtin")
     first = analyze(engine, text, **KW)
     (path,) = (tmp_path / "cache" / "precision").glob("*.json")
-    d = json.loads(path.read_text())
+    d = json.loads(path.read_text().split("\n", 1)[1])     # (after the sha256 line)
     edit(d)
-    path.write_text(json.dumps(d))
+    body = json.dumps(d).encode()
+    # a valid checksum over bad content (what a writer bug would leave): the content checks see it
+    path.write_bytes(hashlib.sha256(body).hexdigest().encode() + b"\n" + body)
     with pytest.raises(ValueError):
-        Sensitivity.from_json(path.read_text())
+        Sensitivity.from_json(body.decode())
     calls = []
     real = engine.runner.forward
     monkeypatch.setattr(engine.runner, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -69,7 +73,7 @@ def test_damaged_entries_are_a_miss_with_one_warning(engine, tmp_path, monkeypat
     assert len(warned) == 1 and "sensitivity cache miss" in warned[0], warned
     assert len(calls) == 1 + N_LAYERS * 2                    # measured again, not served
     assert [e.kl for e in again.entries] == [e.kl for e in first.entries]
-    assert Sensitivity.from_json(path.read_text()) == again  # and the file rewritten whole
+    assert Sensitivity.from_json(path.read_text().split("\n", 1)[1]) == again  # and the file rewritten whole
 
 
 def test_a_fresh_analysis_reads_back(engine, tmp_path, monkeypatch):
@@ -91,3 +95,33 @@ def test_search_never_counts_a_nan_kl_within_the_budget():
     res = search(sens, times, 0.001, "decode", 2, ("q4_0",))
     assert [(c.layer, c.op) for c in res.changes] == [(0, "attn_out")]
     assert math.isfinite(res.predicted_kl) and res.predicted_kl <= 0.001
+
+
+def test_an_edited_table_is_a_miss(engine, tmp_path, monkeypatch, caplog):
+    """Every KL set to 99 in the cached table was served as measured, with no warning (a probing
+    helper, session 25): the table now carries its sha256."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
+    text = load_calibration("builtin")
+    first = analyze(engine, text, **KW)
+    (path,) = (tmp_path / "cache" / "precision").glob("*.json")
+    raw = path.read_text()
+    path.write_text(re.sub(r'"kl": [0-9.e+-]+', '"kl": 99.0', raw))
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        again = analyze(engine, text, **KW)
+    assert "its checksum does not match" in caplog.text
+    assert [e.kl for e in again.entries] == [e.kl for e in first.entries]
+
+
+@pytest.mark.parametrize("how", ["fifo", "devzero"])
+def test_a_special_file_in_its_place_is_a_miss(engine, tmp_path, monkeypatch, caplog, how):
+    """A FIFO hung `precision analyze`; /dev/zero ran it out of memory."""
+    import os
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
+    text = load_calibration("builtin")
+    first = analyze(engine, text, **KW)
+    (path,) = (tmp_path / "cache" / "precision").glob("*.json")
+    path.unlink()
+    os.mkfifo(path) if how == "fifo" else path.symlink_to("/dev/zero")
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        again = analyze(engine, text, **KW)
+    assert "unreadable" in caplog.text and [e.kl for e in again.entries] == [e.kl for e in first.entries]

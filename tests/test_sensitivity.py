@@ -1,6 +1,7 @@
 """Sensitivity measurement (edgellm.sensitivity) on a tiny synthetic F32 model: the harness
 measures exactly zero for an exact format, more error for fewer bits, leaves the engine bit-for-bit
 as it was, and caches per model."""
+import hashlib
 import logging
 import math
 
@@ -157,7 +158,7 @@ def test_corrupt_cache_warns_and_recomputes(engine, text, tmp_path, monkeypatch,
     assert any("sensitivity cache miss" in r.getMessage() for r in caplog.records)
     assert len(calls) == 1 + N_LAYERS
     assert [e.kl for e in again.entries] == [e.kl for e in first.entries]
-    assert Sensitivity.from_json(path.read_text()) == again        # rewritten whole
+    assert Sensitivity.from_json(path.read_text().split("\n", 1)[1]) == again   # rewritten whole (after its sha256)
 
 
 def test_stale_cache_for_another_model_is_a_miss(engine, text, tmp_path, monkeypatch, caplog):
@@ -165,7 +166,8 @@ def test_stale_cache_for_another_model_is_a_miss(engine, text, tmp_path, monkeyp
     kw = dict(formats=("q8_0",), ops=("attn_out",), activations=(), max_tokens=24)
     first = analyze(engine, text, **kw)
     (path,) = (tmp_path / "cache" / "precision").glob("*.json")
-    path.write_text(first.to_json().replace(first.model_sha256, "0" * 64))
+    body = first.to_json().replace(first.model_sha256, "0" * 64).encode()
+    path.write_bytes(hashlib.sha256(body).hexdigest().encode() + b"\n" + body)   # (a valid checksum: stale)
     calls = _count_forwards(monkeypatch, engine)
     with caplog.at_level(logging.WARNING, logger="edgellm"):
         analyze(engine, text, **kw)

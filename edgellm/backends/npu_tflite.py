@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..fileio import read_capped
 from ..hashing import bulk_sha256, sha256
 from ..errors import ConfigError, EdgeLLMError
 from ..fileio import remove_dead_writers, write_atomic
@@ -114,9 +115,14 @@ def load_or_build(graph, cache_dir: str | os.PathLike | None = None) -> bytes:
     return payload
 
 
+# a FlatBuffer is at most 2 GiB; read_capped also refuses a FIFO (a read that hung every load)
+# and a device (/dev/zero read to 3.3 GB before the MemoryError)
+_MAX_CACHE_BYTES = (2 << 30) + 4096
+
+
 def _read_cache(path: Path, key_digest: bytes) -> bytes | None:
     try:
-        data = path.read_bytes()
+        data = read_capped(path, _MAX_CACHE_BYTES)
     except FileNotFoundError:
         return None
     except OSError as e:
@@ -150,6 +156,8 @@ def _write_cache(path: Path, payload: bytes, key_digest: bytes) -> None:
     # a writer killed mid-write (SIGKILL, a low-memory killer) left its temporary file here: the
     # next writer removes it, as the model and precision caches do
     remove_dead_writers(path.parent)
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        path.unlink()   # (ours to replace: a FIFO or a link to a device there was read and rejected every load)
     write_atomic(path, _HEADER.pack(_MAGIC, _CACHE_FORMAT, WRITER_VERSION, len(payload),
                                     bulk_sha256(payload).digest(), key_digest) + payload)
     npu_cache.evict(path.parent, ".tflc", keep=path)
