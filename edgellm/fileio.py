@@ -54,6 +54,14 @@ def read_capped(path: str | os.PathLike, max_bytes: int) -> bytes:
     return data
 
 
+def stat_key(path: str | os.PathLike) -> str:
+    """'inode size mtime_ns ctime_ns' of a file: equal as long as nothing wrote to, replaced or
+    touched it (a write moves ctime, which no process can set back), for the caches that
+    hash a file whole once and then trust it while this stays the same."""
+    st = os.stat(path)
+    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+
 def current_umask() -> int:
     """The process's umask. Read from /proc/self/status where the kernel gives it (Linux 4.7+):
     os.umask can only be read by setting it, and between the set and the restore another

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from .errors import ConfigError, EdgeLLMError
-from .fileio import read_capped, remove_dead_writers, write_atomic
+from .fileio import read_capped, remove_dead_writers, stat_key, write_atomic
 from .hashing import bulk_sha256, sha256
 from .precision import LAYER_OPS as PLAN_LAYER_OPS
 from .precision import PrecisionPlan
@@ -236,10 +236,6 @@ def _fingerprint_file(path: Path) -> Path:
 _SIDECAR_MAX = 1024
 
 
-def _stat_key(path: Path) -> str:
-    st = path.stat()
-    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
-
 
 def _whole_sha256(path: Path) -> str:
     h = bulk_sha256()
@@ -251,7 +247,7 @@ def _whole_sha256(path: Path) -> str:
 
 def _sidecar(path: Path, whole: str | None = None) -> str:
     return (f"{_fingerprint(path)}\nwhole {whole or _whole_sha256(path)}\nentry {path.name}\n"
-            f"stat {_stat_key(path)}\n")
+            f"stat {stat_key(path)}\n")
 
 
 def _unverified(path: Path) -> str | None:
@@ -273,7 +269,7 @@ def _unverified(path: Path) -> str | None:
         return None
     if fields.get("entry") != path.name:
         return "its checksum file is another entry's"
-    if fields.get("stat") != _stat_key(path):
+    if fields.get("stat") != stat_key(path):
         if _whole_sha256(path) != fields["whole"]:
             return "its bytes differ from those written (whole-file checksum)"
         write_atomic(fp, _sidecar(path, fields["whole"]).encode())

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from edgellm.errors import ModelNotFoundError, PullError
-from edgellm.fileio import fsync_dir, read_capped, remove_dead_writers, write_atomic, writer_tag
+from edgellm.fileio import fsync_dir, read_capped, remove_dead_writers, stat_key, write_atomic, writer_tag
 from edgellm.hashing import bulk_sha256
 
 __all__ = [
@@ -191,14 +191,10 @@ def _verified_file(dest: Path) -> Path:
     return dest.with_name(dest.name + ".verified")
 
 
-def _stat_key(path: Path) -> str:
-    st = path.stat()
-    return f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
-
 
 def _record_verified(dest: Path) -> None:
     try:
-        write_atomic(_verified_file(dest), _stat_key(dest).encode())
+        write_atomic(_verified_file(dest), stat_key(dest).encode())
     except OSError as exc:   # (only a hash again next run)
         log.warning("%s: cannot record its check: %s", dest, exc)
 
@@ -209,7 +205,7 @@ def _still_verified(e: ModelEntry) -> bool:
     its bytes are not the pinned ones."""
     dest = model_path(e)
     try:
-        if read_capped(_verified_file(dest), 256).decode("ascii", "replace") == _stat_key(dest):
+        if read_capped(_verified_file(dest), 256).decode("ascii", "replace") == stat_key(dest):
             return True
     except OSError:
         pass
