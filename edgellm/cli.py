@@ -913,8 +913,8 @@ def bench(
                        f"{r['decode_vs_floor']:.2f}x the memory floor of {r['decode_floor_ms']:.2f} ms "
                        f"({r['decode_weight_mb']:.1f} MB of weights per token at the faster of {bws} GB/s, measured "
                        f"before and after the runs)"
-                       + ("; under 1: the probe, an sgemv, reads slower than the decode kernels stream"
-                          if r["decode_vs_floor"] < 1 else ""))
+                       + ("; under 1: the probe read slower than decode streamed (a busy machine's memory, "
+                          "or numpy's sgemv where the neon library is missing)" if r["decode_vs_floor"] < 1 else ""))
         elif "decode_weight_mb" in r:
             why = ("no decode step to compare: --gen-tokens 1 produces its one token from the prefill"
                    if r.get("decode_tps") == 0 and any(r.get("read_bandwidth_gbs") or ()) else
