@@ -54,6 +54,20 @@ def read_capped(path: str | os.PathLike, max_bytes: int) -> bytes:
     return data
 
 
+def clear_odd_entry(path: str | os.PathLike) -> None:
+    """For a cache about to write `path`: remove what is there if it is not a regular file (a
+    FIFO, a device link, a link loop, a folder), which write_atomic would refuse to replace and
+    the cache would then reject on every load. Only for paths a cache owns; errors are ignored."""
+    p = Path(path)
+    try:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.is_symlink() or (p.exists() and not p.is_file()):
+            p.unlink()
+    except OSError:
+        pass
+
+
 def stat_key(path: str | os.PathLike) -> str:
     """'inode size mtime_ns ctime_ns' of a file: equal as long as nothing wrote to, replaced or
     touched it (a write moves ctime, which no process can set back), for the caches that

@@ -18,14 +18,13 @@ import json
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from glob import escape as glob_escape
 from pathlib import Path
 from typing import Callable, Mapping
 
 from .errors import ConfigError, EdgeLLMError
-from .fileio import read_capped, remove_dead_writers, stat_key, write_atomic
+from .fileio import clear_odd_entry, read_capped, remove_dead_writers, stat_key, write_atomic
 from .hashing import bulk_sha256, sha256
 from .precision import LAYER_OPS as PLAN_LAYER_OPS
 from .precision import PrecisionPlan
@@ -177,12 +176,8 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
             why = str(e)
         log.warning("requantized model cache %s is unusable (%s); writing it again", path, why)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for f in (path, fp):   # (ours to replace: a FIFO, a folder or a link there failed every load)
-        if f.is_symlink() or (f.exists() and not f.is_file()):
-            try:
-                shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink()
-            except OSError:
-                pass
+    for f in (path, fp):   # (a FIFO, a folder or a link there failed every load)
+        clear_odd_entry(f)
     # older copies of the same source and formats (the model file re-pulled or touched: the key
     # changed) are stale: each was a whole model's size, kept for good. Copies of another source
     # or other formats stay (they were deleted too: two models named alike, or two plans of one

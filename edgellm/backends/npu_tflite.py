@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..fileio import read_capped
+from ..fileio import clear_odd_entry, read_capped
 from ..hashing import bulk_sha256, sha256
 from ..errors import ConfigError, EdgeLLMError
 from ..fileio import remove_dead_writers, write_atomic
@@ -156,8 +156,7 @@ def _write_cache(path: Path, payload: bytes, key_digest: bytes) -> None:
     # a writer killed mid-write (SIGKILL, a low-memory killer) left its temporary file here: the
     # next writer removes it, as the model and precision caches do
     remove_dead_writers(path.parent)
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        path.unlink()   # (ours to replace: a FIFO or a link to a device there was read and rejected every load)
+    clear_odd_entry(path)   # (a FIFO or a link to a device there was read and rejected every load)
     write_atomic(path, _HEADER.pack(_MAGIC, _CACHE_FORMAT, WRITER_VERSION, len(payload),
                                     bulk_sha256(payload).digest(), key_digest) + payload)
     npu_cache.evict(path.parent, ".tflc", keep=path)
