@@ -531,3 +531,20 @@ def test_a_device_that_is_not_a_name_or_path_is_a_config_error(bad):
     from edgellm.api import device_profile
     with pytest.raises(ConfigError, match="device: expected a profile name or a path"):
         device_profile(bad)
+
+
+def test_a_written_profile_cut_short_is_refused(tmp_path):
+    """A measured profile cut at a line boundary parsed, and plans used what was left (a
+    probing helper, session 25: TTFT predicted 0.3 ms instead of 1.5). A profile written now
+    promises its end on its first line; one without the promise reads as before."""
+    from edgellm.device.profile_yaml import write_profile
+    path = write_profile(load_profile("rk3588"), tmp_path / "dev.yaml")
+    text = path.read_text()
+    assert text.rstrip().endswith("# end of profile") and load_profile(path)
+    cut = text[: len(text) // 2]
+    path.write_text(cut[: cut.rindex("\n") + 1])
+    with pytest.raises(ConfigError, match="dev.yaml: cut short"):
+        load_profile(path)
+    old = text.split("\n", 1)[1].replace("# end of profile\n", "")   # no first-line promise: as before
+    path.write_text("# a hand-written profile\n" + old)
+    assert load_profile(path).soc == load_profile("rk3588").soc
