@@ -21,7 +21,7 @@ from .backends import opencl_child, reference
 from .dispatch import Dispatcher
 from .ops import weight_formats
 from .engine import CancelToken, ModelRunner
-from .hashing import bulk_sha256, sha256
+from .hashing import file_sha256, sha256
 from .heap import release_free_pages
 from .procmem import available_bytes
 from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (GenerationStats: part of the API)
@@ -259,7 +259,7 @@ class Engine:
         rendered inside the TTFT clock, as part of tokenization."""
         cfg = generation_config(config, **kwargs)
         messages = ChatTemplate.check_conversation(messages)   # (a copy: what the app changes later stays out)
-        return self._stream(lambda: self.render_chat(messages), cfg, self._cancel_token(cancel))
+        return self._stream(lambda: self.template.render(messages), cfg, self._cancel_token(cancel))
 
     def _cancel_token(self, cancel: CancelToken | None) -> CancelToken:
         """The request's token: the caller's as it is (one cancelled before the request starts
@@ -375,11 +375,7 @@ class Engine:
     def model_sha256(self) -> str:
         if self._model_sha is None:
             self._check_open()
-            h = bulk_sha256()
-            with open(self.model.path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 22), b""):
-                    h.update(block)
-            self._model_sha = h.hexdigest()
+            self._model_sha = file_sha256(self.model.path)
         return self._model_sha
 
     def _session_keys(self) -> dict:

@@ -27,4 +27,19 @@ def bulk_sha256(data: bytes = b""):
     return hashlib.sha256(data)
 
 
-__all__ = ["blake2b", "bulk_sha256", "sha256"]
+def file_sha256(path, progress=None) -> str:
+    """Hex sha256 of a whole file, read in 4 MiB blocks; progress(done, total) after each."""
+    import os
+
+    h = bulk_sha256()
+    total, done = os.stat(path).st_size, 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+            done += len(block)
+            if progress:
+                progress(done, total)
+    return h.hexdigest()
+
+
+__all__ = ["blake2b", "bulk_sha256", "file_sha256", "sha256"]

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 
 from .errors import ConfigError, EdgeLLMError
 from .fileio import clear_odd_entry, read_capped, remove_dead_writers, stat_key, write_atomic
-from .hashing import bulk_sha256, sha256
+from .hashing import bulk_sha256, file_sha256, sha256
 from .precision import LAYER_OPS as PLAN_LAYER_OPS
 from .precision import PrecisionPlan
 
@@ -232,16 +232,8 @@ _SIDECAR_MAX = 1024
 
 
 
-def _whole_sha256(path: Path) -> str:
-    h = bulk_sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _sidecar(path: Path, whole: str | None = None) -> str:
-    return (f"{_fingerprint(path)}\nwhole {whole or _whole_sha256(path)}\nentry {path.name}\n"
+    return (f"{_fingerprint(path)}\nwhole {whole or file_sha256(path)}\nentry {path.name}\n"
             f"stat {stat_key(path)}\n")
 
 
@@ -265,7 +257,7 @@ def _unverified(path: Path) -> str | None:
     if fields.get("entry") != path.name:
         return "its checksum file is another entry's"
     if fields.get("stat") != stat_key(path):
-        if _whole_sha256(path) != fields["whole"]:
+        if file_sha256(path) != fields["whole"]:
             return "its bytes differ from those written (whole-file checksum)"
         write_atomic(fp, _sidecar(path, fields["whole"]).encode())
     return None
