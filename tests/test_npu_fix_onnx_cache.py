@@ -117,6 +117,30 @@ def test_an_empty_file_is_called_empty(tmp_path, caplog):
     assert [r.getMessage() for r in caplog.records] == [f"npu model cache {path} is empty; rebuilding it"]
 
 
+def test_a_file_larger_than_any_model_of_the_graph_is_refused_unread(tmp_path, caplog, monkeypatch):
+    """A 1.9 GB (sparse) file in place of a cached model was read whole, 2 GB of memory and
+    seconds, before protobuf's parse rejected it: its size alone now says it is not the model."""
+    graph = _linear()
+    path = npu_onnx.cache_path(graph, tmp_path)
+    npu_onnx.compile(graph, providers=CPU, cache_dir=tmp_path)
+    real, bound = path.stat().st_size, npu_onnx._size_bound(graph)
+    assert real <= bound < 4 * real + (2 << 20)
+    with open(path, "r+b") as f:
+        f.truncate(1_900_000_000)
+    reads, read_bytes = [], type(path).read_bytes
+    monkeypatch.setattr(type(path), "read_bytes", lambda p: reads.append(p) or read_bytes(p))
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        sub = npu_onnx.compile(graph, providers=CPU, cache_dir=tmp_path)
+    assert path not in reads
+    assert [r.getMessage() for r in caplog.records] == [
+        f"npu model cache {path} is 1900000000 bytes, more than a model of this graph can be ({bound}); "
+        "rebuilding it"]
+    assert path.stat().st_size == real
+    x = np.random.default_rng(6).standard_normal((32, K)).astype(np.float32)
+    ref = reference(graph, x)
+    assert np.mean((sub.run(x) - ref) ** 2) / np.mean(ref ** 2) < 1e-4
+
+
 def _weights_only_format(path):
     """The file as edgellm wrote it before the whole-model checksum."""
     model = onnx.load_model_from_string(path.read_bytes())

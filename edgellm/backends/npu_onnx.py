@@ -349,6 +349,16 @@ _OLD_FORMAT = "was written by an older edgellm (its checksum covers the weights 
 _warned_old_format: list = []
 
 
+def _size_bound(graph) -> int:
+    """The most bytes a model of `graph` can serialize to: every initializer comes from the
+    weights' q, scale and bias arrays at their size or less (int4 packs two per byte), plus a few
+    per-token constants, the graph's nodes and the metadata. Twice that plus 1 MiB is generous
+    and still far under protobuf's 2 GB limit for any graph the NPU unit builds."""
+    ws = [graph.w] if isinstance(graph, LinearGraph) else [graph.gate_up, graph.down]
+    weights = sum(a.nbytes for w in ws for a in (w.q, w.scale, w.bias) if a is not None)
+    return min(2 * weights + 16 * graph.tokens + (1 << 20), 2**31 - 1)
+
+
 def _read_cached(path: Path, graph) -> str | None:
     """None when `path` holds a valid model of `graph`, else why it does not. Never raises: a
     file that trips up a check (a name that is not UTF-8 ...) is damaged like any other."""
@@ -367,8 +377,9 @@ def _check_cached(path: Path, graph) -> str | None:
         if size == 0:
             # protobuf parses zero bytes as an empty model, which would then fail the key check
             return "is empty"
-        if size >= 2**31:
-            return "is larger than protobuf's 2 GB limit"
+        if size > _size_bound(graph):
+            # read before any check, a multi-gigabyte file costs its size in memory and seconds
+            return f"is {size} bytes, more than a model of this graph can be ({_size_bound(graph)})"
         model = onnx.load_model_from_string(path.read_bytes())
     except Exception as e:
         return f"does not parse ({type(e).__name__}: {e})"
