@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from . import backends
+from . import backends, interrupts
 from .backends import opencl_child, reference
 from .dispatch import Dispatcher
 from .ops import weight_formats
@@ -158,7 +158,9 @@ class Engine:
     def turn(self):
         """Holds the engine for one unit of work (a generation step, warm, a session's load):
         other threads' work waits. A thread's own nested turns pass."""
-        with self.lock:
+        # a Ctrl-C waits for the turn's end (or a checkpoint between prefill chunks): raised
+        # inside the KV accounting it lost blocks for good or broke every later call
+        with self.lock, interrupts.deferred():
             self._check_open()
             depth = getattr(self._turn_depth, "n", 0)
             self._turn_depth.n = depth + 1
@@ -434,15 +436,19 @@ class Engine:
 
     def _generate_ids(self, ids: list[int], cfg: GenerationConfig, cancel: CancelToken,
                       t0: float, t_tok: float) -> Iterator[str]:
-        gen = Generation(self, ids, cfg, cancel, t0, t_tok)
-        self.last_stats = gen.stats
+        gen = None
         try:
+            # a Ctrl-C between the sequence's open (in Generation) and this try leaked its KV
+            with interrupts.deferred():
+                gen = Generation(self, ids, cfg, cancel, t0, t_tok)
+                self.last_stats = gen.stats
             while not gen.done:
                 piece = gen.step()
                 if piece:
                     yield piece
         finally:
-            gen.close()   # a stream the app stopped reading (closed, dropped, an error in its loop)
+            if gen is not None:
+                gen.close()   # a stream the app stopped reading (closed, dropped, an error in its loop)
 
 
 def _session_path(path, what: str):

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from . import backends
+from . import backends, interrupts
 from .backends import reference
 from .chunking import chunk_bounds
 from .errors import Cancelled, ConfigError
@@ -141,6 +141,7 @@ class ModelRunner:
                 part = ids[c:c1]
                 if cancel is not None and cancel.cancelled:
                     raise Cancelled("cancelled between prefill chunks")
+                interrupts.checkpoint()    # a Ctrl-C held back by the engine's turn stops here
                 seq.reserve(len(part))
                 fused = phase in self._fused_phases and self._fusable(seq) \
                     and not (phase == "decode" and self.decode_override is not None)

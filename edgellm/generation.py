@@ -89,11 +89,13 @@ class Generation:
         self.done = False
         guard = getattr(engine, "quality_guard", None)
         self.guard = GuardState(guard, engine.runner) if guard is not None else None
-        # last: nothing after it may fail and leave the sequence open
+        # last: nothing after it may fail and leave the sequence open. (A Ctrl-C held back by the
+        # turn comes at its end: a caller in the main thread holds interrupts.deferred() until
+        # the generation is in its hands, Engine._generate_ids)
         with engine.turn():
             self.seq, cached = engine._open_sequence(ids)
-        self.stats.cached_tokens = cached
-        self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
+            self.stats.cached_tokens = cached
+            self.pending = np.asarray(ids[cached:], dtype=np.int64)   # prompt tokens still to prefill
 
     @property
     def in_prefill(self) -> bool:
