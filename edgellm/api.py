@@ -376,13 +376,18 @@ class Engine:
 
     def model_sha256(self) -> str:
         if self._model_sha is None:
-            self._check_open()
-            self._model_sha = file_sha256(self.model.path)
+            with self.lock:       # (a close() in another thread between the check and the read
+                self._check_open()    # was an AttributeError: the model gone)
+                path = self.model.path
+            self._model_sha = file_sha256(path)
         return self._model_sha
 
     def _session_keys(self) -> dict:
-        cfg_hash = sha256(repr((self.config, self.kv.kv.layout)).encode()).hexdigest()[:32]
-        return dict(model_sha256=self.model_sha256(), config_hash=cfg_hash, kv_layout=self.kv.kv.layout)
+        with self.lock:           # (as above: save/load_session run these outside their turn)
+            self._check_open()
+            layout = self.kv.kv.layout
+        cfg_hash = sha256(repr((self.config, layout)).encode()).hexdigest()[:32]
+        return dict(model_sha256=self.model_sha256(), config_hash=cfg_hash, kv_layout=layout)
 
     def _session_max_bytes(self) -> int:
         """The most a session file of this engine can hold: n_ctx tokens' ids and K/V at 4 bytes a
@@ -425,12 +430,12 @@ class Engine:
         if max(ids, default=0) >= self.config.vocab_size:
             log.warning("session cache miss: %s: token id outside the vocabulary", path)
             return False
-        try:
-            with self.turn():
+        with self.turn():        # (outside the try: an engine closed meanwhile is an error, not a miss)
+            try:
                 self.kv.restore(ids, data.arrays)
-        except (ConfigError, KeyError, ContextFull) as e:   # (ContextFull: live requests hold the room)
-            log.warning("session cache miss: %s: %s", path, e)
-            return False
+            except (ConfigError, KeyError, ContextFull) as e:   # (ContextFull: live requests hold the room)
+                log.warning("session cache miss: %s: %s", path, e)
+                return False
         self.session_meta = dict(data.meta)
         return True
 
