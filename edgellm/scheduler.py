@@ -200,6 +200,10 @@ class Scheduler:
             raise ConfigError("submit needs exactly one of prompt or messages")
         if isinstance(priority, bool) or not isinstance(priority, numbers.Real) or priority != priority:
             raise ConfigError(f"priority must be a number (higher goes first), got {shown(priority)}")
+        if isinstance(priority, numbers.Integral):
+            # a Python int: the queue orders by -priority, which wraps for numpy's fixed widths
+            # (-np.uint32(5) is 4294967291, -np.int64(-2**63) itself: the wrong end of the queue)
+            priority = int(priority)
         if messages is not None:   # (copies: the caller's list may change while it waits)
             messages = ChatTemplate.check_conversation(messages)
         else:

@@ -95,6 +95,17 @@ def test_numpy_priorities_and_typed_timeouts(engine):
         assert r.result(timeout=30) == engine.generate("hello", **GREEDY)
 
 
+@pytest.mark.parametrize("priority,value", [(np.uint32(5), 5), (np.uint8(200), 200), (np.int64(-2**63), -2**63),
+                                            (np.int8(-128), -128)])
+def test_numpy_integer_priorities_keep_their_order(engine, priority, value):
+    """The queue orders by -priority: numpy's fixed widths wrapped (-np.uint32(5) is 4294967291,
+    -np.int64(-2**63) itself), so priority 5 ran after 0 and the lowest int64 before everything."""
+    with Scheduler(engine, chunk=4) as s:
+        r = s.submit("hello", priority=priority, **GREEDY)
+        assert type(r.priority) is int and r.priority == value and -r.priority == -value
+        r.result(timeout=30)
+
+
 def test_close_cancels_a_request_whose_generation_is_being_made(engine, monkeypatch):
     """Between leaving the waiting list and joining the active one, a request was in no list
     close() cancels: it ran to max_tokens."""
