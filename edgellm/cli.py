@@ -46,8 +46,18 @@ def _options(version: bool = typer.Option(False, "--version", is_eager=True, cal
     pass
 
 
+def _note(text: str) -> None:
+    """A line for the person at the terminal (stderr), best effort: with stderr on a full disk
+    (2>/dev/full) the chat's banner ended the chat before its first answer. Answers go to stdout
+    whatever becomes of these."""
+    try:
+        typer.echo(text, err=True)
+    except OSError:
+        pass
+
+
 def _err(msg: str) -> None:
-    typer.echo(f"edgellm: error: {msg}", err=True)
+    _note(f"edgellm: error: {msg}")
 
 
 def _stdout_failed(e: OSError) -> bool:
@@ -606,30 +616,32 @@ def chat(
     messages = [{"role": "system", "content": system}] if system else []
     if saved.get("messages"):   # the saved conversation goes on; its own system turn, if any, stays
         if system and saved["messages"][0] != messages[0]:
-            typer.echo("edgellm: warning: --system is ignored: the session's conversation goes on as it was",
-                       err=True)
+            _note("edgellm: warning: --system is ignored: the session's conversation goes on as it was")
         messages = list(saved["messages"])
     # what /reset keeps: the system turn, --system's or the session's own (messages[:1] kept a
     # session's first user turn, or dropped its system prompt)
     system_turn = messages[:1] if messages and messages[0].get("role") == "system" else []
     if system:   # a template without a system role (Gemma, Mistral v1) refused every turn, /reset too
-        eng.render_chat(messages + [{"role": "user", "content": "hello"}])
-    typer.echo(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D or /exit quits, /reset "
-               f"clears, /help", err=True)
+        first = eng.tokenize(eng.render_chat(system_turn + [{"role": "user", "content": "hello"}]))
+        if kv == "pool" and len(first) >= eng.n_ctx:
+            # (every turn failed, advising a /reset that keeps the system prompt)
+            raise ConfigError(f"--system takes {len(first)} tokens with a one-word turn, and the context holds "
+                              f"{eng.n_ctx}: shorten it or raise --ctx")
+    _note(f"edgellm chat with {eng.config.name} — Ctrl-C stops an answer, Ctrl-D or /exit quits, /reset "
+          f"clears, /help")
     tty, failed = sys.stdin.isatty(), 0
     while True:
         try:
             if tty:   # (the prompt on stderr: stdout carries the answers alone, for a pipe)
-                sys.stderr.write("> ")
-                sys.stderr.flush()
+                _note_raw("> ")
             line = _read_line()
         except EOFError:
-            typer.echo("", err=True)
+            _note("")
             if failed:
                 raise typer.Exit(1)   # (a script feeding the chat learns that turns failed)
             return
         except KeyboardInterrupt:     # at the prompt (or just after an answer): not a quit
-            typer.echo("\n(Ctrl-D or /exit quits)", err=True)
+            _note("\n(Ctrl-D or /exit quits)")
             continue
         except UnicodeDecodeError as e:
             enc = "UTF-8" if codecs.lookup(e.encoding).name == "utf-8" else e.encoding
@@ -637,7 +649,15 @@ def chat(
             failed += 1
             continue
         command = line.strip()
-        if re.fullmatch(r"/[a-z]+", command):
+        # a line that starts with a /word is a command, whatever its case or what follows it
+        # ("/EXIT", "/exit now" went to the model as turns); " /word" (a space first) is a turn
+        if re.match(r"/[A-Za-z]*(\s|$)", line):
+            if command.lower() != command.split()[0].lower() or command.lower() not in (
+                    "/exit", "/quit", "/reset", "/help"):
+                _err(f"unknown command {shown_line(command)}: /reset, /exit, /quit, /help (no arguments; "
+                     f"a turn that starts with a / word: put a space before it)")
+                continue
+            command = command.lower()
             if command in ("/exit", "/quit"):
                 if failed:
                     raise typer.Exit(1)   # (as at Ctrl-D)
@@ -647,13 +667,11 @@ def chat(
                 if session is not None:   # (the cleared state is the session's, even if no answer follows)
                     session.unlink(missing_ok=True)
                     seen = None
-                typer.echo("[conversation cleared]" + (f"; {session} removed until the next answer"
-                                                       if session is not None else ""), err=True)
+                _note("[conversation cleared]" + (f"; {session} removed until the next answer"
+                                                  if session is not None else ""))
             elif command == "/help":
-                typer.echo("/reset forgets the conversation (the system prompt stays), /exit or /quit (or Ctrl-D) "
-                           "quits; Ctrl-C stops an answer", err=True)
-            else:
-                _err(f"unknown command {command}: /reset, /exit, /quit, /help")
+                _note("/reset forgets the conversation (the system prompt stays), /exit or /quit (or Ctrl-D) "
+                      "quits; Ctrl-C stops an answer")
             continue
         if not command:
             continue
@@ -676,19 +694,33 @@ def chat(
             signal.signal(signal.SIGINT, previous)
         sys.stdout.write("\n")
         if eng.last_stats.stop_reason == "cancelled":
-            typer.echo("[cancelled]", err=True)
+            _note("[cancelled]")
         elif eng.last_stats.stop_reason == "context_full":
-            typer.echo(f"[context full at {eng.n_ctx} tokens: the answer was cut; /reset starts over, --kv ring "
-                       f"keeps a chat going past the context]", err=True)
+            _note(f"[context full at {eng.n_ctx} tokens: the answer was cut; /reset starts over, --kv ring "
+                  f"keeps a chat going past the context]")
             failed += 1   # (a cut answer is a failed turn: exit 1, as the README says)
         messages.append({"role": "assistant", "content": "".join(answer)})
         if session is not None and eng.last_stats.stop_reason != "cancelled":
             seen = _save_session(eng, session, {"messages": messages}, seen)
         if stats:
-            typer.echo(eng.last_stats.summary(), err=True)
+            _note(eng.last_stats.summary())
 
 
 MAX_LINE_BYTES = 2 ** 20   # a chat turn read from stdin: `chat < /dev/zero` grew without limit
+
+
+def shown_line(text: str, limit: int = 40) -> str:
+    """A line of input quoted in a message, cut to `limit` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _note_raw(text: str) -> None:
+    """text on stderr without a newline (the tty prompt), best effort as _note."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except OSError:
+        pass
 
 
 def _readline_capped() -> bytes | str:
@@ -697,7 +729,10 @@ def _readline_capped() -> bytes | str:
     from .errors import ConfigError
 
     stream = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin
-    raw = stream.readline(MAX_LINE_BYTES + 1)
+    try:
+        raw = stream.readline(MAX_LINE_BYTES + 1)
+    except OSError as e:   # (0>/dev/null: stdin open for writing only, "[Errno 9] Bad file descriptor")
+        raise ConfigError(f"stdin cannot be read ({e.strerror or e}): chat reads its turns from stdin") from None
     if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n" if isinstance(raw, bytes) else "\n"):
         raise ConfigError(f"a line of stdin is longer than {MAX_LINE_BYTES // 2**20} MiB, chat's limit for a turn")
     return raw
@@ -710,8 +745,15 @@ def _read_line() -> str:
     import select
 
     if not hasattr(signal, "set_wakeup_fd") or not sys.stdin.isatty():
-        # (a pipe: its lines may sit in Python's buffer, which select() does not see)
-        return _decode_line(_readline_capped())
+        # (a pipe: its lines may sit in Python's buffer, which select() does not see.) A Ctrl-C
+        # here only says how to quit, as at a terminal's prompt; as a KeyboardInterrupt it could
+        # land just after readline() returned and drop the line the app had sent (1 in 3 when
+        # the line followed the Ctrl-C at once)
+        previous = signal.signal(signal.SIGINT, lambda *_: _note("\n(Ctrl-D or /exit quits)"))
+        try:
+            return _decode_line(_readline_capped())
+        finally:
+            signal.signal(signal.SIGINT, previous)
     r, w = os.pipe()
     os.set_blocking(w, False)
     old = signal.set_wakeup_fd(w)
@@ -1448,15 +1490,16 @@ def _log_warnings_to_stderr() -> None:
         lg.addHandler(h)
 
 
-_terminated = False
+_terminated = 0   # the SIGTERM or SIGHUP that arrived, if any
 
 
 def _terminate(signum, frame) -> None:
-    """SIGTERM (a service manager, `kill`, a CI timeout) unwinds like Ctrl-C: half-written outputs
-    (a requantized model's temporary file, a bundle's folder) are removed on the way out; the
-    default action left them behind."""
+    """SIGTERM (a service manager, `kill`, a CI timeout) and SIGHUP (the terminal closed under a
+    chat) unwind like Ctrl-C: half-written outputs (a session's temporary file, a requantized
+    model's, a bundle's folder) are removed on the way out; the default action left them behind
+    (a SIGHUP during a session's save: an 11 MB temporary file beside it, for good)."""
     global _terminated
-    _terminated = True
+    _terminated = signum
     sys.exit(128 + signum)
 
 
@@ -1470,6 +1513,20 @@ def _import_numpy_with_signals_held() -> None:
             import numpy  # noqa: F401
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _output_failed(e: OSError) -> None:
+    """One line and exit 1 for output click wrote itself and could not (a 67-line traceback for
+    `--version > /dev/full`). stdout is pointed at /dev/null first: its buffered rest would fail
+    again at exit."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, 1)
+        os.close(fd)
+    except OSError:
+        pass
+    _err(f"cannot write the output: {e.strerror or e}")
+    sys.exit(1)
 
 
 def _stderr_to_devnull_if_closed() -> None:
@@ -1497,6 +1554,8 @@ def _stderr_to_devnull_if_closed() -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
+    if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:   # (nohup: ignored, stays so)
+        signal.signal(signal.SIGHUP, _terminate)
     try:
         _import_numpy_with_signals_held()
     except KeyboardInterrupt:   # (one held during the import lands when the mask is restored)
@@ -1512,13 +1571,24 @@ def main() -> None:
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
     _log_warnings_to_stderr()
+    columns = os.environ.get("COLUMNS")
+    if columns is not None and (not columns.strip().isdigit() or int(columns) == 0):
+        os.environ.pop("COLUMNS")   # (COLUMNS=0: rich printed usage errors and --help as nothing)
     try:
         app()
     except KeyboardInterrupt:   # Ctrl-C before a command's body (imports, option parsing)
-        sys.stderr.write("\n")
+        _note("")
         sys.exit(130)
-    if _terminated:   # a SystemExit raised in the handler can be lost inside C code (an import):
-        sys.exit(128 + signal.SIGTERM)   # the command then ran on; at least its exit says so
+    except SystemExit:
+        # a SystemExit raised in the handler can be lost inside C code (an import): the command
+        # then ran on, to click's own exit (0); at least the exit status says so
+        if _terminated:
+            sys.exit(128 + _terminated)
+        raise
+    except OSError as e:   # click's own output (--help, --version, a usage error) on a full or closed stream
+        _output_failed(e)
+    if _terminated:   # (as above, where a command returns instead of exiting)
+        sys.exit(128 + _terminated)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 held while numpy was imported, a SIGTERM whose SystemExit C code swallowed, and a SIGTERM
 while the OpenCL probe child was being waited for (the child outlived the command and went on
 writing into EDGELLM_HOME)."""
+import signal
 import subprocess
 import sys
 import time
@@ -23,9 +24,9 @@ def test_a_ctrl_c_held_during_the_numpy_import_exits_130(monkeypatch, capsys):
 
 def test_a_sigterm_whose_exit_was_lost_still_exits_143(monkeypatch):
     def swallowed():
-        cli._terminated = True   # (the handler ran; its SystemExit was lost inside an import)
+        cli._terminated = signal.SIGTERM   # (the handler ran; its SystemExit was lost inside an import)
     monkeypatch.setattr(cli, "app", swallowed)
-    monkeypatch.setattr(cli, "_terminated", False)
+    monkeypatch.setattr(cli, "_terminated", 0)
     monkeypatch.setattr(sys, "argv", ["edgellm"])
     with pytest.raises(SystemExit) as e:
         cli.main()
