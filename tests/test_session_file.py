@@ -722,3 +722,37 @@ def test_listing_reports_a_corrupt_size(home) -> None:
     p.write_bytes(p.read_bytes()[:-10])
     (e,) = disk_cache.list_entries()
     assert not e.valid and "size mismatch" in e.reason and e.model_sha256 is None
+
+
+def _dead_pid() -> int:
+    """A pid no process has: a child that has exited and been reaped."""
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_killed_writers_temp_file_is_removed_by_the_next_save(tmp_path) -> None:
+    """write_session's temporary file had no writer's pid in its name: one a killed save left
+    (SIGKILL mid-save; 3 files, 54 MiB after 10 kills in a helper's probe) stayed for good."""
+    path = tmp_path / "chat.edgesess"
+    dead = tmp_path / f".chat.edgesess.pid{_dead_pid()}.k1ll3d.tmp"
+    live = tmp_path / f".chat.edgesess.pid{os.getpid()}.w0rk1n.tmp"   # a writer still at work
+    other = tmp_path / ".notes.pid1.txt"                                # not a temporary name of ours
+    for f in (dead, live, other):
+        f.write_bytes(b"partial")
+    _write(path)
+    assert not dead.exists() and live.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, live.name, other.name])
+
+
+def test_cache_clear_removes_a_dead_writers_temp_file_at_once(home) -> None:
+    d = disk_cache.cache_dir(create=True)
+    dead = d / f".{SHA[:16]}-p5.edgesess.pid{_dead_pid()}.abc123.tmp"     # seconds old, writer gone
+    live = d / f".{SHA[:16]}-p6.edgesess.pid{os.getpid()}.def456.tmp"     # hours old, writer running
+    dead.write_bytes(b"partial")
+    live.write_bytes(b"partial")
+    os.utime(live, (1e9, 1e9))
+    assert disk_cache.clear() == 1
+    assert not dead.exists() and live.exists()

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..fileio import writer_alive
 from ..model.registry import edgellm_home
 from .session_file import SessionFileError, read_header
 
@@ -119,14 +120,17 @@ def list_entries() -> list[CacheEntry]:
 
 def clear(model_sha256: str | None = None) -> int:
     """Remove cache files: all of them, or those of one model (by header, or by file-name
-    prefix for files whose header cannot be read). Temp files younger than _TEMP_GRACE_S are
-    kept: another process may be writing them. Returns the number of files removed."""
+    prefix for files whose header cannot be read). Temp files whose writer still runs are kept,
+    and those without their writer's pid (older edgellm) while younger than _TEMP_GRACE_S.
+    Returns the number of files removed."""
     if model_sha256 is not None and not isinstance(model_sha256, str):
         raise TypeError(f"clear: model_sha256 must be a str or None, got {model_sha256!r}")
     removed, now = 0, time.time()
     for c in list_entries():
-        if _TEMP.fullmatch(c.path.name) and now - c.mtime < _TEMP_GRACE_S:
-            continue
+        if _TEMP.fullmatch(c.path.name):
+            alive = writer_alive(c.path.name)   # (None: a name without its writer's pid, older files)
+            if alive or (alive is None and now - c.mtime < _TEMP_GRACE_S):
+                continue
         if model_sha256 is not None:
             mine = (c.model_sha256 == model_sha256 if c.valid
                     else c.path.name.lstrip(".").startswith(model_sha256[:_SHA_PREFIX] + "-"))

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import EdgeLLMError
-from ..fileio import fsync_dir
+from ..fileio import fsync_dir, remove_dead_writers, writer_tag
 from ..hashing import bulk_sha256
 
 __all__ = [
@@ -208,7 +208,11 @@ def write_session(path: str | os.PathLike, *, model_sha256: str, config_hash: st
     head = _HEAD.pack(MAGIC, VERSION, len(hbytes)) + hbytes
     head += b"\0" * (_align(len(head)) - len(head))
 
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    # the temporary name carries this writer's pid: one that a killed writer left (SIGKILL, a
+    # phone's low-memory killer, mid-save of a 34 MB session) is removed by the next save here;
+    # nothing could tell it from a running writer's before, and nothing ever removed it
+    remove_dead_writers(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             h = bulk_sha256()
