@@ -124,6 +124,9 @@ class Engine:
             self.runner = self.kv = self.model = self.prefault = None
             self._template, self._orphans = None, []
         gc.collect()             # (reference cycles hold the arrays until a collection runs)
+        # glibc keeps freed heap pages mapped: an NPU engine's onnxruntime sessions left ~1.0-1.4
+        # GiB resident after close (94 MiB once trimmed); the OpenCL unit's 258 MiB (142)
+        release_free_pages()
 
     def __enter__(self) -> "Engine":
         return self
