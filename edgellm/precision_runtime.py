@@ -23,6 +23,7 @@ from glob import escape as glob_escape
 from pathlib import Path
 from typing import Callable, Mapping
 
+from .backends import npu_cache
 from .errors import ConfigError, EdgeLLMError
 from .fileio import clear_odd_entry, read_capped, remove_dead_writers, stat_key, write_atomic
 from .hashing import bulk_sha256, file_sha256, sha256
@@ -39,6 +40,10 @@ ENGINE_TO_PLAN = {"embedding": "embedding", "attn_norm": "attn_norm", "qkv": "qk
 # higher precision first: a unit may run an op above what the plan asks, never below
 PRECISION_ORDER = ("fp32", "fp16", "int8")
 CACHE_SCHEMA = 1
+# the requantized copies' folder (cache/precision/models) is kept under this many MiB, the oldest
+# copies removed first: SmolLM2's copies are ~90 MiB, so about eleven stay
+CACHE_CAP_ENV = "EDGELLM_PRECISION_CACHE_MB"
+CACHE_CAP_MB = 1024.0
 
 
 def effective(asked: str, supported: tuple[str, ...]) -> str | None:
@@ -197,6 +202,12 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
         write_atomic(fp, _sidecar(path).encode())
     except OSError as e:
         raise ConfigError(f"precision plan {plan.name!r}: cannot write the requantized model to {path}: {e}") from e
+    # each plan (an edited one too) is a whole model's copy: without a bound, 11 plans of SmolLM2
+    # took 994 MiB for good. The oldest copies go first (by their write: a hit does not touch a
+    # copy, whose mtime its sidecar's check holds); the one just written stays
+    npu_cache.evict(path.parent, ".gguf", keep=path, label="requantized model cache", env=CACHE_CAP_ENV,
+                    cap=npu_cache.cap_bytes(CACHE_CAP_ENV, CACHE_CAP_MB, "the requantized models take"),
+                    companion=_fingerprint_file)
     log.info("precision plan %r: %d tensors requantized into %s (%d -> %d bytes of tensor data)",
              plan.name, len(formats), path, report.bytes_before, report.bytes_after)
     return open_model(path), f"precision plan {plan.name!r}: {len(formats)} tensors requantized (written: {path})"

@@ -540,3 +540,27 @@ def test_a_folder_named_like_a_stale_copy_does_not_stop_the_load(home, tiny):
     stale.mkdir()
     p.unlink()
     assert "written" in plan_model(mf, plan)[1]
+
+
+def test_requantized_copies_stay_under_the_cache_cap_oldest_first(home, tiny, monkeypatch, caplog):
+    """Each plan (an edited one too) was a whole model's copy kept for good: 11 plans of SmolLM2
+    took 994 MiB (a helper's probe, session 26)."""
+    import logging
+    from edgellm.precision_runtime import CACHE_CAP_ENV, cache_dir
+
+    def plan(fmt):
+        return parse_plan(f"schema: 1\nkv_cache: f16\ndefaults:\n  ffn_down: {{weights: {fmt}, compute: fp32}}\n",
+                          name=fmt)
+    a, _ = plan_model(open_model(tiny.path), plan("q8_0"))
+    size = Path(a.path).stat().st_size
+    monkeypatch.setenv(CACHE_CAP_ENV, str(2.5 * size / 2**20))        # room for two copies
+    b, _ = plan_model(open_model(tiny.path), plan("f16"))
+    os.utime(a.path, (1e9, 1e9))
+    os.utime(b.path, (1.5e9, 1.5e9))
+    with caplog.at_level(logging.INFO, logger="edgellm"):
+        c, _ = plan_model(open_model(tiny.path), plan("int4-32"))
+    left = sorted(p.name for p in cache_dir().iterdir())
+    names = [Path(p).name for p in (b.path, c.path)]
+    assert left == sorted(names + [n + ".sample-sha256" for n in names]), left   # a and its sidecar went
+    assert any("requantized model cache" in r.getMessage() and "evicted 1 file" in r.getMessage()
+               for r in caplog.records)

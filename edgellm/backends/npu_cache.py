@@ -34,20 +34,22 @@ CAP_ENV = "EDGELLM_NPU_CACHE_MB"
 DEFAULT_CAP_MB = 1024.0
 
 
-def cap_bytes() -> int:
-    """The cap in bytes from EDGELLM_NPU_CACHE_MB (MiB, a number > 0), else DEFAULT_CAP_MB.
-    ConfigError for anything else: 0 would read as "no bound" to some and "no cache" to others,
-    and a word or nan must not silently become either."""
-    raw = os.environ.get(CAP_ENV)
+def cap_bytes(env: str = CAP_ENV, default_mb: float = DEFAULT_CAP_MB, what: str = "the npu graph caches keep",
+              ) -> int:
+    """The cap in bytes from the variable `env` (EDGELLM_NPU_CACHE_MB: MiB, a number > 0), else
+    default_mb. ConfigError for anything else: 0 would read as "no bound" to some and "no cache"
+    to others, and a word or nan must not silently become either. (The requantized-model cache,
+    precision_runtime, takes its cap and eviction from here too.)"""
+    raw = os.environ.get(env)
     if raw is None or not raw.strip():
-        return int(DEFAULT_CAP_MB * 2**20)
+        return int(default_mb * 2**20)
     try:
         mb = float(raw)
     except ValueError:
         mb = math.nan
     if not (math.isfinite(mb) and mb > 0):
-        raise ConfigError(f"{CAP_ENV}={raw!r} is invalid: expected a number of MiB > 0 "
-                          f"(unset, the npu graph caches keep up to {DEFAULT_CAP_MB:.0f} MiB each)")
+        raise ConfigError(f"{env}={raw!r} is invalid: expected a number of MiB > 0 "
+                          f"(unset, {what} up to {default_mb:.0f} MiB each)")
     return max(1, int(mb * 2**20))
 
 
@@ -133,11 +135,13 @@ def folders() -> list[tuple[Path, str]]:
     return [(cache_dir_default(), ".onnx"), (cache_root(), ".tflc")]
 
 
-def evict(folder: str | os.PathLike, suffix: str, keep: str | os.PathLike) -> int:
-    """Remove the least recently used files of `folder` until it holds at most the cap, never
-    `keep` (the file just written) nor a file in use; returns the number removed. One INFO line
+def evict(folder: str | os.PathLike, suffix: str, keep: str | os.PathLike, cap: int | None = None,
+          label: str = "npu cache", env: str = CAP_ENV, companion=None) -> int:
+    """Remove the least recently used files of `folder` until it holds at most the cap (default:
+    cap_bytes()), never `keep` (the file just written) nor a file in use; returns the number
+    removed. companion(path): a file that goes with each removed one (a sidecar). One INFO line
     when any was removed. Never raises for the folder's content."""
-    cap = cap_bytes()
+    cap = cap_bytes() if cap is None else cap
     entries = _entries(Path(folder), suffix)
     total = sum(size for _, _, size in entries)
     if total <= cap:
@@ -160,8 +164,13 @@ def evict(folder: str | os.PathLike, suffix: str, keep: str | os.PathLike) -> in
         total -= size
         n += 1
         freed += size
+        if companion is not None:
+            try:
+                os.unlink(companion(Path(path)))
+            except OSError:
+                pass
     if n:
         over = f"; {total / 2**20:.1f} MiB in use (or not removable) stays above it" if total > cap else ""
-        log.info("npu cache %s: evicted %d file(s), %.1f MiB, to stay under %.1f MiB (%s)%s",
-                 folder, n, freed / 2**20, cap / 2**20, CAP_ENV, over)
+        log.info("%s %s: evicted %d file(s), %.1f MiB, to stay under %.1f MiB (%s)%s",
+                 label, folder, n, freed / 2**20, cap / 2**20, env, over)
     return n
