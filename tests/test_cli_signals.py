@@ -22,9 +22,14 @@ def test_a_ctrl_c_held_during_the_numpy_import_exits_130(monkeypatch, capsys):
     assert e.value.code == 130 and "Traceback" not in capsys.readouterr().err
 
 
-def test_a_sigterm_whose_exit_was_lost_still_exits_143(monkeypatch):
+@pytest.mark.parametrize("then_exit", [False, True])
+def test_a_sigterm_whose_exit_was_lost_still_exits_143(monkeypatch, then_exit):
+    """then_exit: the command ran on to click's own sys.exit(0), which every command ends in (the
+    check after app() never ran then)."""
     def swallowed():
         cli._terminated = signal.SIGTERM   # (the handler ran; its SystemExit was lost inside an import)
+        if then_exit:
+            sys.exit(0)
     monkeypatch.setattr(cli, "app", swallowed)
     monkeypatch.setattr(cli, "_terminated", 0)
     monkeypatch.setattr(sys, "argv", ["edgellm"])
