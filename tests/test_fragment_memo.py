@@ -58,6 +58,26 @@ def test_bound_evicts_least_recently_used():
     assert calls == [b]
 
 
+def test_a_text_larger_than_the_memo_keeps_its_first_fragments():
+    """A ring chat re-renders its whole history every turn: once its fragments held more ids than
+    the memo, each new fragment evicted the oldest, which the next turn needed first, and every
+    turn encoded all of them again (38 ms at 72k tokens against 13 ms at 65.6k)."""
+    memo = FragmentMemo(max_ids=10 * MIN_CHARS)
+    text = [chr(ord("a") + i) * MIN_CHARS for i in range(15)]   # 15 fragments, room for 10
+    per_turn = []
+    for _ in range(4):
+        calls: list[str] = []
+        call = memo.new_call()
+        assert [list(memo.encode(t, fake_encode(calls), call)) for t in text] == [[ord(t[0])] * MIN_CHARS
+                                                                                    for t in text]
+        per_turn.append(len(calls))
+        assert memo.held_ids <= memo.max_ids
+    assert per_turn == [15, 5, 5, 5]          # the first 10 stay; plain LRU encoded all 15 each turn
+    other: list[str] = []                     # another text still finds room: the oldest go first
+    memo.encode("z" * MIN_CHARS, fake_encode(other), memo.new_call())
+    assert other and len(memo) == 10
+
+
 def test_fragment_larger_than_the_memo_is_not_kept():
     calls: list[str] = []
     memo = FragmentMemo(max_ids=MIN_CHARS)

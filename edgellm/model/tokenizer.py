@@ -274,6 +274,7 @@ class Tokenizer:
         out: list[int] = [self.bos_id] if add_bos else []
         prev_special = True   # SPM: a fragment at the start or after a special gets a space prefix
         memo, encode = self._memo, self._encoder
+        call = memo.new_call()   # (this text's fragments are not evicted to keep its later ones)
         spm = self.model == "llama"
         for frag in self._partition(text, parse_special):
             if isinstance(frag, int):
@@ -285,7 +286,7 @@ class Tokenizer:
                     frag = " " + frag
                 frag = frag.replace(" ", _SPM_SPACE)
             try:
-                out.extend(memo.encode(frag, encode))
+                out.extend(memo.encode(frag, encode, call))
             except (UnicodeEncodeError, TypeError):
                 _raise_if_surrogate(text)
                 raise
