@@ -3,6 +3,7 @@ cancellation at many points, sessions (round trip, mutations are misses), the ri
 import os
 import random
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
@@ -286,6 +287,19 @@ def test_clear_cache_while_a_ring_request_streams_lets_it_finish_then_forgets(ti
     e.clear_cache()
     got += "".join(it)
     assert got == alone
-    assert e.kv.history == [] and e.kv.ring.total_tokens == 0
+    assert len(e.kv.history) == 0 and e.kv.ring.total_tokens == 0
     assert e.generate(prompt, max_tokens=8, **GREEDY) == fresh.generate(prompt, max_tokens=8, **GREEDY)
     assert e.last_stats.cached_tokens == 0
+
+
+def test_a_ring_keeps_its_history_in_4_bytes_a_token(tiny_path):
+    """The ring's history (every id it took, compared with each next prompt) was a list of Python
+    ints, ~35 bytes a token, growing for as long as a chat runs while the ring stays flat."""
+    e = load(tiny_path, kv="ring", window=48, sinks=4)
+    prompt = text_of(e, 30, seed=5)
+    e.generate(prompt, max_tokens=10, **GREEDY)
+    first = e.kv.history.copy()
+    assert first.dtype == np.int32 and first.nbytes == 4 * len(first) and len(first) >= 30
+    assert list(first[:len(e.tokenize(prompt))]) == e.tokenize(prompt)
+    e.generate(prompt + e.detokenize(list(first[len(e.tokenize(prompt)):])) + " more", max_tokens=4, **GREEDY)
+    assert e.last_stats.cached_tokens > 0                   # the next prompt continued the history

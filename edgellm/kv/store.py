@@ -174,7 +174,9 @@ class RingStore:
         self.capacity = sys.maxsize                # the ring never fills: it slides
         self.max_positions = kv.window             # RoPE rows tabled; later positions are computed
         self.ring = RingKV(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, kv.window, kv.sinks, kv.precision)
-        self.history: list[int] = []               # every token id the ring has taken, in order
+        # every token id the ring has taken, in order: int32, 4 bytes a token (a list of Python
+        # ints took ~35, and a chat's history grows without bound while the ring stays flat)
+        self.history = np.zeros(0, np.int32)
         self.ring_open = False                     # a request holds self.ring (opened, not closed)
         self._forget = False                       # clear() while held: forget the ring at close
         self._cfg = cfg
@@ -196,22 +198,20 @@ class RingStore:
             return self.new_sequence(), 0
         self.ring_open = True
         n = len(self.history)
-        if 0 < n < len(ids) and self.history == list(ids[:n]):
+        if 0 < n < len(ids) and np.array_equal(self.history, np.asarray(ids[:n], dtype=np.int64)):
             return self.ring, n
         # a prompt that shares only a prefix with the history (a warmed system prompt whose last
         # pre-token the message extends, an edited last turn): the ring keeps that prefix where
         # it still holds it exactly (nothing evicted), instead of starting over
-        c = 0
-        for a, b in zip(self.history, ids[: len(ids) - 1]):
-            if a != int(b):
-                break
-            c += 1
+        m = min(n, len(ids) - 1)
+        same = self.history[:m] == np.asarray(ids[:m], dtype=np.int64)
+        c = m if same.all() else int(np.argmin(same))      # the first position that differs
         if c and self.ring.n_tokens == n and self.ring.can_truncate(c):
             self.ring.truncate(c)
             self.history = self.history[:c]
             return self.ring, c
         self.ring.free()
-        self.history = []
+        self.history = self.history[:0]
         return self.ring, 0
 
     def close(self, seq, keep: bool, token_ids=()) -> None:
@@ -222,7 +222,7 @@ class RingStore:
             return
         self.ring_open = False
         keep, self._forget = keep and not self._forget, False
-        self.history = [int(t) for t in token_ids[: seq.total_tokens]] if keep else []
+        self.history = np.asarray(token_ids[: seq.total_tokens] if keep else [], dtype=np.int32)
         if not keep:
             seq.free()
 
@@ -236,7 +236,7 @@ class RingStore:
             self._forget = True
             return
         self.ring.free()
-        self.history = []
+        self.history = self.history[:0]
 
     def release(self) -> None:
         """Frees the window now (Engine.close)."""
