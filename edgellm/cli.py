@@ -147,6 +147,8 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=Non
     if path is None:
         return None
     raw = os.fspath(path)
+    if raw == "-":   # (`bench --json -` wrote a file named "-"; stdout carries the command's own report)
+        raise ConfigError(f"{flag} -: output files only, not stdout (the report goes there); give a file path")
     p = Path(raw)
     if p.is_dir():
         raise ConfigError(f"{flag} {p}: is a directory; give a file path")

@@ -132,3 +132,11 @@ def test_a_system_prompt_longer_than_the_context_is_refused_up_front(tmp_path, t
     err = r.stderr.decode()
     assert r.returncode == 1 and "--system takes" in err and "the context holds 64" in err, err
     assert err.count("\n") == 1 and r.stdout == b""
+
+
+def test_json_dash_is_refused_not_a_file_named_dash(tmp_path, tiny):
+    """`bench --json -` wrote a file literally named '-' in the working folder."""
+    r = _cli(tmp_path, "bench", "-m", tiny, "--json", "-", cwd=tmp_path)
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "--json -: output files only" in err, err
+    assert not (tmp_path / "-").exists()
