@@ -100,20 +100,27 @@ _EOG_TEXTS = frozenset({
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
 })
-# FIM pad/repo/file-separator tokens: llama.cpp detects them by text and also stops on them.
-_FIM_EOG_TEXTS = frozenset({
-    "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]",
-    "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>",
-})
-# Tokens llama.cpp finds by text and forces to control type: every EOG text, and the FIM ones.
-_FORCED_CONTROL_TEXTS = _EOG_TEXTS | _FIM_EOG_TEXTS | {
-    "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
-    "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>",
-    "<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
-    "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>",
-    "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
-    "\u2581<MID>", "<|code_middle|>", "<|middle|>",
-}
+# FIM tokens, by category: (metadata keys naming the id, texts llama.cpp looks for when none
+# does). A category's token is the file's id, or else one token found by text (the first text of
+# the list the vocabulary holds: llama.cpp takes whichever its hash map yields first), forced to
+# control type. The pad, repo and file-separator tokens also end generation. A file that names
+# its FIM ids keeps other tokens with those texts as they are: matched by text regardless, a
+# NORMAL "<|file_sep|>" became a control token that stopped generation and vanished from text.
+_FIM_CATEGORIES = (
+    (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"), False,
+     ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+      "\u2581<PRE>", "<|code_prefix|>", "<|prefix|>")),
+    (("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"), False,
+     ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+      "\u2581<SUF>", "<|code_suffix|>", "<|suffix|>")),
+    (("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"), False,
+     ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+      "\u2581<MID>", "<|code_middle|>", "<|middle|>")),
+    (("tokenizer.ggml.fim_pad_token_id",), True, ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")),
+    (("tokenizer.ggml.fim_rep_token_id",), True,
+     ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
+    (("tokenizer.ggml.fim_sep_token_id",), True, ("<|file_sep|>",)),
+)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -139,13 +146,15 @@ class Tokenizer:
     def __init__(self, *, source: str, model: str, pre: str | None, tokens: list[str],
                  token_types: np.ndarray, encoder: Callable[[str], Sequence[int]], bos_id: int | None,
                  eos_id: int | None, add_bos: bool, add_space_prefix: bool,
-                 special_ids: list[int], control_ids: frozenset[int], eot_ids: frozenset[int]):
+                 special_ids: list[int], control_ids: frozenset[int], eot_ids: frozenset[int],
+                 add_eos: bool = False):
         self.source = source
         self.model = model                      # "gpt2" (byte-level BPE) or "llama" (SPM)
         self.pre = pre                          # tokenizer.ggml.pre as written in the file
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.add_bos = add_bos                  # encode()'s default for add_bos
+        self.add_eos = add_eos                  # EOS appended where BOS is not refused (llama.cpp's add_special)
         self.add_space_prefix = add_space_prefix  # SPM: ' ' before text that starts a fragment
         self.eot_ids = eot_ids                  # ids that end generation (llama.cpp's EOG set)
         self._tokens = tokens                   # GGUFStrings from a file: texts decoded per read
@@ -214,24 +223,37 @@ class Tokenizer:
             raise ModelFormatError(source, "tokenizer.ggml.add_bos_token",
                                    "is true but the file has no tokenizer.ggml.bos_token_id")
         add_space_prefix = _bool(metadata, "tokenizer.ggml.add_space_prefix", source, add_space_default)
+        # llama.cpp appends EOS to a text tokenized with its specials when the file asks (it was
+        # ignored: such a model got another prompt than llama.cpp gives it)
+        add_eos = _bool(metadata, "tokenizer.ggml.add_eos_token", source, False)
+        if add_eos and eos_id is None:
+            raise ModelFormatError(source, "tokenizer.ggml.add_eos_token",
+                                   "is true but the file has no tokenizer.ggml.eos_token_id")
 
         control = set(np.flatnonzero((types == TOKEN_CONTROL) | (types == TOKEN_UNKNOWN)).tolist())
         special = np.flatnonzero((types == TOKEN_CONTROL) | (types == TOKEN_UNKNOWN)
                                  | (types == TOKEN_USER_DEFINED)).tolist()
         eog: set[int] = set()
-        for text in _FORCED_CONTROL_TEXTS:
-            i = token_id(text)
-            if i is None:
-                continue
+
+        def force_control(i: int) -> None:
             if i not in control:
                 control.add(i)
                 if types[i] != TOKEN_USER_DEFINED:
                     special.append(i)
-            if text in _EOG_TEXTS or text in _FIM_EOG_TEXTS:
+        for text in _EOG_TEXTS:       # every token with an end-of-generation text
+            i = token_id(text)
+            if i is not None:
+                force_control(i)
                 eog.add(i)
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
-                    "tokenizer.ggml.fim_pad_token_id", "tokenizer.ggml.fim_rep_token_id",
-                    "tokenizer.ggml.fim_sep_token_id"):
+        for keys, ends, texts in _FIM_CATEGORIES:
+            i = next((j for j in (_token_id(metadata, k, source, n, None) for k in keys) if j is not None), None)
+            if i is None:
+                i = next((j for j in map(token_id, texts) if j is not None), None)
+                if i is not None:
+                    force_control(i)
+            if i is not None and ends:
+                eog.add(i)
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
             i = _token_id(metadata, key, source, n, None)
             if i is not None:
                 eog.add(i)
@@ -249,7 +271,7 @@ class Tokenizer:
             types[end] = TOKEN_USER_DEFINED
 
         return cls(source=source, model=model, pre=pre_name, tokens=tokens, token_types=types,
-                   encoder=encoder, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos,
+                   encoder=encoder, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, add_eos=add_eos,
                    add_space_prefix=add_space_prefix, special_ids=sorted(set(special)),
                    control_ids=frozenset(control), eot_ids=frozenset(eog))
 
@@ -265,8 +287,11 @@ class Tokenizer:
         default for the vocabulary), which is what llama_tokenize(add_special=True) does;
         True/False force it. With parse_special the texts of control tokens (``<|im_start|>``)
         become those tokens; user-defined tokens are always matched whole, as in llama.cpp.
+        A model whose file sets tokenizer.ggml.add_eos_token gets EOS appended too, unless
+        add_bos is False (llama.cpp's add_special=False).
         """
         check_text(text)
+        add_eos = self.add_eos and add_bos is not False
         if add_bos is None:
             add_bos = self.add_bos
         elif add_bos and self.bos_id is None:
@@ -291,6 +316,8 @@ class Tokenizer:
                 _raise_if_surrogate(text)
                 raise
             prev_special = False
+        if add_eos:
+            out.append(self.eos_id)
         return out
 
     def clear_memo(self) -> None:
