@@ -588,7 +588,9 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     an op none of them runs goes to the reference backend with a warning.
     n_ctx: the KV capacity in tokens; None: 2048 (DEFAULT_CTX), or the model's trained context
     when shorter. A larger n_ctx than the trained context is capped there, with a warning.
-    prefill_chunk: tokens per prefill step; None lets the roofline model choose.
+    prefill_chunk: tokens per prefill step; None lets the roofline model choose. 1 runs every
+    prompt token through the decode kernels: its results are not the same bits as other chunk
+    sizes' (which are, on the neon unit's fused path).
     kv: "pool" (block pool of n_ctx tokens with a prefix cache) or "ring" (a sliding window of
     `window` tokens keeping the first `sinks`, for chats of any length in constant memory).
     kv_precision: "f16", "f32", or "int8"; None: the precision plan's kv_cache, else f16.

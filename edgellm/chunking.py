@@ -35,15 +35,21 @@ class ChunkChoice:
     derivation: tuple[str, ...]  # one line per step, for `edgellm plan`
 
 
-def chunk_bounds(n: int, step: int) -> list[int]:
+def chunk_bounds(n: int, step: int, limit: int | None = None) -> list[int]:
     """Where a prompt of n tokens is cut into chunks of step: [0, step, 2 step, ..., n], except
-    that no last chunk is one token (257 by 256: 0, 255, 257). A chunk of one row runs the decode
+    that no chunk is one token where that can be helped. A chunk of one row runs the decode
     kernels (GEMVs, the decode attention), which sum in another order: a row's result would then
     depend on where its prompt was cut (ModelRunner.forward, Generation and the plan's TTFT all
-    cut here)."""
+    cut here). A one-token last chunk takes a token from the chunk before (257 by 256: 0, 255,
+    257); with step 2 that left the chunk before it one token (15 by 2: ..., 12, 13, 15; SmolLM2's
+    greedy text changed), so the last two are one chunk of 3 (..., 12, 15), unless `limit` (the
+    most a chunk may hold: a ring's room) is under 3. With step 1 every chunk is one token."""
     bounds = list(range(0, n, step)) + [n]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] == 1 and step > 1:
-        bounds[-2] -= 1
+        if step > 2:
+            bounds[-2] -= 1
+        elif limit is None or limit >= 3:
+            del bounds[-2]
     return bounds
 
 

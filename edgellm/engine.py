@@ -135,7 +135,7 @@ class ModelRunner:
         phase = "decode" if len(ids) == 1 else ("prefill_short" if len(ids) <= self.short_max else "prefill")
         start0 = seq.n_tokens
         outs = []
-        bounds = chunk_bounds(len(ids), step)
+        bounds = chunk_bounds(len(ids), step, seq.max_chunk)
         try:
             for c, c1 in zip(bounds, bounds[1:]):
                 part = ids[c:c1]

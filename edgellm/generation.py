@@ -145,7 +145,7 @@ class Generation:
         runner = self.engine.runner
         try:
             if len(self.pending):
-                n = chunk_bounds(len(self.pending), self.chunk)[1]   # (no one-token last part)
+                n = chunk_bounds(len(self.pending), self.chunk, self.seq.max_chunk)[1]   # (no one-token part)
                 part, self.pending = self.pending[:n], self.pending[n:]
                 # a part that more parts follow stores its K/V only: no head, no last-layer output
                 t = time.perf_counter()
