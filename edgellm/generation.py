@@ -283,7 +283,10 @@ class Generation:
             st.guard_switches = self.guard.switches
         rest = ""
         if reason != "stop":
-            hit, rest = self.stopper.feed(self.decoder.flush())  # bytes of an unfinished UTF-8 character
+            # the bytes of a character the last token left unfinished (max_tokens, context_full or
+            # a cancel cut it) are dropped, as llama.cpp's Python binding does: they ended the
+            # text in U+FFFD (every odd max_tokens after "Emoji list: 😀 😃 😄 😁" on SmolLM2)
+            hit, rest = self.stopper.feed(self.decoder.flush(drop_partial=True))
             rest += "" if hit else self.stopper.flush()
         self._set_decode_rate()
         st.peak_rss_mb = peak_rss_mb()

@@ -395,7 +395,8 @@ class Tokenizer:
 class StreamDecoder:
     """Incremental detokenizer: ``push(id)`` returns only complete UTF-8 text, holding back the
     bytes of a character split across tokens (byte-level emoji, SPM <0xNN> fallbacks) until it
-    completes; ``flush()`` returns what is left (U+FFFD for an incomplete sequence)."""
+    completes; ``flush()`` returns what is left (U+FFFD for an incomplete sequence, or nothing
+    with drop_partial)."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False,
                  strip_leading_space: bool = False):
@@ -414,7 +415,10 @@ class StreamDecoder:
                 piece = piece[1:]
         return self._utf8.decode(piece)
 
-    def flush(self) -> str:
+    def flush(self, drop_partial: bool = False) -> str:
+        if drop_partial:   # (what it holds is only ever the start of one unfinished character)
+            self._utf8.reset()
+            return ""
         return self._utf8.decode(b"", final=True)
 
 
