@@ -16,7 +16,7 @@ from typing import List, Optional
 
 import typer
 
-from .errors import ContextFull, EdgeLLMError
+from .errors import ContextFull, EdgeLLMError, shown
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="edgellm: on-device LLM runtime. Run `edgellm run \"Hello\"` to generate with the default model.")
@@ -656,7 +656,7 @@ def chat(
         if re.match(r"/[A-Za-z]*(\s|$)", line):
             if command.lower() != command.split()[0].lower() or command.lower() not in (
                     "/exit", "/quit", "/reset", "/help"):
-                _err(f"unknown command {shown_line(command)}: /reset, /exit, /quit, /help (no arguments; "
+                _err(f"unknown command {shown(command, 40)}: /reset, /exit, /quit, /help (no arguments; "
                      f"a turn that starts with a / word: put a space before it)")
                 continue
             command = command.lower()
@@ -709,11 +709,6 @@ def chat(
 
 
 MAX_LINE_BYTES = 2 ** 20   # a chat turn read from stdin: `chat < /dev/zero` grew without limit
-
-
-def shown_line(text: str, limit: int = 40) -> str:
-    """A line of input quoted in a message, cut to `limit` characters."""
-    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _note_raw(text: str) -> None:

@@ -21,7 +21,7 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) 
         # the rename would replace a device or a pipe with a regular file (as root: /dev/null)
         raise OSError(errno.EINVAL, "not a regular file (a device, pipe or socket)", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
+    fd, tmp = temp_beside(path)
     try:
         if mode is not None:
             os.fchmod(fd, mode & ~current_umask())
@@ -34,6 +34,14 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) 
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def temp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
+    """(fd, name) of a new temporary file beside `path`, named with this writer's pid; first the
+    folder's temporary files whose writers are dead are removed (a killed writer, SIGKILL or a
+    phone's low-memory killer, cannot clean up: a session's save left 54 MiB in 3 files)."""
+    remove_dead_writers(path.parent)
+    return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=suffix)
 
 
 def read_capped(path: str | os.PathLike, max_bytes: int) -> bytes:

@@ -206,8 +206,7 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     # took 994 MiB for good. The oldest copies go first (by their write: a hit does not touch a
     # copy, whose mtime its sidecar's check holds); the one just written stays
     npu_cache.evict(path.parent, ".gguf", keep=path, label="requantized model cache", env=CACHE_CAP_ENV,
-                    cap=npu_cache.cap_bytes(CACHE_CAP_ENV, CACHE_CAP_MB, "the requantized models take"),
-                    companion=_fingerprint_file)
+                    default_mb=CACHE_CAP_MB, what="the requantized models take", companion=_fingerprint_file)
     log.info("precision plan %r: %d tensors requantized into %s (%d -> %d bytes of tensor data)",
              plan.name, len(formats), path, report.bytes_before, report.bytes_after)
     return open_model(path), f"precision plan {plan.name!r}: {len(formats)} tensors requantized (written: {path})"

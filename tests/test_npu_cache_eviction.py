@@ -203,7 +203,7 @@ def test_the_litert_cache_evicts_after_a_write_and_a_hit_refreshes(tmp_path, mon
     npu_tflite.load_or_build(g1, tmp_path)     # a hit: g1 is now newer than g2
     assert p1.stat().st_mtime > 2000
     size = p1.stat().st_size                   # (the three graphs have the same shapes: the same size)
-    monkeypatch.setattr(npu_cache, "cap_bytes", lambda: int(2.5 * size))
+    monkeypatch.setattr(npu_cache, "cap_bytes", lambda *a: int(2.5 * size))
     npu_tflite.load_or_build(g3, tmp_path)     # over the cap: g2, the least recently used, goes
     assert _names(tmp_path, ".tflc") == {p1.name, p3.name}
 

@@ -39,7 +39,7 @@ def cap_bytes(env: str = CAP_ENV, default_mb: float = DEFAULT_CAP_MB, what: str 
     """The cap in bytes from the variable `env` (EDGELLM_NPU_CACHE_MB: MiB, a number > 0), else
     default_mb. ConfigError for anything else: 0 would read as "no bound" to some and "no cache"
     to others, and a word or nan must not silently become either. (The requantized-model cache,
-    precision_runtime, takes its cap and eviction from here too.)"""
+    precision_runtime, takes its cap and eviction from here too: its own variable and default.)"""
     raw = os.environ.get(env)
     if raw is None or not raw.strip():
         return int(default_mb * 2**20)
@@ -135,13 +135,14 @@ def folders() -> list[tuple[Path, str]]:
     return [(cache_dir_default(), ".onnx"), (cache_root(), ".tflc")]
 
 
-def evict(folder: str | os.PathLike, suffix: str, keep: str | os.PathLike, cap: int | None = None,
-          label: str = "npu cache", env: str = CAP_ENV, companion=None) -> int:
-    """Remove the least recently used files of `folder` until it holds at most the cap (default:
-    cap_bytes()), never `keep` (the file just written) nor a file in use; returns the number
-    removed. companion(path): a file that goes with each removed one (a sidecar). One INFO line
-    when any was removed. Never raises for the folder's content."""
-    cap = cap_bytes() if cap is None else cap
+def evict(folder: str | os.PathLike, suffix: str, keep: str | os.PathLike, label: str = "npu cache",
+          env: str = CAP_ENV, default_mb: float = DEFAULT_CAP_MB, what: str = "the npu graph caches keep",
+          companion=None) -> int:
+    """Remove the least recently used files of `folder` until it holds at most the cap
+    (cap_bytes(env, default_mb, what)), never `keep` (the file just written) nor a file in use;
+    returns the number removed. companion(path): a file that goes with each removed one (a
+    sidecar). One INFO line when any was removed. Never raises for the folder's content."""
+    cap = cap_bytes(env, default_mb, what)
     entries = _entries(Path(folder), suffix)
     total = sum(size for _, _, size in entries)
     if total <= cap:

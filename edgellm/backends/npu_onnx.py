@@ -40,7 +40,7 @@ import numpy as np
 
 from ..hashing import bulk_sha256, sha256
 from ..errors import ConfigError, EdgeLLMError
-from ..fileio import remove_dead_writers, write_atomic
+from ..fileio import write_atomic
 from . import npu_cache
 from .npu_graphs import FORMATS, INT4_BLOCK, FfnGraph, LinearGraph, NpuGraphError, NpuInputError, QLinear
 
@@ -377,9 +377,10 @@ def _check_cached(path: Path, graph) -> str | None:
         if size == 0:
             # protobuf parses zero bytes as an empty model, which would then fail the key check
             return "is empty"
-        if size > _size_bound(graph):
+        bound = _size_bound(graph)
+        if size > bound:
             # read before any check, a multi-gigabyte file costs its size in memory and seconds
-            return f"is {size} bytes, more than a model of this graph can be ({_size_bound(graph)})"
+            return f"is {size} bytes, more than a model of this graph can be ({bound})"
         model = onnx.load_model_from_string(path.read_bytes())
     except Exception as e:
         return f"does not parse ({type(e).__name__}: {e})"
@@ -441,9 +442,7 @@ def _cached_model(graph, cache_dir) -> tuple[Path | bytes, bool]:
 def _store(path: Path, data: bytes) -> Path | bytes:
     """Write a freshly built model to the cache: its path, or the bytes when it cannot be written."""
     stats.built += 1
-    # a writer killed mid-write (SIGKILL, a low-memory killer) left its temporary file here
-    remove_dead_writers(path.parent)
-    try:
+    try:   # (write_atomic first removes the temporary files killed writers left here)
         write_atomic(path, data)
     except OSError as e:
         log.warning("npu model cache %s cannot be written (%s); the session loads from memory", path, e)

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..hashing import sha256
 from ..errors import EdgeLLMError
-from ..fileio import read_capped, remove_dead_writers, write_atomic
+from ..fileio import read_capped, write_atomic
 from .opencl_probe_cache import kernel_dir
 
 log = logging.getLogger("edgellm")
@@ -375,5 +375,4 @@ def _read_binary(path: Path, key: str) -> bytes | None:
 
 
 def _write_binary(path: Path, key: str, payload: bytes) -> None:
-    remove_dead_writers(path.parent)     # (a writer killed mid-write left its temporary file)
     write_atomic(path, _HEADER.pack(_MAGIC, key.encode(), sha256(payload).digest(), len(payload)) + payload)

@@ -32,7 +32,7 @@ import numpy as np
 from ..hashing import sha256
 from .. import quant
 from ..errors import EdgeLLMError
-from ..fileio import remove_dead_writers, write_atomic
+from ..fileio import write_atomic
 from . import opencl_matmul as mm
 from .opencl_matmul import TileConfig
 from .opencl_runtime import ClDeviceError, ClRuntime, KernelBuildError, cache_root, sources_hash
@@ -168,7 +168,6 @@ def _save(rt: ClRuntime, entries: dict) -> None:
     raw = {k: {**e, "config": e["config"].as_dict()} for k, e in entries.items()}
     doc = {"schema": SCHEMA, "identity": rt.identity(), "sources": sources_hash(), "entries": raw,
            "sha256": _digest(raw)}
-    remove_dead_writers(path.parent)     # (a writer killed mid-write left its temporary file)
     write_atomic(path, json.dumps(doc, indent=1, sort_keys=True).encode())
     _memo.pop(str(path), None)
 

@@ -32,7 +32,6 @@ import logging
 import os
 import stat
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,7 +39,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import EdgeLLMError
-from ..fileio import fsync_dir, remove_dead_writers, writer_tag
+from ..fileio import fsync_dir, temp_beside
 from ..hashing import bulk_sha256
 
 __all__ = [
@@ -208,11 +207,8 @@ def write_session(path: str | os.PathLike, *, model_sha256: str, config_hash: st
     head = _HEAD.pack(MAGIC, VERSION, len(hbytes)) + hbytes
     head += b"\0" * (_align(len(head)) - len(head))
 
-    # the temporary name carries this writer's pid: one that a killed writer left (SIGKILL, a
-    # phone's low-memory killer, mid-save of a 34 MB session) is removed by the next save here;
-    # nothing could tell it from a running writer's before, and nothing ever removed it
-    remove_dead_writers(path.parent)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=".tmp")
+    # (named with this writer's pid: one a killed save left is removed by the next save here)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             h = bulk_sha256()
