@@ -50,7 +50,7 @@ class GenerationConfig:
     max_tokens: int = 256                  # tokens to generate at most
     temperature: float = 0.8               # 0 = greedy
     top_k: int = 40                        # 0 = off
-    top_p: float = 0.95                    # 1 = off
+    top_p: float = 0.95                    # 1 = off, 0 = the most probable token
     min_p: float = 0.05                    # 0 = off
     repeat_penalty: float = 1.0            # 1 = off
     seed: int | None = None                # None = fresh entropy each call

@@ -63,7 +63,8 @@ def _is_int(v: object) -> bool:
 class SamplingConfig:
     temperature: float = 0.0  # softmax temperature applied last; 0 = greedy (argmax)
     top_k: int = 0  # keep the k highest logits; 0 = off (1 = greedy)
-    top_p: float = 1.0  # nucleus: smallest prefix (by prob) with cumulative prob >= top_p; 1 = off
+    top_p: float = 1.0  # nucleus: smallest prefix (by prob) with cumulative prob >= top_p; 1 = off,
+    #                     0 = the most probable token alone (llama.cpp's top-p keeps at least one)
     min_p: float = 0.0  # drop tokens with p < min_p * p_max; 0 = off
     repeat_penalty: float = 1.0  # recent tokens: logit > 0 divided by it, logit <= 0 multiplied; 1 = off
     repeat_last_n: int = 64  # how many recent history tokens the penalty covers; 0 = off, -1 = all
@@ -80,8 +81,8 @@ class SamplingConfig:
         if not (_is_int(self.top_k) and self.top_k >= 0):
             raise _bad("top_k", "an integer >= 0 (0 = off)", self.top_k)
         p = self.top_p
-        if not (_is_real(p) and 0.0 < p <= 1.0):
-            raise _bad("top_p", "a number in (0, 1] (1 = off)", p)
+        if not (_is_real(p) and 0.0 <= p <= 1.0):
+            raise _bad("top_p", "a number in [0, 1] (1 = off, 0 = the most probable token)", p)
         mp = self.min_p
         if not (_is_real(mp) and 0.0 <= mp <= 1.0):
             raise _bad("min_p", "a number in [0, 1] (0 = off)", mp)
@@ -102,7 +103,7 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax after the repetition penalty."""
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature == 0 or self.top_k == 1 or self.top_p == 0
 
 
 class Sampler:

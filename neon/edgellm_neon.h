@@ -243,7 +243,7 @@ EL_API int el_decode_greedy(el_pool *pool, const el_layer *layers, int n_layers,
 typedef struct {
     /* doubles, as the Python twin's parameters are: the same target sums and float32 constants */
     int top_k;              /* keep the k highest logits; 0 = off */
-    double top_p;           /* nucleus mass in (0, 1]; 1 = off */
+    double top_p;           /* nucleus mass in [0, 1]; 1 = off, 0 = the top-ranked id alone */
     double min_p;           /* drop p < min_p * p_max, in [0, 1]; 0 = off */
     double temperature;     /* > 0; 0 = greedy: the first maximum (a decode run only) */
     double repeat_penalty;  /* > 0; 1 = off. Only a decode run applies it (el_sample has no history) */

@@ -118,7 +118,7 @@ int el_sampling_check(const el_sampling *s) {
     if (!s) return EL_EINVAL;
     if (!(s->temperature >= 0.0) || !isfinite(s->temperature) || s->top_k < 0) return EL_EINVAL;
     if (!(s->repeat_penalty > 0.0) || !isfinite(s->repeat_penalty) || s->repeat_last_n < -1) return EL_EINVAL;
-    if (!(s->top_p > 0.0 && s->top_p <= 1.0) || !(s->min_p >= 0.0 && s->min_p <= 1.0)) return EL_EINVAL;
+    if (!(s->top_p >= 0.0 && s->top_p <= 1.0) || !(s->min_p >= 0.0 && s->min_p <= 1.0)) return EL_EINVAL;
     return EL_OK;
 }
 

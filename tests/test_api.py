@@ -113,7 +113,7 @@ def test_engine_cancel_from_other_thread(engine):
     assert engine.last_stats.generated_tokens < 100
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0),
+@pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=-0.1), dict(top_k=-2), dict(max_tokens=0),
                                 dict(min_p=2.0), dict(bogus=1)])
 def test_bad_generation_options_are_config_errors(engine, kw):
     with pytest.raises(ConfigError):

@@ -111,7 +111,7 @@ def test_bad_arguments_are_refused():
     assert _el_sample(x, ok, 0.5) >= 0
     for u in (-0.1, 1.0, float("nan")):
         assert _el_sample(x, ok, u) == EINVAL, u
-    for params in (E(40, 0.95, 0.05, 0.0), E(40, 0.95, 0.05, float("inf")), E(40, 0.0, 0.05, 0.8),
+    for params in (E(40, 0.95, 0.05, 0.0), E(40, 0.95, 0.05, float("inf")), E(40, -1e-9, 0.05, 0.8),
                    E(40, 1.5, 0.05, 0.8), E(40, 0.95, -0.1, 0.8), E(40, 0.95, 1.1, 0.8), E(-1, 0.95, 0.05, 0.8),
                    E(40, 0.95, 0.05, 0.8, pen=0.0), E(40, 0.95, 0.05, 0.8, pen=float("nan")),
                    E(40, 0.95, 0.05, 0.8, pen=float("inf")), E(40, 0.95, 0.05, 0.8, last_n=-2)):
@@ -268,3 +268,22 @@ def test_a_numpy_integer_seed_seeds_as_its_int():
     a = Sampler(SamplingConfig(temperature=1.0, seed=np.int64(5)))
     b = Sampler(SamplingConfig(temperature=1.0, seed=5))
     assert [a.sample(x, []) for _ in range(20)] == [b.sample(x, []) for _ in range(20)]
+
+
+@pytest.mark.parametrize("top_k", [0, 7, 3000])
+def test_top_p_zero_keeps_the_most_probable_token_alone(top_k):
+    """top_p = 0 keeps one token, as llama.cpp's top-p (min_keep 1): the highest logit, the lowest
+    id among equal ones. The C chain and its numpy twin, called directly (the Sampler takes the
+    argmax path for it), draw that id for every u; the Sampler draws it at any temperature."""
+    rng = np.random.default_rng(21)
+    x = (rng.integers(-20, 21, 3000) / 4.0).astype(np.float32)
+    top = np.flatnonzero(x == x.max())
+    assert top.size > 1                               # ties at the top: the first id wins
+    cfg = SamplingConfig(temperature=1.7, top_k=top_k, top_p=0.0, min_p=0.0)
+    ids, _, _ = reference.sample_chain(x, cfg.top_k, cfg.top_p, cfg.min_p, cfg.temperature)
+    assert ids.tolist() == [top[0]]
+    params = neon_lib.ElSampling(top_k, 0.0, 0.0, 1.7, 1.0, 64)
+    for u in np.linspace(0.0, 0.999, 25):
+        assert _el_sample(x, params, float(u)) == top[0] == draw_numpy(cfg, x, x.max(), float(u))
+    assert cfg.greedy
+    assert Sampler(SamplingConfig(temperature=1.7, top_p=0.0, seed=3)).sample(x, []) == top[0]

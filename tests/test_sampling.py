@@ -291,7 +291,7 @@ def test_bad_logits_shape():
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
-    ("top_p", 0.0), ("top_p", -0.5), ("top_p", 1.01), ("top_p", float("nan")),
+    ("top_p", -1e-9), ("top_p", -0.5), ("top_p", 1.01), ("top_p", float("nan")),
     ("min_p", -0.01), ("min_p", 1.5),
     ("top_k", -1), ("top_k", 2.5),
     ("repeat_penalty", 0.0), ("repeat_penalty", -1.0), ("repeat_penalty", float("inf")),
