@@ -189,3 +189,25 @@ def test_swiglu_is_planned_where_it_runs_when_the_npu_takes_no_ffn_projection(tm
         at = {p.op: p for p in phase.placements}
         assert at["ffn_gate_up"].unit == at["swiglu"].unit == "reference"
         assert "npu runs swiglu only inside its FFN subgraph" in at["swiglu"].reason
+
+
+@pytest.mark.parametrize("runtime, providers, delegate, where", [
+    ("onnx", ("CPUExecutionProvider",), None, "ONNX Runtime's CPU kernels (CPUExecutionProvider)"),
+    ("tflite", ("CPUExecutionProvider",), None, "LiteRT's CPU kernels (no delegate)"),
+])
+def test_an_npu_reached_only_through_cpu_kernels_is_said_once(tmp_path, monkeypatch, caplog, runtime, providers,
+                                                             delegate, where):
+    """A profile whose NPU no provider or delegate here reaches (rk3588: RKNN is neither) still
+    plans the NPU at its figures; the unit works on CPU kernels, and the user is told so: one
+    warning line and the unit's reason, not a silent plan at NPU speed."""
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", runtime)
+    _home(tmp_path, monkeypatch, providers=providers, delegate=delegate)
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        ok, why = npu.available()
+        assert npu.available() == (ok, why)               # probed once
+    assert ok, why
+    assert why.endswith(f"; on {where}, not the NPU"), why
+    lines = [r.getMessage() for r in caplog.records if "no provider or delegate here reaches" in r.getMessage()]
+    assert lines == [f"npu: no provider or delegate here reaches test npu: its subgraphs run on {where}, while "
+                     f"the plan costs them at the NPU's figures (int8 4 TOPS); `--units` without npu plans "
+                     f"without it"], caplog.text

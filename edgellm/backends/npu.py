@@ -203,7 +203,33 @@ def _probe() -> tuple[bool, str]:
     except Exception as e:  # a provider that throws while probing leaves the unit unavailable
         return False, f"{why}: self-check failed: {type(e).__name__}: {e}"
     _state["runtime"] = mod
+    cpu = _cpu_kernels_only(mod)
+    if cpu:
+        # the unit works (its self-check passed), but not on the NPU the plan costs it as: on a
+        # device that is a slow plan nobody is told about (rk3588: its RKNN NPU has no provider)
+        npu = _state["profile_npu"]
+        peaks = ", ".join(f"{p} {v / 1e12:g} {'TOPS' if p.startswith('int') else 'TFLOPS'}"
+                          for p, v in npu.peak.items()) if npu is not None else "?"
+        log.warning("npu: no provider or delegate here reaches %s: its subgraphs run on %s, while the "
+                    "plan costs them at the NPU's figures (%s); `--units` without npu plans without it",
+                    npu.name if npu is not None else "the NPU", cpu, peaks)
+        why += f"; on {cpu}, not the NPU"
     return True, why
+
+
+_CPU_PROVIDERS = ("CPUExecutionProvider", "XnnpackExecutionProvider")
+
+
+def _cpu_kernels_only(mod) -> str | None:
+    """What runs the subgraphs when the chosen runtime reaches no accelerator (ONNX Runtime with
+    CPU providers only, LiteRT without a delegate), else None."""
+    if mod.__name__.endswith("npu_onnx"):
+        import onnxruntime as ort
+
+        have = set(ort.get_available_providers())
+        usable = [p for p in _providers() if p in have]
+        return f"ONNX Runtime's CPU kernels ({', '.join(usable)})" if set(usable) <= set(_CPU_PROVIDERS) else None
+    return None if _delegate() else "LiteRT's CPU kernels (no delegate)"
 
 
 def supports(op: str, precision: str = "int8") -> tuple[bool, str]:
