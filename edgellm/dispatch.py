@@ -205,6 +205,12 @@ def _supports(u: Unit, op: OpSpec, precision: str, probe: bool) -> tuple[bool, s
             return False, why
         ok, why = mod.supports(op.kind, precision)
         return bool(ok), why
+    # another device's plan: what that device's runtime offers is assumed, but an op kind this
+    # edgellm's backend has no code for would only be moved away by the run
+    mod, _ = backends.get(u.name)
+    kinds = getattr(mod, "OPS", None)
+    if kinds is not None and op.kind not in kinds:
+        return False, mod.supports(op.kind, precision)[1]
     return True, ""
 
 

@@ -507,3 +507,20 @@ def test_swiglu_off_the_npu_keeps_to_the_units_listed():
     path = ["npu" if op.name in ("ffn_gate_up", "swiglu") else "reference" for op in lops]
     new, note = d._swiglu_with_its_ffn(lops, list(path), opts)
     assert new[[op.name for op in lops].index("swiglu")] == "reference" and note.endswith("on reference")
+
+
+def test_a_plan_for_another_device_keeps_ops_the_npu_backend_has_no_code_for_off_it():
+    """A profile may list NPU ops the npu backend cannot run (attention, norms): planning for that
+    device (no probe) must not place them there, or `plan` shows a placement that every run moves
+    away without a word. A fast, free NPU would otherwise win them all."""
+    from dataclasses import replace
+
+    p = soc(npu_int8=6e15)
+    p = replace(p, npu=replace(p.npu, supported_ops=frozenset({"matmul", "attention", "rmsnorm", "add", "rope"}),
+                               launch_overhead_s=0.0, transfer_overhead_s=0.0))
+    plan = _plan(p)
+    placed = {(pp.op, pp.unit) for ph in (plan.prefill, plan.decode) for pp in ph.placements}
+    on_npu = {op for op, unit in placed if unit == "npu"}
+    assert on_npu and {OPS[op].kind for op in on_npu} <= {"matmul", "lm_head", "swiglu"}, on_npu
+    attn = next(pp for pp in plan.prefill.placements if pp.op == "attention")
+    assert attn.unit != "npu" and "the NPU takes only the projections" in dict(attn.alternatives)["npu"]

@@ -232,10 +232,15 @@ def _cpu_kernels_only(mod) -> str | None:
     return None if _delegate() else "LiteRT's CPU kernels (no delegate)"
 
 
+# the op kinds this backend runs, whatever a profile's supported_ops claims: `edgellm plan` for
+# another device (no probe) checks them too, so it never plans an op here that a run moves away
+OPS = frozenset({"matmul", "lm_head", "swiglu"})
+
+
 def supports(op: str, precision: str = "int8") -> tuple[bool, str]:
     if op == "swiglu":
         return True, "inside the FFN subgraph (gate/up, swiglu and down in one graph per bucket)"
-    if op not in ("matmul", "lm_head"):
+    if op not in OPS:
         return False, "the NPU takes only the projections (static-shape matmul subgraphs)"
     if precision not in ("int8", "fp16", "fp32"):
         return False, f"no {precision} subgraphs"
