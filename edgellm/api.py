@@ -719,6 +719,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     # (against the cores before edgellm pinned the process: a later load saw the big cores only)
     _warn_if_measured_elsewhere(profile, _FIRST_AFFINITY[0] if pin else current_affinity())
     threads = threads or len(big)
+    _warn_if_fewer_threads(profile, threads, device)
     dispatcher = Dispatcher(profile, mf.config, weight_formats(mf), probe=True, override=units,
                             kv_bytes=kv_cfg.bytes_per_elem, threads=threads, compute=compute)
     # the chunk's activations may take a quarter of the memory the KV cache leaves free
@@ -823,6 +824,19 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                     ", ".join(sorted({runner._ops["decode"][op][0].__name__.rsplit(".", 1)[-1]
                                       for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down")})))
     return eng
+
+
+def _warn_if_fewer_threads(profile, threads: int, device) -> None:
+    """A profile's CPU figures are for all its big cores; with fewer threads here (another
+    device's profile on this machine, a restricted cpuset) they are scaled down, and the plan
+    differs from what `edgellm plan` shows for that device: said, with the command that shows it."""
+    from .costmodel import big_cpu
+
+    n_big = sum(len(c.cores) for c in big_cpu(profile))
+    if profile.measured is None and threads < n_big:
+        dev = "" if device is None or device == "host" else f" --device {device if isinstance(device, str) else profile.name}"
+        log.warning("planning %s's CPU units for %d thread(s), not its %d big cores (`edgellm plan%s -t %d` "
+                    "shows this plan)", profile.name, threads, n_big, dev, threads)
 
 
 def _warn_if_measured_elsewhere(profile, usable: frozenset[int]) -> None:

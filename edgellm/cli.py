@@ -988,6 +988,9 @@ def plan(
     ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size in tokens (default 2048, or the model's "
                                       "trained context when shorter)"),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads the CPU units' figures "
+                                          "are scaled to (default: for the host, one per big core this process "
+                                          "may use, as `run`; for another device, all its big cores)"),
     kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8; "
                                                "default: the precision plan's, else f16"),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
@@ -1018,6 +1021,12 @@ def plan(
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
     if ctx is not None and ctx < 1:
         raise ConfigError(f"--ctx must be >= 1, got {ctx}")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {threads}")
+    host = device in (None, "host")
+    if threads is None and host:   # as load() counts them, so the plan is the one `run` gets
+        from .device.topology import detect_clusters, select_big
+        threads = len(select_big(detect_clusters()))
     unit_list = _units(units)
     pplan = load_plan(precision) if precision is not None else None
     kv_cfg = KVConfig(precision=kv_precision or (pplan.kv_precision if pplan else "f16"))  # validates it
@@ -1043,8 +1052,8 @@ def plan(
         typer.echo(f"edgellm: warning: --ctx {n_ctx} is above {mf.config.name}'s trained context: using "
                    f"{mf.config.context_length}", err=True)
         n_ctx = mf.config.context_length
-    disp = Dispatcher(profile, mf.config, formats, probe=device in (None, "host"),
-                      override=unit_list, kv_bytes=kv_cfg.bytes_per_elem, compute=compute)
+    disp = Dispatcher(profile, mf.config, formats, probe=host, override=unit_list, kv_bytes=kv_cfg.bytes_per_elem,
+                      compute=compute, threads=threads)
     # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves
     spare = profile.memory_total_bytes / 2 - memory_needed(mf, n_ctx, kv_cfg)
     p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=max(spare / 4, 16 * 2**20))

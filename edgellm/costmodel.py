@@ -287,11 +287,15 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
         bw = m.memory_read_bandwidth
         um = m.units.get(name)
         if um is not None:
-            peak = dict(um.precision_flops)
-            curve = tuple(sorted((g.m, g.flops) for g in um.gemm))
+            # measured with um.threads threads; another count scales the compute figures as the
+            # peaks above are (`run -t 1` planned with two threads' figures)
+            ms = min(threads, n_big) / um.threads if threads and um.threads else 1.0
+            peak = {p: f * ms for p, f in um.precision_flops.items()}
+            curve = tuple(sorted((g.m, g.flops * ms) for g in um.gemm))
             launch = um.call_overhead_s
-            op_curves = _op_curves(um)
-            notes.append(f"measured by {m.tool} on {m.date}")
+            op_curves = {k: tuple((t, f * ms) for t, f in c) for k, c in _op_curves(um).items()}
+            notes.append(f"measured by {m.tool} on {m.date}"
+                         + (f" with {um.threads} threads, scaled to {min(threads, n_big)}" if ms != 1.0 else ""))
     if name == "reference":
         # numpy has a fast GEMM only in fp32 (BLAS sgemm): weights are dequantized at load
         peak = {"fp32": peak.get("fp32", 0.0)}
