@@ -1036,22 +1036,22 @@ def plan(
     if pplan is not None:
         pplan.check_model(mf.config.n_layers)
         formats, compute = planned_formats(mf, pplan), ComputeTable(pplan, mf.config.n_layers)
-    if prompt_tokens is None:
-        prompt_tokens = min(512, mf.config.context_length)
-    default_ctx = min(DEFAULT_CTX, mf.config.context_length)
-    # (the plan quietly grew the context; past the trained context the error below says that)
-    if mf.config.context_length >= prompt_tokens > (ctx if ctx is not None else default_ctx):
-        raise ConfigError(f"--prompt-tokens {prompt_tokens} does not fit --ctx {ctx if ctx is not None else default_ctx}"
-                          f"{'' if ctx is not None else ' (the default)'}: `run` would refuse the prompt "
-                          f"(ContextFull); raise --ctx or shorten the prompt")
-    n_ctx = max(ctx if ctx is not None else min(DEFAULT_CTX, mf.config.context_length), prompt_tokens)
-    if n_ctx > mf.config.context_length:   # as load() caps it, so the plan is the one `run` gets
-        if prompt_tokens > mf.config.context_length:
-            raise ConfigError(f"--prompt-tokens {prompt_tokens} is above {mf.config.name}'s trained context "
-                              f"of {mf.config.context_length} tokens")
+    trained = mf.config.context_length
+    n_ctx = ctx if ctx is not None else min(DEFAULT_CTX, trained)
+    if n_ctx > trained:   # as load() caps it, so the plan is the one `run` gets
         typer.echo(f"edgellm: warning: --ctx {n_ctx} is above {mf.config.name}'s trained context: using "
-                   f"{mf.config.context_length}", err=True)
-        n_ctx = mf.config.context_length
+                   f"{trained}", err=True)
+        n_ctx = trained
+    if prompt_tokens is None:   # (a prompt leaves the context one position: `run` refuses it otherwise)
+        prompt_tokens = max(1, min(512, n_ctx - 1))
+    # `run` refuses a prompt that fills the context: no position is left for the first token
+    if prompt_tokens >= n_ctx:
+        why = "`run` would refuse the prompt (ContextFull: it must leave a position for the first token)"
+        if prompt_tokens >= trained:
+            raise ConfigError(f"--prompt-tokens {prompt_tokens} does not fit {mf.config.name}'s trained context of "
+                              f"{trained} tokens: {why}; shorten the prompt")
+        raise ConfigError(f"--prompt-tokens {prompt_tokens} does not fit --ctx {n_ctx}"
+                          f"{'' if ctx is not None else ' (the default)'}: {why}; raise --ctx or shorten the prompt")
     disp = Dispatcher(profile, mf.config, formats, probe=host, override=unit_list, kv_bytes=kv_cfg.bytes_per_elem,
                       compute=compute, threads=threads)
     # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves

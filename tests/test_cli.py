@@ -421,3 +421,16 @@ def test_reset_in_a_saved_chat_keeps_its_system_turn_and_only_that(tiny, tmp_pat
     assert chat("/reset\nAgain\n").returncode == 0       # the session's own system turn stays
     roles = [(m["role"], m["content"]) for m in read_header(f).meta["messages"]]
     assert roles[:2] == [("system", "Be brief."), ("user", "Again")] and len(roles) == 3, roles
+
+
+def test_plan_refuses_a_prompt_that_fills_its_context_as_run_does(tiny):
+    """`run` refuses a prompt of exactly n_ctx tokens (no position left for the first token);
+    plan refused only longer ones, and its default prompt on a model trained on 512 tokens or
+    fewer was one `run` refuses (a helper's probe of the docs)."""
+    r = runner.invoke(app, ["plan", "--model", tiny, "--ctx", "64", "--prompt-tokens", "64"])
+    assert r.exit_code == 1 and "--prompt-tokens 64 does not fit --ctx 64" in r.stderr, r.output
+    r = runner.invoke(app, ["plan", "--model", tiny, "--prompt-tokens", "256"])      # trained on 256
+    assert r.exit_code == 1 and "'s trained context of 256 tokens" in r.stderr, r.output
+    r = runner.invoke(app, ["plan", "--model", tiny, "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["prompt_tokens"] == 255

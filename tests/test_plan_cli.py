@@ -82,7 +82,7 @@ def test_plan_plot_writes_a_png(tiny, tmp_path):
     (["plan", "--prompt-tokens", "0"], "prompt-tokens"),
     (["plan", "--ctx", "0"], "--ctx must be >= 1"),            # accepted before (n_ctx = max(ctx, prompt))
     (["plan", "--ctx", "-5"], "--ctx must be >= 1"),
-    (["plan", "--prompt-tokens", "300"], "above tiny"),        # past the trained context (256)
+    (["plan", "--prompt-tokens", "300"], "trained context of 256"),   # past the trained context
     (["run", "hi", "--units", "gpu9"], "unknown unit"),
 ])
 def test_plan_and_run_errors_are_one_line(tiny, args, needle):
