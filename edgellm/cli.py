@@ -123,7 +123,8 @@ _NO_KERNELS = frozenset({"build", "pull", "cache_list", "cache_info", "cache_cle
 
 
 def neon_lib_check() -> None:
-    """A library EDGELLM_NEON_LIB names must load (neon_lib.named_library_problem)."""
+    """A library EDGELLM_NEON_LIB names must load, and the library choices set must be valid
+    (neon_lib.named_library_problem)."""
     from .backends import neon_lib
     from .errors import ConfigError
 

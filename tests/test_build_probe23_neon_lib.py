@@ -131,3 +131,23 @@ def test_another_projects_bundle_json_is_not_read(tmp_path):
     shutil.copy(_installed("dotprod"), lib)
     assert neon_lib.load("dotprod", path=lib).path == lib
     assert neon_lib.bundle_problem(_installed("dotprod")) is None
+
+
+@pytest.mark.parametrize("var, value", [("EDGELLM_X86_GEMV", "avx-512"), ("EDGELLM_NEON_VARIANT", "Dotprod")])
+def test_a_mistyped_library_choice_is_an_error_not_a_fallback(tiny, tmp_path, monkeypatch, var, value):
+    """A typo in EDGELLM_X86_GEMV or EDGELLM_NEON_VARIANT made the neon unit unavailable: the run
+    went on with the numpy reference (0.8 tok/s instead of ~160, 709 MiB peak RSS), exit 0 (a
+    helper's probe of the docs). The CLI and load() refuse it, naming the variable."""
+    import edgellm
+    from edgellm.errors import ConfigError
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(var, value)
+    allowed = " or ".join(neon_lib._CHOICES[var])
+    for cmd in (["run", "hi", "-m", tiny, "-n", "1"], ["plan", "--model", tiny]):
+        one_line_error(runner.invoke(app, cmd), f"{var} must be {allowed}, got {value!r} (unset it to let edgellm "
+                                                f"choose)")
+    with pytest.raises(ConfigError, match=f"{var} must be {allowed}"):
+        edgellm.load(tiny)
+    monkeypatch.setenv(var, neon_lib._CHOICES[var][1])    # a valid choice still runs
+    assert runner.invoke(app, ["run", "hi", "-m", tiny, "-n", "1"]).exit_code == 0

@@ -344,11 +344,20 @@ def load(variant: str | None = None, path: str | os.PathLike | None = None, part
     return lib
 
 
+# the library choices a user may set, and what each takes
+_CHOICES = {"EDGELLM_NEON_VARIANT": ("base", "dotprod"), "EDGELLM_X86_GEMV": ("avx2", "avx512")}
+
+
 def named_library_problem() -> str | None:
-    """Why the library EDGELLM_NEON_LIB names cannot be used (None: it loads, or none is named).
-    The neon unit's probe turns such a library into an unavailable unit, and the engine ran on
-    the numpy reference (10x slower, ~700 MiB more memory): the user named that file, so the CLI
-    and edgellm.load() both make its reason an error instead."""
+    """Why the library EDGELLM_NEON_LIB names cannot be used, or a value of EDGELLM_NEON_VARIANT
+    or EDGELLM_X86_GEMV is not one of theirs (None: all fine, or none is set). The neon unit's
+    probe turns either into an unavailable unit, and the engine ran on the numpy reference (10x
+    slower, ~700 MiB more memory): the user set them, so the CLI and edgellm.load() both make the
+    reason an error instead (`EDGELLM_X86_GEMV=avx-512` ran at 0.8 tok/s without an error)."""
+    for var, allowed in _CHOICES.items():
+        v = os.environ.get(var)
+        if v and v not in allowed:
+            return f"{var} must be {' or '.join(allowed)}, got {v!r} (unset it to let edgellm choose)"
     named = os.environ.get("EDGELLM_NEON_LIB")
     if not named:
         return None
