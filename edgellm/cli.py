@@ -136,8 +136,9 @@ def neon_lib_check() -> None:
 def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=None) -> Path | None:
     """Refuses, before any long work, an output path that cannot be written: a directory, a
     path ending in '/', a missing or read-only folder, a suffix the writer does not know, and
-    an existing file the writer must not replace: replaces=(test(first bytes), what) names the
-    files it may (`bench --json` over a model file replaced the model with 500 bytes of JSON).
+    an existing file the writer must not replace: replaces=(test(its first KiB and last 4 KiB),
+    what) names the files it may (`bench --json` over a model file replaced the model with 500
+    bytes of JSON).
     Returns it as a Path (None for None).
 
     The options are taken as strings, not typer Paths: pathlib drops a trailing slash, and
@@ -166,7 +167,10 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=Non
         test, what = replaces
         try:
             with open(p, "rb") as f:
-                head = f.read(64)
+                head = f.read(1024)
+                if p.stat().st_size > 1024:
+                    f.seek(max(1024, p.stat().st_size - 4096))
+                    head += f.read(4096)
         except OSError as e:
             raise ConfigError(f"{flag} {p}: cannot be checked before it is replaced: {e.strerror or e}") from None
         if not test(head):
@@ -176,6 +180,11 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=Non
 
 # what a --json output may replace: an earlier JSON output (records, a report)
 JSON_FILE = (lambda head: head.lstrip()[:1] in (b"[", b"{"), "a JSON file")
+# what the YAML and plot outputs may replace: what edgellm wrote there before (a hand-edited plan,
+# a user's own profile or drawing was replaced without a word)
+PROFILE_FILE = (lambda head: head.startswith(b"# edgellm device profile"), "a profile edgellm wrote")
+PLAN_FILE = (lambda head: head.startswith(b"# edgellm precision plan"), "a precision plan edgellm wrote")
+PLOT_FILE = (lambda head: b"Matplotlib" in head or b"matplotlib" in head, "a plot edgellm (matplotlib) drew")
 
 
 def check_out_folder(parent: Path, flag: str, out: Path) -> None:
@@ -1016,7 +1025,7 @@ def plan(
     from .precision import load_plan
     from .precision_runtime import ComputeTable, planned_formats
 
-    plot_path = check_out_path(plot_path, "--plot", (".png", ".pdf", ".svg"))
+    plot_path = check_out_path(plot_path, "--plot", (".png", ".pdf", ".svg"), replaces=PLOT_FILE)
     # the values known up front, checked before the model is resolved (and perhaps downloaded)
     if prompt_tokens is not None and prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
@@ -1082,7 +1091,7 @@ def profile(
     bandwidth, and each available unit's GEMM throughput by rows and per-call overhead."""
     from .device.probes import gemm_peak_share, measure_host
 
-    out = check_out_path(out, "--out", (".yaml", ".yml"))
+    out = check_out_path(out, "--out", (".yaml", ".yml"), replaces=PROFILE_FILE)
     if out is None:   # the default in EDGELLM_HOME, checked before the minute of measuring too
         from .device.profile_yaml import user_profiles_dir
         from .errors import ConfigError
@@ -1412,7 +1421,7 @@ def precision_plan(
         raise ConfigError(f"--budget-kl must be a positive number of nats, got {budget_kl}")
     if prompt_tokens < 1:
         raise ConfigError(f"--prompt-tokens must be >= 1, got {prompt_tokens}")
-    out = check_out_path(out, "--out", (".yaml", ".yml"))
+    out = check_out_path(out, "--out", (".yaml", ".yml"), replaces=PLAN_FILE)
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     _check_analysis_args(fmts, SEARCH_OPS, max_tokens)
     profile = device_profile(device)      # a bad name is refused now, not after minutes of analysis
