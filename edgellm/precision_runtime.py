@@ -44,6 +44,7 @@ CACHE_SCHEMA = 1
 # copies removed first: SmolLM2's copies are ~90 MiB, so about eleven stay
 CACHE_CAP_ENV = "EDGELLM_PRECISION_CACHE_MB"
 CACHE_CAP_MB = 1024.0
+CACHE_CAP_WHAT = "the requantized models take up to {mb} MiB in all"
 
 
 def effective(asked: str, supported: tuple[str, ...]) -> str | None:
@@ -136,6 +137,9 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     from .model.loader import open_model
     from .requant import GGUF_TYPE_FOR, plan_formats, requantize_gguf
 
+    # a bad cap is refused first: found only after a requantization, it failed a miss once the
+    # copy was written, and every hit after that never read it
+    npu_cache.cap_bytes(CACHE_CAP_ENV, CACHE_CAP_MB, CACHE_CAP_WHAT)
     cfg = mf.config
     formats = plan_formats(mf, lambda layer, op: plan.weight_format(layer, op, cfg.n_layers))
     # a tensor the plan sets to the type the file already has needs no conversion
@@ -206,7 +210,7 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     # took 994 MiB for good. The oldest copies go first (by their write: a hit does not touch a
     # copy, whose mtime its sidecar's check holds); the one just written stays
     npu_cache.evict(path.parent, ".gguf", keep=path, label="requantized model cache", env=CACHE_CAP_ENV,
-                    default_mb=CACHE_CAP_MB, what="the requantized models take", companion=_fingerprint_file)
+                    default_mb=CACHE_CAP_MB, what=CACHE_CAP_WHAT, companion=_fingerprint_file)
     log.info("precision plan %r: %d tensors requantized into %s (%d -> %d bytes of tensor data)",
              plan.name, len(formats), path, report.bytes_before, report.bytes_after)
     return open_model(path), f"precision plan {plan.name!r}: {len(formats)} tensors requantized (written: {path})"

@@ -564,3 +564,19 @@ def test_requantized_copies_stay_under_the_cache_cap_oldest_first(home, tiny, mo
     assert left == sorted(names + [n + ".sample-sha256" for n in names]), left   # a and its sidecar went
     assert any("requantized model cache" in r.getMessage() and "evicted 1 file" in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("value", ("abc", "0", "nan"))
+def test_a_bad_requantized_cache_cap_is_refused_before_any_work(home, tiny, value, monkeypatch):
+    """A bad EDGELLM_PRECISION_CACHE_MB was read only after a requantization had written its copy
+    (the run failed once, and every later run was a cache hit that never read it), and its message
+    said the default held for each model where it holds for all (a helper's probe of the docs)."""
+    from edgellm.precision_runtime import CACHE_CAP_ENV, cache_dir
+
+    plan = parse_plan("schema: 1\nkv_cache: f16\ndefaults:\n  ffn_down: {weights: q8_0, compute: fp32}\n", name="c")
+    monkeypatch.setenv(CACHE_CAP_ENV, value)
+    for _ in range(2):    # a miss, then (had it been written) a hit: refused both times
+        with pytest.raises(ConfigError, match=rf"{CACHE_CAP_ENV}='{value}' is invalid: expected a number of MiB > 0 "
+                                              r"\(unset, the requantized models take up to 1024 MiB in all\)"):
+            plan_model(open_model(tiny.path), plan)
+        assert not cache_dir().exists() or not any(cache_dir().glob("*.gguf"))   # nothing written

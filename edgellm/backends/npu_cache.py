@@ -34,8 +34,8 @@ CAP_ENV = "EDGELLM_NPU_CACHE_MB"
 DEFAULT_CAP_MB = 1024.0
 
 
-def cap_bytes(env: str = CAP_ENV, default_mb: float = DEFAULT_CAP_MB, what: str = "the npu graph caches keep",
-              ) -> int:
+def cap_bytes(env: str = CAP_ENV, default_mb: float = DEFAULT_CAP_MB,
+              what: str = "the npu graph caches keep up to {mb} MiB each") -> int:
     """The cap in bytes from the variable `env` (EDGELLM_NPU_CACHE_MB: MiB, a number > 0), else
     default_mb. ConfigError for anything else: 0 would read as "no bound" to some and "no cache"
     to others, and a word or nan must not silently become either. (The requantized-model cache,
@@ -49,7 +49,7 @@ def cap_bytes(env: str = CAP_ENV, default_mb: float = DEFAULT_CAP_MB, what: str 
         mb = math.nan
     if not (math.isfinite(mb) and mb > 0):
         raise ConfigError(f"{env}={raw!r} is invalid: expected a number of MiB > 0 "
-                          f"(unset, {what} up to {default_mb:.0f} MiB each)")
+                          f"(unset, {what.format(mb=f'{default_mb:.0f}')})")
     return max(1, int(mb * 2**20))
 
 
@@ -136,7 +136,8 @@ def folders() -> list[tuple[Path, str]]:
 
 
 def evict(folder: str | os.PathLike, suffix: str, keep: str | os.PathLike, label: str = "npu cache",
-          env: str = CAP_ENV, default_mb: float = DEFAULT_CAP_MB, what: str = "the npu graph caches keep",
+          env: str = CAP_ENV, default_mb: float = DEFAULT_CAP_MB,
+          what: str = "the npu graph caches keep up to {mb} MiB each",
           companion=None) -> int:
     """Remove the least recently used files of `folder` until it holds at most the cap
     (cap_bytes(env, default_mb, what)), never `keep` (the file just written) nor a file in use;
