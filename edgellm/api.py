@@ -577,7 +577,8 @@ def _ring_chunk_cap(kv_cfg: KVConfig, prefill_chunk: int | None) -> int | None:
 
 def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          threads: int | None = None, prefill_chunk: int | None = None, kv: str = "pool",
-         kv_precision: str | None = None, window: int = 1024, sinks: int = 4, units: Sequence[str] | None = None,
+         kv_precision: str | None = None, window: int | None = None, sinks: int | None = None,
+         units: Sequence[str] | None = None,
          precision=None, quality_guard=None, prefault: bool | None = None, pin: bool = True,
          progress: Callable[[str, int, int], None] | None = None) -> Engine:
     """Load a model (a GGUF path, a registry name, or None for the default, pulled when missing).
@@ -592,7 +593,9 @@ def load(model: str | os.PathLike | None = None, device: str | os.PathLike | Non
     prompt token through the decode kernels: its results are not the same bits as other chunk
     sizes' (which are, on the neon unit's fused path).
     kv: "pool" (block pool of n_ctx tokens with a prefix cache) or "ring" (a sliding window of
-    `window` tokens keeping the first `sinks`, for chats of any length in constant memory).
+    `window` tokens, 1024 by default, keeping the first `sinks`, 4 by default, for chats of any
+    length in constant memory). A ring's size is its window: n_ctx with kv="ring", like window or
+    sinks with a pool, is ignored with a warning.
     kv_precision: "f16", "f32", or "int8"; None: the precision plan's kv_cache, else f16.
     precision: a precision plan: a preset name ("quality", "balanced", "fast"), a plan YAML path or
     a PrecisionPlan (edgellm/precision_presets/README.md). Its weight formats are applied once, into
@@ -647,7 +650,12 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
         kv_precision = pplan.kv_precision if pplan is not None else "f16"
     elif pplan is not None and kv_precision != pplan.kv_precision:
         plan_notes.append(f"kv_precision={kv_precision} replaces the precision plan's {pplan.kv_precision}")
-    kv_cfg = KVConfig(kind=kv, precision=kv_precision, window=window, sinks=sinks)
+    # options the chosen layout does not read are said to be ignored (the CLI said so; the API
+    # took n_ctx=100 with kv="ring", or sinks=9 > window=8 with a pool, without a word)
+    if kv != "ring" and (window is not None or sinks is not None):
+        log.warning("window and sinks size kv='ring'; with kv=%r they are ignored", kv)
+    kv_cfg = KVConfig(kind=kv, precision=kv_precision, window=1024 if window is None else window,
+                      sinks=4 if sinks is None else sinks)
     guard = QualityGuard.from_option(quality_guard)
     if not isinstance(pin, bool):
         raise ConfigError(f"pin must be True or False, got {pin!r}")
@@ -657,6 +665,9 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
         raise ConfigError(f"threads must be an integer in 1..{MAX_THREADS}, got {threads!r}")
     if n_ctx is not None and (not _is_int(n_ctx) or n_ctx < 1):
         raise ConfigError(f"n_ctx must be an integer >= 1, got {n_ctx!r}")
+    if kv == "ring" and n_ctx is not None:
+        log.warning("n_ctx does not size kv='ring' (its window does): ignored")
+        n_ctx = None
     if prefill_chunk is not None and (not _is_int(prefill_chunk) or prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
     # plain ints from here: the native pool and the plan take them as such

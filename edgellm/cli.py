@@ -297,14 +297,14 @@ def _load(model, ctx, threads, kv="pool", kv_precision=None, window=None, sinks=
 
     # options that do nothing with the other KV layout are said to (they were taken silently;
     # --window 8 --sinks 9 with --kv pool, invalid on a ring, ran with exit 0)
+    # (said here in the options' own names; load() is then not given them, and says nothing)
     if kv != "ring" and (window is not None or sinks is not None):
         typer.echo("edgellm: warning: --window and --sinks size a --kv ring; with --kv pool they are ignored", err=True)
+        window = sinks = None
     if kv == "ring" and ctx is not None:
         typer.echo("edgellm: warning: --ctx does not size a --kv ring (its --window does); with --kv ring it is "
                    "ignored", err=True)
         ctx = None
-    window = 1024 if window is None else window
-    sinks = 4 if sinks is None else sinks
     unit_list = _units(units)
 
     try:

@@ -434,3 +434,21 @@ def test_plan_refuses_a_prompt_that_fills_its_context_as_run_does(tiny):
     r = runner.invoke(app, ["plan", "--model", tiny, "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["prompt_tokens"] == 255
+
+
+def test_the_api_says_when_the_kv_layout_ignores_an_option_as_the_cli_does(tiny, caplog):
+    """load(kv="ring", n_ctx=100) and load(kv="pool", window=8, sinks=9) were taken without a word
+    (the CLI warned); the CLI's own warning stays the only one there."""
+    import logging
+
+    import edgellm
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        edgellm.load(tiny, kv="ring", n_ctx=100, window=64)
+        edgellm.load(tiny, kv="pool", window=8, sinks=9)
+        edgellm.load(tiny, kv="pool", n_ctx=64)
+        edgellm.load(tiny, kv="ring", window=64, sinks=2)
+    said = [r.getMessage() for r in caplog.records]
+    assert said.count("n_ctx does not size kv='ring' (its window does): ignored") == 1, said
+    assert said.count("window and sinks size kv='ring'; with kv='pool' they are ignored") == 1, said
+    r = runner.invoke(app, ["run", "hi", "--model", tiny, "-n", "1", "--no-stats", "--window", "8"])
+    assert r.exit_code == 0 and r.stderr.count("ignored") == 1, r.stderr
