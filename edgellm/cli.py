@@ -831,17 +831,22 @@ def _memory_text(mf, n_ctx: int) -> str:
 @friendly
 def info(model: Optional[str] = typer.Argument(None, help="GGUF file path or registry name (default: smollm2-135m; "
                                                "info never downloads: `edgellm pull` does)"),
-         ctx: int = typer.Option(2048, "--ctx", help="Context size for the memory estimate")):
+         ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size for the memory estimate (default "
+                                           "2048, or the model's trained context when shorter)")):
     """Architecture, hyperparameters, tensor types, file size and memory needed."""
     from .errors import ConfigError
     from .model.loader import open_model
     from .model.registry import resolve_model
 
-    if ctx < 1:
+    from .api import DEFAULT_CTX
+
+    if ctx is not None and ctx < 1:
         raise ConfigError(f"--ctx must be >= 1, got {ctx}")
     mf = open_model(resolve_model(model, pull_if_missing=False))
     c = mf.config
-    n_ctx = min(ctx, c.context_length)
+    n_ctx = min(ctx if ctx is not None else DEFAULT_CTX, c.context_length)
+    if ctx is not None and ctx > c.context_length:   # (as run and plan say it)
+        typer.echo(f"edgellm: warning: --ctx {ctx} is above {c.name}'s trained context: using {n_ctx}", err=True)
     rows = [
         ("file", mf.path), ("name", c.name), ("architecture", c.arch),
         ("layers", c.n_layers), ("width", c.d_model), ("ffn width", c.d_ff),

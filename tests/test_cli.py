@@ -452,3 +452,11 @@ def test_the_api_says_when_the_kv_layout_ignores_an_option_as_the_cli_does(tiny,
     assert said.count("window and sinks size kv='ring'; with kv='pool' they are ignored") == 1, said
     r = runner.invoke(app, ["run", "hi", "--model", tiny, "-n", "1", "--no-stats", "--window", "8"])
     assert r.exit_code == 0 and r.stderr.count("ignored") == 1, r.stderr
+
+
+def test_info_says_when_it_caps_ctx_at_the_trained_context(tiny):
+    r = runner.invoke(app, ["info", tiny, "--ctx", "100000"])
+    assert r.exit_code == 0 and "--ctx 100000 is above" in r.stderr and "trained context: using 256" in r.stderr
+    assert "memory at ctx 256" in r.stdout
+    r = runner.invoke(app, ["info", tiny])
+    assert r.exit_code == 0 and "warning" not in r.stderr and "memory at ctx 256" in r.stdout
