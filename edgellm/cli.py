@@ -1090,7 +1090,7 @@ def plan(
 def profile(
     out: Optional[str] = typer.Option(None, "--out", metavar="PATH", help="Write the profile here (default: "
                                        "EDGELLM_HOME/profiles/host.yaml, which `--device host` reads)"),
-    quick: bool = typer.Option(False, "--quick", help="Fewer shapes and runs: seconds instead of a minute"),
+    quick: bool = typer.Option(False, "--quick", help="Fewer shapes and runs: a rougher profile in less time"),
 ):
     """Measure this machine: pinned GEMM throughput per CPU cluster and precision, memory read
     bandwidth, and each available unit's GEMM throughput by rows and per-call overhead."""
