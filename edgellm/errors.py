@@ -50,7 +50,9 @@ class ContextFull(EdgeLLMError):
 
 
 class Cancelled(EdgeLLMError):
-    """A generation was cancelled through its handle; the engine stays reusable."""
+    """Raised by the engine's runner (ModelRunner.forward) when a CancelToken fires between
+    prefill chunks; the engine stays reusable. A cancelled generate / stream / Scheduler request
+    does not raise it: it ends with the text so far and stop_reason "cancelled"."""
 
 
 def shown(value: object, limit: int = 200) -> str:
