@@ -494,13 +494,23 @@ static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, i
             const int nr = EL_MIN(EL_ATTN_NR, nq - qi);
             float *arow[EL_ATTN_NR];
             const float *prow[EL_ATTN_NR];
-            int nk = 0;
+            int nk = c;
             for (int r = 0; r < nr; r++) {
-                nk = EL_MAX(nk, nvis[qi + r]);
+                nk = EL_MIN(nk, nvis[qi + r]);
                 arow[r] = acc + (size_t)(qi + r) * hd;
                 prow[r] = sc[qi + r];
             }
+            /* keys every row of the group sees together; each row's own keys past them alone. A
+             * row never multiplies a key it does not see: its probability there is 0, but an inf
+             * in that V row (an fp16 store that overflowed) made 0 * inf = NaN in an earlier
+             * token's output. The split keeps each lane's sum in key order, so the bits are the
+             * same: the second call continues from the stored acc with alpha 1. */
             if (nk > 0) el_pv_rows(nr, arow, alpha + qi, prow, vrow, nk, hd);
+            for (int r = 0; r < nr; r++)
+                if (nvis[qi + r] > nk) {
+                    const float one = 1.0f, *pr = prow[r] + nk;
+                    el_pv_rows(1, arow + r, nk > 0 ? &one : alpha + qi + r, &pr, vrow + nk, nvis[qi + r] - nk, hd);
+                }
         }
     }
     for (int qi = 0; qi < nq; qi++)
@@ -962,6 +972,7 @@ static void el_attn_row_generic(const el_attn_job *J, int t, int h, float *acc) 
         for (int i = 0; i < hd; i++) s += q[i] * el_kv_at(&J->kv, J->kv.k, off + i);
         s *= J->scale;
         float mnew = s > m ? s : m;
+        if (mnew == -INFINITY) continue;   /* every score so far -inf: weight 0 (-inf - -inf is NaN) */
         float alpha = expf(m - mnew), p = expf(s - mnew);  /* expf(-inf) = 0 on the first key */
         l = l * alpha + p;
         for (int i = 0; i < hd; i++) acc[i] = acc[i] * alpha + p * el_kv_at(&J->kv, J->kv.v, off + i);

@@ -636,3 +636,38 @@ def test_peak_per_core_reports_positive_rates():
     assert set(peaks) == {"fp32", "fp16", "int8"} and all(v > 0 for v in peaks.values())
     if "fp16" in note:              # no native fp16: its work runs in fp32, at the fp32 rate
         assert peaks["fp16"] == peaks["fp32"]
+
+
+@pytest.mark.parametrize("T,H,KVH,hd,start", [(8, 1, 1, 64, 0), (32, 9, 3, 64, 100), (5, 2, 1, 36, 3)])
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_attention_a_later_tokens_inf_value_stays_out_of_earlier_rows(el, pool2, T, H, KVH, hd, start, use_pool):
+    """A V row holding inf (an fp16 store of 70000) at the chunk's last token: the rows before it
+    never see that key, but a row group's PV ran over its widest row's keys, and 0 * inf = NaN
+    reached the earlier rows (a helper's aarch64 probe; NR = 2 there, 4 on x86). Every row that
+    does not see it must be finite and equal the reference's; the last row is inf / NaN there."""
+    rng = np.random.default_rng(T + H + start)
+    q, k, v = _qkv(rng, T, H, KVH, hd, start)
+    v[:, start + T - 1, 1] = np.inf
+    out = np.full((T, H * hd), np.nan, np.float32)
+    rc = el.el_attention_dense(_pool(pool2, use_pool), fptr(q), fptr(out), T, H, KVH, hd, start, fptr(k), fptr(v))
+    assert rc == 0
+    ref = reference.attention(q, k, v, start)
+    assert np.isfinite(out[:-1]).all(), np.argwhere(~np.isfinite(out[:-1]))[:4]
+    assert np.isfinite(ref[:-1]).all() and nmse(out[:-1], ref[:-1]) <= ATTN_BOUND
+
+
+def test_attention_a_minus_inf_first_score_weighs_nothing(el):
+    """A key whose score is -inf (a query against a key of -inf) has weight 0; the generic twin
+    computed -inf - -inf = NaN for it when it came first, and every later key of the row was NaN
+    (a helper's aarch64 probe). Both twins match the reference, which gives it weight 0."""
+    rng = np.random.default_rng(5)
+    T, H, KVH, hd, start = 3, 2, 1, 8, 0
+    q, k, v = _qkv(rng, T, H, KVH, hd, start)
+    q[:] = np.abs(q) + 0.1
+    k[:, 0, :] = -np.inf                       # every score against key 0 is -inf
+    out = np.full((T, H * hd), np.nan, np.float32)
+    assert el.el_attention_dense(None, fptr(q), fptr(out), T, H, KVH, hd, start, fptr(k), fptr(v)) == 0
+    with np.errstate(invalid="ignore"):          # (row 0 sees key 0 alone: -inf - -inf there)
+        ref = reference.attention(q, k, v, start)
+    assert np.isfinite(ref[1:]).all()
+    assert np.isfinite(out[1:]).all() and nmse(out[1:], ref[1:]) <= ATTN_BOUND

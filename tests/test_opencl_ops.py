@@ -450,3 +450,16 @@ def test_attention_bad_args(rt):
     for arg, call in cases:
         with pytest.raises(ValueError, match=rf"\b{arg}\b"):
             call()
+
+
+def test_attention_a_later_tokens_inf_value_stays_out_of_earlier_rows(rt):
+    """A V row holding inf (an fp16 store of 70000) at the chunk's last token: the rows before it
+    never see that key and must stay finite and equal the reference's (the neon tile leaked it as
+    0 * inf = NaN; a helper's aarch64 probe)."""
+    rng = np.random.default_rng(9)
+    T, H, KVH, hd, start = 32, 9, 3, 64, 100
+    q, k, v = _qkv(rng, T, H, KVH, hd, start)
+    v[:, start + T - 1, 1] = np.inf
+    got, ref = oa.attention(rt, q, k, v, start), reference.attention(q, k, v, start)
+    assert np.isfinite(got[:-1]).all() and np.isfinite(ref[:-1]).all()
+    check("attention", got[:-1], ref[:-1], ATTN_BOUND, GROSS_ATTN)

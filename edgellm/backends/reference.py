@@ -111,7 +111,15 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         denom = s.sum(axis=-1, keepdims=True)                    # (KVH, G, rows, 1)
-        pv = s.reshape(kvh, g * (b1 - b0), n) @ v[:, :n]          # (KVH, G*rows, hd)
+        if b1 - b0 > 1 and not np.isfinite(v[:, start + b0 + 1 : n]).all():
+            # a key a row does not see has probability 0 there, but 0 * inf is NaN: with a
+            # non-finite V row among the masked ones (an fp16 store that overflowed), each row
+            # sums only the keys it sees
+            sr, pv = s.reshape(kvh, g, b1 - b0, n), np.empty((kvh, g, b1 - b0, hd), np.float32)
+            for r in range(b1 - b0):
+                pv[:, :, r] = sr[:, :, r, : start + b0 + r + 1] @ v[:, : start + b0 + r + 1]
+        else:
+            pv = s.reshape(kvh, g * (b1 - b0), n) @ v[:, :n]      # (KVH, G*rows, hd)
         # normalise the (rows, hd) result rather than the (rows, n) probabilities
         out[:, :, b0:b1] = pv.reshape(kvh, g, b1 - b0, hd) / denom
     return out.reshape(H, T, hd).transpose(1, 0, 2).reshape(T, H * hd)
