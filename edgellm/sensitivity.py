@@ -309,7 +309,7 @@ def _write_cache(path: Path, s: Sensitivity) -> None:
 
 def fake_quant_int8(x: np.ndarray, block: int = ACT_BLOCK) -> np.ndarray:
     """x (T, K) fp32 -> the fp32 values an int8 kernel sees: per block of `block` along K,
-    d = max|x| / 127 (fp32), q = round-to-nearest-even(x / d) clipped to [-128, 127], x' = q d.
+    d = max|x| / 127 (fp32), q = round-to-nearest-even(x / d) clipped to [-127, 127], x' = q d.
     The multiply by 1/d (not a divide) and the rounding rule are the neon unit's el_quant_row.
     A last partial block (K not a multiple of `block`) is its own block."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -320,7 +320,7 @@ def fake_quant_int8(x: np.ndarray, block: int = ACT_BLOCK) -> np.ndarray:
     d = (np.abs(xb).max(axis=2) / np.float32(127.0)).astype(np.float32)     # (T, K/block)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1.0) / d, np.float32(0.0)).astype(np.float32)
-    q = np.clip(np.rint(xb * inv[..., None]), -128, 127)
+    q = np.clip(np.rint(xb * inv[..., None]), -127, 127)
     out = (q * d[..., None]).astype(np.float32).reshape(t, -1)
     return out[:, :k] if pad else out
 

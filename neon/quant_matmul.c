@@ -79,6 +79,13 @@ static el_xq el_xq_layout(void *scratch, int M, int nb) {
 /* Both twins compute d, 1/d and the rounding identically (nearest even: vcvtnq / nearbyintf in
  * the default rounding mode), so they produce the same int8 blocks bit for bit; test differences
  * between the twins then come from the kernels alone. */
+static void el_quant_row_generic(const float *x, int8_t *q, float *d, float *s, int nb);
+
+/* A block whose 1/d is not finite (|x| below ~3.7e-37 everywhere, or a NaN) takes the generic
+ * twin's clamped form in the SIMD rows too: their int32 conversions saturate to +-2^31 there,
+ * and summing those overflowed (undefined; the generic twin sums the clamped int8 values) */
+#define EL_QUANT_ID_OK(id) ((id) <= 3.0e38f)
+
 static void el_quant_row_generic(const float *x, int8_t *q, float *d, float *s, int nb) {
     for (int b = 0; b < nb; b++, x += QK, q += QK) {
         float amax = 0.0f;
@@ -90,7 +97,10 @@ static void el_quant_row_generic(const float *x, int8_t *q, float *d, float *s, 
         int sum = 0;
         for (int i = 0; i < QK; i++) {
             float v = __builtin_nearbyintf(x[i] * id);
-            v = v > 127.0f ? 127.0f : (v < -128.0f ? -128.0f : v);   /* NaN falls through to 0 below */
+            /* symmetric, as d = amax / 127 makes every finite scale: -128 only ever came from an
+             * infinite 1/d, and the x86 Q8_0 tiles' sign trick cannot take it (-(-128) = -128).
+             * A NaN falls through to 0 below */
+            v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
             int qi = v == v ? (int)v : 0;
             q[i] = (int8_t)qi;
             sum += qi;
@@ -110,6 +120,10 @@ static __attribute__((unused)) void el_quant_row_neon(const float *x, int8_t *q,
         }
         float amax = vmaxvq_f32(m);
         float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        if (!EL_QUANT_ID_OK(id)) {
+            el_quant_row_generic(x, q, d + b, s + b, 1);
+            continue;
+        }
         int32x4_t acc = vdupq_n_s32(0);
         for (int i = 0; i < 8; i += 2) {
             /* vcvtnq: round to nearest even, the same rule as the generic twin's nearbyintf */
@@ -147,6 +161,10 @@ static void el_quant_row_avx2(const float *x, int8_t *q, float *d, float *s, int
         float amax = _mm_cvtss_f32(h);
         if (!_mm256_testz_ps(nan, nan)) amax = __builtin_nanf("");
         float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        if (!EL_QUANT_ID_OK(id)) {
+            el_quant_row_generic(x, q, d + b, s + b, 1);
+            continue;
+        }
         const __m256 vid = _mm256_set1_ps(id);
         __m256i n[4];
         for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));

@@ -527,3 +527,28 @@ def test_a_nan_in_x_reaches_the_output_on_both_twins(lib, qtype, M):
     want = np.zeros((M, 33), bool)
     want[M // 2] = True                          # the row whose x holds the NaN, and only it
     assert (got[0] == want).all() and (got[1] == want).all()
+
+
+@pytest.mark.parametrize("M", [1, 5, 40])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0])
+def test_a_block_too_small_for_its_scale_quantizes_as_the_generic_twin(lib, qtype, M):
+    """x blocks whose largest |x| is below ~3.7e-37 make 1/d infinite: the SIMD quantizers'
+    int32 conversions saturated there and their block sums overflowed (undefined; a helper's
+    aarch64 UBSan run), while the generic twin sums its clamped values. They take the generic
+    form now: the outputs of both twins agree, blocks of ordinary size beside them too."""
+    rng = np.random.default_rng([M, int(qtype)])
+    raw, _ = weights(qtype, 24, 64, seed=3)
+    x = rng.standard_normal((M, 64)).astype(np.float32)
+    x[:, :32] *= np.float32(1e-38)               # each row's first block: a scale 1/d overflows
+    x[0] *= np.float32(1e-38)                    # and all of row 0: its outputs are those blocks
+    got = {}
+    for generic in (0, 1):
+        lib.el_use_generic(generic)
+        try:
+            rc, got[generic] = el_matmul(lib, qtype, [raw], x)
+        finally:
+            lib.el_use_generic(0)
+        assert rc == 0
+    assert np.isfinite(got[0]).all()
+    for r in range(M):      # row by row: row 0's outputs are ~1e-38 beside the others' ~1
+        np.testing.assert_allclose(got[0][r], got[1][r], rtol=1e-4, atol=1e-3 * float(np.abs(got[1][r]).max()))
