@@ -529,7 +529,8 @@ class Dispatcher:
         moved = handoff_ms(self.unit(prev), self.unit(u), self._in_bytes(op, tokens, phase))
         alts = tuple((n, f"{e.ms:.4f} ms ({e.bound}-bound)") for n, e in ok.items()) + tuple(no.items())
         fastest = min(ok, key=lambda n: ok[n].ms)
-        why = f"{est.bound}-bound, AI {est.cost.intensity:.1f} vs ridge {est.ridge:.1f} FLOP/B"
+        why = (f"{est.bound}-bound, AI {est.cost.intensity:.1f} vs ridge {est.ridge:.1f} FLOP/B" if est.ridge > 0
+               else f"inside {u}'s FFN subgraph: one pass over its data, no call of its own")
         if self.override:
             reason = (f"--units order: {u} is the first listed unit that runs it" if u in self.override
                       else f"{self._not_listed_why(no)}; using reference")
@@ -538,6 +539,9 @@ class Dispatcher:
         elif u == fastest:
             others = ", ".join(f"{n} {e.ms:.3f} ms" for n, e in ok.items() if n != u)
             reason = f"fastest: {est.ms:.3f} ms, {why}; {others}"
+        elif est.ms - ok[fastest].ms < 5e-4:     # (a tie at the printed precision is not a loss)
+            reason = (f"as fast as {fastest} ({est.ms:.3f} ms), and the data stays where the ops around it "
+                      f"run: {why}")
         else:
             reason = (f"{fastest} alone would take {ok[fastest].ms:.3f} ms, but handing data across units "
                       f"costs more than the {est.ms - ok[fastest].ms:.3f} ms it saves; {u} {est.ms:.3f} ms")

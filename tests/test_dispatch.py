@@ -524,3 +524,21 @@ def test_a_plan_for_another_device_keeps_ops_the_npu_backend_has_no_code_for_off
     assert on_npu and {OPS[op].kind for op in on_npu} <= {"matmul", "lm_head", "swiglu"}, on_npu
     attn = next(pp for pp in plan.prefill.placements if pp.op == "attention")
     assert attn.unit != "npu" and "the NPU takes only the projections" in dict(attn.alternatives)["npu"]
+
+
+def test_reasons_do_not_contradict_their_numbers():
+    """An op inside the NPU's FFN subgraph read "memory-bound, AI 0.4 vs ridge 0.0 FLOP/B" (the
+    estimate books no ridge there), and a tie read as a loss: "X alone would take 0.092 ms, but
+    handing data across units costs more than the 0.000 ms it saves" (a helper's probe)."""
+    import re
+    from dataclasses import replace
+
+    p = soc(npu_int8=6e15)
+    p = replace(p, npu=replace(p.npu, launch_overhead_s=0.0, transfer_overhead_s=0.0))
+    plan = _plan(p)
+    reasons = [(pp.op, pp.unit, pp.reason) for ph in (plan.prefill, plan.decode) for pp in ph.placements]
+    assert any(op == "swiglu" and u == "npu" and "inside npu's FFN subgraph" in r for op, u, r in reasons), reasons
+    for op, u, r in reasons:
+        assert "ridge 0.0 " not in r, (op, u, r)
+        saved = re.search(r"costs more than the ([\d.]+) ms it saves", r)
+        assert not saved or float(saved.group(1)) > 0, (op, u, r)
