@@ -331,16 +331,22 @@ class Dispatcher:
             log.warning(msg)
         return "reference"
 
-    def _chain(self, ops, phase, tokens, context, start: str, end: str | None):
+    def _logits_bytes(self, phase: str, tokens: int) -> float:
+        """The head's output, which the sampler reads on the CPU: one row in a prefill chunk."""
+        rows = 1 if phase == "prefill" else tokens
+        return ACT_BYTES * rows * self.cfg.vocab_size
+
+    def _chain(self, ops, phase, tokens, context, start: str, end: str | None, end_bytes: float | None = None):
         """Best units for an op chain whose input lives on `start` (and, if `end`, whose output
-        must end there). Returns (total ms, [unit], [(ok, no)])."""
+        must end there: end_bytes of it, by default the residual stream's rows). Returns (total ms,
+        [unit], [(ok, no)])."""
         opts = [self._options(op, phase, tokens, context) for op in ops]
         for op, (ok, no) in zip(ops, opts):
             if not ok:
                 raise ConfigError(self._none_runs(op, no))
         if self.override:
             choice = [self._forced(op, ok, no) for op, (ok, no) in zip(ops, opts)]
-            return self._total(ops, choice, opts, start, end, tokens, phase), choice, opts
+            return self._total(ops, choice, opts, start, end, tokens, phase, end_bytes), choice, opts
         # Viterbi over the chain: best[u] = (ms, path) with the current activation on u
         best = {start: (0.0, [])}
         for op, (ok, _) in zip(ops, opts):
@@ -351,7 +357,7 @@ class Dispatcher:
                 nxt[u] = min(cands, key=lambda c: c[0])
             best = nxt
         if end is not None:
-            h = ACT_BYTES * tokens * self.cfg.d_model
+            h = ACT_BYTES * tokens * self.cfg.d_model if end_bytes is None else end_bytes
             best = {u: (ms + handoff_ms(self.unit(u), self.unit(end), h), path) for u, (ms, path) in best.items()}
         ms, path = min(best.values(), key=lambda c: c[0])
         return ms, path, opts
@@ -370,13 +376,14 @@ class Dispatcher:
         producers (attention: q and the step's new k and v, not q alone; a last-row op: one row)."""
         return op_cost(op, self.cfg, tokens, 0, "f32", self.kv_bytes, phase == "prefill").in_bytes
 
-    def _total(self, ops, choice, opts, start, end, tokens, phase) -> float:
+    def _total(self, ops, choice, opts, start, end, tokens, phase, end_bytes=None) -> float:
         ms, prev = 0.0, start
         for op, u, (ok, _) in zip(ops, choice, opts):
             ms += handoff_ms(self.unit(prev), self.unit(u), self._in_bytes(op, tokens, phase)) + ok[u].ms
             prev = u
         if end is not None:
-            ms += handoff_ms(self.unit(prev), self.unit(end), ACT_BYTES * tokens * self.cfg.d_model)
+            ms += handoff_ms(self.unit(prev), self.unit(end),
+                             ACT_BYTES * tokens * self.cfg.d_model if end_bytes is None else end_bytes)
         return ms
 
     def place(self, phase: str, tokens: int, context: int) -> PhasePlan:
@@ -399,7 +406,10 @@ class Dispatcher:
                           f"{fused[0]:.4f} ms per layer vs {layer_ms:.4f} ms op by op")
             layer_ms, lpath, lopts, home = fused
         e_ms, e_path, e_opts = self._chain([emb], phase, tokens, context, e_home := self._cpu_home(), home)
-        h_ms, h_path, h_opts = self._chain([onorm, head], phase, tokens, context, home, None)
+        # the logits go back to the CPU, where the sampler reads them (a head on the GPU or NPU
+        # was costed as if they stayed there)
+        h_ms, h_path, h_opts = self._chain([onorm, head], phase, tokens, context, home, self._cpu_home(),
+                                           self._logits_bytes(phase, tokens))
         lead_note = tail_note = ""
         if fused_note:
             lead = self._fused_tail([emb], phase, tokens, context, home, dispatch=False)
@@ -651,7 +661,7 @@ class Dispatcher:
             if not by_op[onorm.name] == by_op[head_op.name] == fused.name:
                 tail_cost = None                              # its own calls
 
-        def chain(ops, start, end=None, cost_unit=None):
+        def chain(ops, start, end=None, cost_unit=None, end_bytes=None):
             ms, prev = 0.0, start
             for op in ops:
                 u = self.unit(by_op[op.name])
@@ -660,14 +670,16 @@ class Dispatcher:
                 ms += e.ms + handoff_ms(self.unit(prev), u, self._in_bytes(op, tokens, plan.phase))
                 prev = u.name
             if end is not None:
-                ms += handoff_ms(self.unit(prev), self.unit(end), ACT_BYTES * tokens * self.cfg.d_model)
+                ms += handoff_ms(self.unit(prev), self.unit(end),
+                                 ACT_BYTES * tokens * self.cfg.d_model if end_bytes is None else end_bytes)
             return ms
 
         home = by_op[lops[-1].name]
         ms = chain([emb], by_op["embedding"], home, lead_cost) + self.cfg.n_layers * chain(lops, home, home, layer_cost)
         if fused is not None:
             ms += fused.fused_decode_s * 1e3      # the step's one native call
-        return ms + (chain([onorm, head_op], home, cost_unit=tail_cost) if head else 0.0)
+        return ms + (chain([onorm, head_op], home, self._cpu_home(), tail_cost,
+                           self._logits_bytes(plan.phase, tokens)) if head else 0.0)
 
     def _fused_unit(self, plan: PhasePlan, tokens: int, context: int) -> Unit | None:
         """The unit whose native layer step runs plan's layers, as _fused_step allows it and the

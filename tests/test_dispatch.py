@@ -542,3 +542,25 @@ def test_reasons_do_not_contradict_their_numbers():
         assert "ridge 0.0 " not in r, (op, u, r)
         saved = re.search(r"costs more than the ([\d.]+) ms it saves", r)
         assert not saved or float(saved.group(1)) > 0, (op, u, r)
+
+
+def test_the_logits_trip_back_to_the_cpu_is_charged():
+    """The sampler reads the logits on the CPU; a head on the GPU was costed as if they stayed
+    there. On tensor-g1's profile the prefill head went to opencl (0.6315 ms) where, with the
+    0.05 ms hand-back, neon is cheaper (a helper's probe): the phase's model_ms now holds the
+    trip, and the head stays on the CPU."""
+    from edgellm.api import device_profile
+
+    d = Dispatcher(device_profile("tensor-g1"), CFG, Q41, probe=False)
+    for t in (64, 384):
+        ph = d.place("prefill", t, 0)
+        units = {pp.op: pp.unit for pp in ph.placements}
+        assert units["lm_head"] == units["output_norm"] == "neon", units
+    # a head forced onto the GPU pays the trip in the phase's time
+    gpu = Dispatcher(device_profile("tensor-g1"), CFG, Q41, probe=False, override=["opencl", "neon"])
+    ph = gpu.place("prefill", 64, 0)
+    assert {pp.op: pp.unit for pp in ph.placements}["lm_head"] == "opencl"
+    trip = handoff_ms(gpu.unit("opencl"), gpu.unit("neon"), 4 * CFG.vocab_size)
+    assert trip > 0
+    parts = sum(pp.predicted_ms for pp in ph.placements if pp.op in ("embedding", "output_norm", "lm_head"))
+    assert ph.model_ms == pytest.approx(parts + trip, rel=1e-9)
