@@ -47,6 +47,11 @@ log = logging.getLogger("edgellm")
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """How one generation samples and stops: the CLI's sampling flags, with the same defaults.
+    generate(), stream() and chat() take these as keywords (or config=GenerationConfig(...));
+    each value is checked before any work, a bad one a ConfigError naming it. ignore_eos keeps
+    generating past the model's end-of-generation tokens up to max_tokens (what `bench` uses
+    for runs of a fixed length)."""
     max_tokens: int = 256                  # tokens to generate at most
     temperature: float = 0.8               # 0 = greedy
     top_k: int = 40                        # 0 = off
@@ -58,6 +63,7 @@ class GenerationConfig:
     ignore_eos: bool = False               # keep going past end-of-generation tokens (bench)
 
     def sampling(self) -> SamplingConfig:
+        """The sampler's part of this config (sampling.SamplingConfig)."""
         return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               min_p=self.min_p, repeat_penalty=self.repeat_penalty, seed=self.seed)
 
@@ -237,6 +243,10 @@ class Engine:
         return self.tokenizer.decode(check_token_ids(ids, self.config.vocab_size), skip_special=skip_special)
 
     def render_chat(self, messages: Sequence[dict]) -> str:
+        """The prompt text the model's chat template makes of `messages` ([{"role": "system" |
+        "user" | "assistant", "content": str}, ...]), ending with the assistant's turn opened:
+        what chat() tokenizes (its BOS text included where the template writes one). A message
+        list the template cannot take is a ConfigError naming what is wrong."""
         return self.template.render(ChatTemplate.check_conversation(messages))
 
     # -- generation ----------------------------------------------------------------------------
@@ -378,6 +388,8 @@ class Engine:
         self.tokenizer.clear_memo()
 
     def model_sha256(self) -> str:
+        """The model file's sha256 (hex), computed on first call and kept: what a saved session
+        records, so that it is loaded only into an engine of the same model."""
         if self._model_sha is None:
             with self.lock:       # (a close() in another thread between the check and the read
                 self._check_open()    # was an AttributeError: the model gone)
