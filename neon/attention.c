@@ -393,6 +393,21 @@ static void el_attn_row_out(const el_attn_job *J, size_t row, const float *acc, 
 #define EL_ATTN_X5_KV 0   /* 1: attn_avx512.h's K/V chunk fetch */
 #endif
 
+/* 1: rows[0..n) hold only finite values (an all-ones exponent is an inf or a NaN; integer
+ * maxima, which the compiler vectorizes, unlike a float sum it may not reorder) */
+static int el_rows_finite(const float *const *rows, int n, int hd) {
+    uint32_t e = 0;
+    for (int j = 0; j < n; j++) {
+        for (int i = 0; i < hd; i++) {
+            uint32_t x;
+            memcpy(&x, rows[j] + i, 4);   /* (the bits, without breaking aliasing rules) */
+            x &= 0x7f800000u;
+            e = x > e ? x : e;
+        }
+    }
+    return e != 0x7f800000u;
+}
+
 /* One tile: kv head kh, query heads h0..h1-1 (all of group kh), token rows t0..t1-1, keys
  * [j_lo, j_hi) (a split; each row is also capped by causality). */
 static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, int t1, int j_lo, int j_hi, int split) {
@@ -490,23 +505,28 @@ static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, i
             }
             for (int j = nv; j < c; j++) s[j] = 0.0f;
         }
+        /* A row group runs over its widest row's keys: a key another row of it does not see
+         * adds p = 0 there, exactly, unless that V row holds an inf or NaN (an fp16 store that
+         * overflowed), when 0 * inf = NaN reached an earlier token's output. Those V rows are
+         * checked once per chunk (the causal diagonal's); only then does each row take the
+         * keys past its group's common ones alone. The split keeps each lane's sum in key
+         * order, so the bits are the same: the second call goes on from the stored acc with
+         * alpha 1. */
+        int nv_min = c;
+        for (qi = 0; qi < nq; qi++) nv_min = EL_MIN(nv_min, nvis[qi]);
+        const int split = nv_min < c && !el_rows_finite(vrow + nv_min, c - nv_min, hd);
         for (qi = 0; qi < nq; qi += EL_ATTN_NR) {
             const int nr = EL_MIN(EL_ATTN_NR, nq - qi);
             float *arow[EL_ATTN_NR];
             const float *prow[EL_ATTN_NR];
-            int nk = c;
+            int nk = split ? c : 0;
             for (int r = 0; r < nr; r++) {
-                nk = EL_MIN(nk, nvis[qi + r]);
+                nk = split ? EL_MIN(nk, nvis[qi + r]) : EL_MAX(nk, nvis[qi + r]);
                 arow[r] = acc + (size_t)(qi + r) * hd;
                 prow[r] = sc[qi + r];
             }
-            /* keys every row of the group sees together; each row's own keys past them alone. A
-             * row never multiplies a key it does not see: its probability there is 0, but an inf
-             * in that V row (an fp16 store that overflowed) made 0 * inf = NaN in an earlier
-             * token's output. The split keeps each lane's sum in key order, so the bits are the
-             * same: the second call continues from the stored acc with alpha 1. */
             if (nk > 0) el_pv_rows(nr, arow, alpha + qi, prow, vrow, nk, hd);
-            for (int r = 0; r < nr; r++)
+            for (int r = 0; split && r < nr; r++)
                 if (nvis[qi + r] > nk) {
                     const float one = 1.0f, *pr = prow[r] + nk;
                     el_pv_rows(1, arow + r, nk > 0 ? &one : alpha + qi + r, &pr, vrow + nk, nvis[qi + r] - nk, hd);
