@@ -325,7 +325,7 @@ class Engine:
             for retry in (False, True):
                 seq = self._new_sequence()
                 try:
-                    out = self.runner.forward(seq, ids, all_logits=True).astype(np.float32)
+                    out = self.runner.forward(seq, ids, all_logits=True).astype(np.float32, copy=False)
                     if not np.isfinite(out).all():   # (NaN weights: generate refuses such rows too)
                         raise _nonfinite_logits(out)
                     return out
