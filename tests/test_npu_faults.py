@@ -211,3 +211,22 @@ def test_an_npu_reached_only_through_cpu_kernels_is_said_once(tmp_path, monkeypa
     assert lines == [f"npu: no provider or delegate here reaches test npu: its subgraphs run on {where}, while "
                      f"the plan costs them at the NPU's figures (int8 4 TOPS); `--units` without npu plans "
                      f"without it"], caplog.text
+
+
+@pytest.mark.parametrize("runtime", ["onnx", "tflite"])
+def test_a_load_says_how_many_subgraphs_came_from_the_graph_cache(tmp_path, monkeypatch, caplog, tiny, runtime):
+    """A warm load's cache hits showed only in its time (a helper's probe of the units on
+    SmolLM2): one INFO line per prepare says what was read and what was built."""
+    monkeypatch.setenv("EDGELLM_NPU_RUNTIME", runtime)
+    _home(tmp_path, monkeypatch)
+    said = []
+    for _ in range(2):
+        npu.reset()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="edgellm"):
+            edgellm.load(tiny[0], n_ctx=128, units=["npu", "reference"]).close()
+        said += [r.getMessage() for r in caplog.records if "subgraph models read from the graph cache" in r.getMessage()]
+    assert len(said) == 2, said
+    first, second = ([int(w) for w in m.replace(",", "").split() if w.isdigit()] for m in said)
+    assert first[0] == 0 and first[1] > 0, said          # cold: all built
+    assert second == [first[1], 0], said                 # warm: all read, none built

@@ -293,6 +293,7 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
     if not ok:
         raise UnitFailed(NAME, why)
     mod = _state["runtime"]
+    before = (mod.stats.loaded, mod.stats.built)
     cfg: ModelConfig = model.config
     d = cfg.d_model
     need = (lambda op: True) if ops is None else (lambda op: op in ops)
@@ -370,6 +371,9 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
         embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
         layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm, nbytes=total[0])
     _live[id(prepared)] = prepared
+    # what a warm load saved is visible (only the time showed a cache hit)
+    log.info("npu: %d subgraph models read from the graph cache, %d built", mod.stats.loaded - before[0],
+             mod.stats.built - before[1])
     return prepared
 
 
