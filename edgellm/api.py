@@ -840,12 +840,14 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     eng.load_rss_mb = peak_rss_mb()
     eng.prefault = paging
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
-    eng.precision_plan, eng.quality_guard = pplan, guard
     if guard is not None and not _guard_can_switch(runner):
-        log.warning("quality guard: its switches change nothing with this placement: decode's matmuls run on "
-                    "units without a choice of compute precision (%s) or at fp32 already",
-                    ", ".join(sorted({runner._ops["decode"][op][0].__name__.rsplit(".", 1)[-1]
-                                      for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down")})))
+        # off, not kept logging switches "to fp32" that changed nothing (a helper's probe)
+        log.warning("quality guard: its switches change nothing with this placement: decode's matmuls (%s) "
+                    "compute at fp32 already, or on units without a choice of compute precision; the guard "
+                    "is off", ", ".join(sorted({runner._ops["decode"][op][0].__name__.rsplit(".", 1)[-1]
+                                                for op in ("qkv", "attn_out", "ffn_gate_up", "ffn_down")})))
+        guard = None
+    eng.precision_plan, eng.quality_guard = pplan, guard
     return eng
 
 
