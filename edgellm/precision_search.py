@@ -8,8 +8,11 @@ predicted time on the fastest unit that can run it at that weight format and com
 The search starts from the `quality` plan (file weights, fp32 compute) and is greedy: each step
 takes, among all (layer, op) sites, the one change (a cheaper weight format, or int8 activations)
 with the most predicted time saved per nat of KL added, while the summed KL stays within the
-budget. Summing per-site KLs assumes their errors add; `verify` measures the plan end to end so
-that assumption is checked, not trusted.
+budget (SEARCH_MARGIN of it: the rest absorbs what the sum misses). Summing per-site KLs
+assumes their errors add; `verify` measures the plan end to end so that assumption is checked,
+not trusted. When whole plans can be predicted, the search runs a second time from every layer
+matmul's int8 activations (if their KL fits), which one site at a time never reaches, and keeps
+the faster of the two results.
 
 A site is changed only when the change saves time: an error that buys nothing is not taken.
 Per-op savings are estimates: they do not see whole-model effects (a unit's fused decode step
@@ -40,6 +43,7 @@ from .sensitivity import mean_kl  # noqa: F401 (verify's measure; part of this m
 OBJECTIVES = ("ttft", "decode")
 SEARCH_OPS = ("qkv", "attn_out", "ffn_gate_up", "ffn_down", "lm_head")
 KL_FLOOR = 1e-7     # a measured KL at or below this (noise, or negative by rounding) counts as this
+SEARCH_MARGIN = 0.95   # the share of the budget the summed KL may take (search says why)
 
 log = logging.getLogger("edgellm")
 
@@ -152,8 +156,47 @@ def search(sens, times: dict[str, dict[tuple[str, str], float]], budget_kl: floa
         kl = {k: v for k, v in kl.items() if k[1:3] != ("lm_head", "weights")}
     sites = [(i, op) for i in range(n_layers) for op in SEARCH_OPS if op != "lm_head" and op in times]
     sites += [(None, "lm_head")] if "lm_head" in times else []
+    if predict is None:
+        predict = getattr(times, "predict", None)
+    # the summed KL may use SEARCH_MARGIN of the budget: verify measured 0.91-1.06x the sum, and
+    # a plan that fills 99.8% of it was then refused at most budgets (a helper's probe)
+    room = budget_kl * SEARCH_MARGIN
+    quality = {s: ("gguf", "fp32") for s in sites}
+    spent, changes = _greedy(sites, quality, 0.0, [], kl, times, formats, room)
+    if predict is None:
+        plan = build_plan(_apply(sites, changes), objective, budget_kl, spent)
+        return SearchResult(plan, tuple(changes), spent, budget_kl, objective, sum(c.saved_ms for c in changes))
+    res = _best_prefix(sites, changes, predict, objective, budget_kl)
+    # One layer's int8 activations alone may save nothing (a unit's fused decode step runs int8
+    # in every layer or in none), so the greedy steps never took them where `balanced` was
+    # predicted faster within the budget (a helper's probe). The search also starts from every
+    # site's int8 activations, when their KL fits, and keeps the faster result.
+    int8 = [Change(s[0], s[1], "activations", "int8", kl[(s[0], s[1], "activations", "int8")],
+                   times[s[1]][("gguf", "fp32")] - times[s[1]][("gguf", "int8")])
+            for s in sites if s[1] != "lm_head" and (s[0], s[1], "activations", "int8") in kl]
+    if int8 and math.fsum(c.kl for c in int8) <= room:
+        start = _apply(sites, int8)
+        spent2, changes2 = _greedy(sites, start, math.fsum(c.kl for c in int8), list(int8), kl, times, formats,
+                                   room)
+        res2 = _best_prefix(sites, changes2, predict, objective, budget_kl)
+        if res2.predicted_ms < res.predicted_ms or (res2.predicted_ms == res.predicted_ms
+                                                    and res2.predicted_kl < res.predicted_kl):
+            return res2
+    return res
+
+
+def _apply(sites, changes) -> dict:
+    """The (weights, compute) of every site after `changes`, from quality's."""
     state = {s: ("gguf", "fp32") for s in sites}
-    spent, changes = 0.0, []
+    for c in changes:
+        w, a = state[(c.layer, c.op)]
+        state[(c.layer, c.op)] = (c.format, a) if c.kind == "weights" else (w, "int8")
+    return state
+
+
+def _greedy(sites, state, spent, changes, kl, times, formats, room):
+    """Greedy steps from `state` (see the module doc) while the summed KL stays within room."""
+    state = dict(state)
     while True:
         best = None
         for site in sites:
@@ -164,7 +207,7 @@ def search(sens, times: dict[str, dict[tuple[str, str], float]], budget_kl: floa
             for kind, fmt, new in moves:
                 k = kl.get((site[0], site[1], kind, fmt))
                 saved = t_now - times[site[1]][new]
-                if k is None or not saved > 0 or not spent + k <= budget_kl:
+                if k is None or not saved > 0 or not spent + k <= room:
                     continue
                 score = saved / k
                 if best is None or score > best[0]:
@@ -175,12 +218,7 @@ def search(sens, times: dict[str, dict[tuple[str, str], float]], budget_kl: floa
         state[site] = new
         spent += k
         changes.append(Change(site[0], site[1], kind, fmt, k, saved))
-    if predict is None:
-        predict = getattr(times, "predict", None)
-    if predict is None:
-        plan = build_plan(state, objective, budget_kl, spent)
-        return SearchResult(plan, tuple(changes), spent, budget_kl, objective, sum(c.saved_ms for c in changes))
-    return _best_prefix(sites, changes, predict, objective, budget_kl)
+    return spent, changes
 
 
 def _best_prefix(sites, changes: list[Change], predict: Callable[[PrecisionPlan], float], objective: str,
@@ -188,12 +226,8 @@ def _best_prefix(sites, changes: list[Change], predict: Callable[[PrecisionPlan]
     """Of the greedy order's prefixes (the empty one is `quality`), the one the whole-plan
     predictor finds fastest; on a tie, the shorter (less KL for the same time)."""
     def plan_of(n: int) -> tuple[PrecisionPlan, float]:
-        state = {s: ("gguf", "fp32") for s in sites}
-        for c in changes[:n]:
-            w, a = state[(c.layer, c.op)]
-            state[(c.layer, c.op)] = (c.format, a) if c.kind == "weights" else (w, "int8")
         kl = math.fsum(c.kl for c in changes[:n])
-        return build_plan(state, objective, budget_kl, kl), kl
+        return build_plan(_apply(sites, changes[:n]), objective, budget_kl, kl), kl
 
     q_ms = predict(plan_of(0)[0])
     full_plan, full_kl = plan_of(len(changes))

@@ -113,3 +113,38 @@ def test_plan_cli_precision_preset_and_unknown(tmp_path, monkeypatch):
     assert ops[("decode", "ffn_down")]["precision"] == "int8"
     bad = CliRunner().invoke(app, ["plan", "--model", tm.path, "--precision", "turbo"])
     assert bad.exit_code == 1 and "turbo" in bad.output and "quality" in bad.output
+
+
+def test_search_also_starts_from_int8_activations_everywhere():
+    """One layer's int8 activations may save nothing alone (a fused decode step runs int8 in every
+    layer or none), so the greedy steps never took them, and the search returned a plan that
+    `balanced` (all int8) beat in predicted time and KL (a helper's probe, default device). It
+    also starts from every site's int8 activations when their KL fits, and keeps the faster;
+    and its summed KL keeps SEARCH_MARGIN of the budget free (a plan that filled 99.8% of it
+    failed verification at most budgets)."""
+    from edgellm.precision_search import SEARCH_MARGIN
+    from edgellm.sensitivity import Entry, Sensitivity
+
+    ops = ("qkv", "attn_out", "ffn_gate_up", "ffn_down")
+    entries = tuple(Entry(li, op, kind, fmt, 0.01 if kind == "weights" else 0.001, 30.0)
+                    for li in (0, 1) for op in ops for kind, fmt in (("weights", "q4_0"), ("activations", "int8")))
+    sens = Sensitivity("m", "c", 2, 64, ("q4_0",), ops, ("int8",), entries)
+
+    class Times(dict):
+        @staticmethod
+        def predict(plan):        # 10 ms a site, 1 saved by q4_0; half the time off when all run int8
+            sites = [(li, op) for li in (0, 1) for op in ops]
+            ms = sum(10.0 - (plan.weight_format(li, op, 2) == "q4_0") for li, op in sites)
+            all8 = all(plan.resolve(li, op, "decode", 2).compute == "int8" for li, op in sites)
+            return ms / 2 if all8 else ms
+
+    times = Times({op: {("gguf", "fp32"): 10.0, ("q4_0", "fp32"): 9.0, ("gguf", "int8"): 10.0, ("q4_0", "int8"): 9.0}
+                   for op in ops})
+    res = search(sens, times, 0.05, "decode", 2, ("q4_0",))
+    assert all(res.plan.resolve(li, op, "decode", 2).compute == "int8" for li in (0, 1) for op in ops)
+    assert res.predicted_ms < Times.predict(build_plan({(li, op): ("q4_0" if i < 4 else "gguf", "fp32")
+                                                       for i, (li, op) in enumerate((li, op) for li in (0, 1)
+                                                                                    for op in ops)},
+                                                      "decode", 0.05, 0.04))
+    assert res.predicted_kl <= 0.05 * SEARCH_MARGIN
+    assert sum(c.kind == "weights" for c in res.changes) == 3      # 0.008 of int8, then 3 x 0.01 within 0.0475
