@@ -834,11 +834,10 @@ def info(model: Optional[str] = typer.Argument(None, help="GGUF file path or reg
          ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size for the memory estimate (default "
                                            "2048, or the model's trained context when shorter)")):
     """Architecture, hyperparameters, tensor types, file size and memory needed."""
+    from .api import DEFAULT_CTX
     from .errors import ConfigError
     from .model.loader import open_model
     from .model.registry import resolve_model
-
-    from .api import DEFAULT_CTX
 
     if ctx is not None and ctx < 1:
         raise ConfigError(f"--ctx must be >= 1, got {ctx}")
@@ -1057,9 +1056,10 @@ def plan(
         typer.echo(f"edgellm: warning: --ctx {n_ctx} is above {mf.config.name}'s trained context: using "
                    f"{trained}", err=True)
         n_ctx = trained
-    if prompt_tokens is None:   # (a prompt leaves the context one position: `run` refuses it otherwise)
+    # `run` refuses a prompt that fills the context (no position is left for the first token):
+    # the default leaves one, and a longer one is refused here too
+    if prompt_tokens is None:
         prompt_tokens = max(1, min(512, n_ctx - 1))
-    # `run` refuses a prompt that fills the context: no position is left for the first token
     if prompt_tokens >= n_ctx:
         why = "`run` would refuse the prompt (ContextFull: it must leave a position for the first token)"
         if prompt_tokens >= trained:

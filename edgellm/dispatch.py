@@ -336,6 +336,10 @@ class Dispatcher:
         rows = 1 if phase == "prefill" else tokens
         return ACT_BYTES * rows * self.cfg.vocab_size
 
+    def _out_bytes(self, tokens: int, end_bytes: float | None) -> float:
+        """What a chain hands to its end unit: end_bytes, by default the residual stream's rows."""
+        return ACT_BYTES * tokens * self.cfg.d_model if end_bytes is None else end_bytes
+
     def _chain(self, ops, phase, tokens, context, start: str, end: str | None, end_bytes: float | None = None):
         """Best units for an op chain whose input lives on `start` (and, if `end`, whose output
         must end there: end_bytes of it, by default the residual stream's rows). Returns (total ms,
@@ -357,7 +361,7 @@ class Dispatcher:
                 nxt[u] = min(cands, key=lambda c: c[0])
             best = nxt
         if end is not None:
-            h = ACT_BYTES * tokens * self.cfg.d_model if end_bytes is None else end_bytes
+            h = self._out_bytes(tokens, end_bytes)
             best = {u: (ms + handoff_ms(self.unit(u), self.unit(end), h), path) for u, (ms, path) in best.items()}
         ms, path = min(best.values(), key=lambda c: c[0])
         return ms, path, opts
@@ -382,8 +386,7 @@ class Dispatcher:
             ms += handoff_ms(self.unit(prev), self.unit(u), self._in_bytes(op, tokens, phase)) + ok[u].ms
             prev = u
         if end is not None:
-            ms += handoff_ms(self.unit(prev), self.unit(end),
-                             ACT_BYTES * tokens * self.cfg.d_model if end_bytes is None else end_bytes)
+            ms += handoff_ms(self.unit(prev), self.unit(end), self._out_bytes(tokens, end_bytes))
         return ms
 
     def place(self, phase: str, tokens: int, context: int) -> PhasePlan:
@@ -670,8 +673,7 @@ class Dispatcher:
                 ms += e.ms + handoff_ms(self.unit(prev), u, self._in_bytes(op, tokens, plan.phase))
                 prev = u.name
             if end is not None:
-                ms += handoff_ms(self.unit(prev), self.unit(end),
-                                 ACT_BYTES * tokens * self.cfg.d_model if end_bytes is None else end_bytes)
+                ms += handoff_ms(self.unit(prev), self.unit(end), self._out_bytes(tokens, end_bytes))
             return ms
 
         home = by_op[lops[-1].name]

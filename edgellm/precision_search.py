@@ -161,8 +161,7 @@ def search(sens, times: dict[str, dict[tuple[str, str], float]], budget_kl: floa
     # the summed KL may use SEARCH_MARGIN of the budget: verify measured 0.91-1.06x the sum, and
     # a plan that fills 99.8% of it was then refused at most budgets (a helper's probe)
     room = budget_kl * SEARCH_MARGIN
-    quality = {s: ("gguf", "fp32") for s in sites}
-    spent, changes = _greedy(sites, quality, 0.0, [], kl, times, formats, room)
+    spent, changes = _greedy(sites, _apply(sites, ()), 0.0, [], kl, times, formats, room)
     if predict is None:
         plan = build_plan(_apply(sites, changes), objective, budget_kl, spent)
         return SearchResult(plan, tuple(changes), spent, budget_kl, objective, sum(c.saved_ms for c in changes))
@@ -175,9 +174,8 @@ def search(sens, times: dict[str, dict[tuple[str, str], float]], budget_kl: floa
                    times[s[1]][("gguf", "fp32")] - times[s[1]][("gguf", "int8")])
             for s in sites if s[1] != "lm_head" and (s[0], s[1], "activations", "int8") in kl]
     if int8 and math.fsum(c.kl for c in int8) <= room:
-        start = _apply(sites, int8)
-        spent2, changes2 = _greedy(sites, start, math.fsum(c.kl for c in int8), list(int8), kl, times, formats,
-                                   room)
+        _, changes2 = _greedy(sites, _apply(sites, int8), math.fsum(c.kl for c in int8), list(int8), kl, times,
+                              formats, room)
         res2 = _best_prefix(sites, changes2, predict, objective, budget_kl)
         if res2.predicted_ms < res.predicted_ms or (res2.predicted_ms == res.predicted_ms
                                                     and res2.predicted_kl < res.predicted_kl):
