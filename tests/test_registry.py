@@ -319,3 +319,60 @@ def test_a_folder_in_place_of_the_model_is_replaced_by_the_pull(fake):
     dest = R.model_path(entry)
     (dest / "sub").mkdir(parents=True)
     assert R.resolve_model("tiny-test").read_bytes() == payload
+
+
+def test_a_run_removes_a_dead_pulls_leftovers(fake, monkeypatch):
+    """A pull killed mid-way (SIGKILL of `pull --force` over a good model) left a 48 MB part file
+    and its wheel folder, which only a later pull removed: three runs kept them (a helper's probe
+    of the first run). Resolving the model removes dead writers' leftovers too."""
+    import subprocess
+    import sys
+
+    entry, payload, _ = fake
+    dest = R.model_path(entry)
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(payload)
+    assert R.resolve_model("tiny-test") == dest      # verified and recorded: the next runs write nothing
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    part = dest.parent / f".{entry.filename}.pid{dead}.q1.part"
+    part.write_bytes(b"x" * 1000)
+    work = dest.parent / f".pull-pid{dead}-abc"
+    work.mkdir()
+    (work / "w.whl").write_bytes(b"w")
+    mine = dest.parent / f".{entry.filename}.pid{os.getpid()}.q2.part"    # a live writer's: kept
+    mine.write_bytes(b"m")
+    assert R.resolve_model("tiny-test") == dest
+    assert not part.exists() and not work.exists() and mine.exists()
+
+
+def test_a_verified_marker_that_is_no_file_heals(fake, monkeypatch):
+    """A FIFO (or a folder) at the model's .verified marker made every run warn 'cannot record
+    its check' and hash the model again, `pull --force` too; the marker's path is cleared first."""
+    entry, payload, _ = fake
+    dest = R.model_path(entry)
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(payload)
+    os.mkfifo(R._verified_file(dest))
+    assert R.resolve_model("tiny-test") == dest            # hashed once, and recorded this time
+    assert R._verified_file(dest).is_file()
+    monkeypatch.setattr(R, "_sha256_file", _must_not_run)
+    assert R.resolve_model("tiny-test") == dest
+
+
+def test_a_pip_failure_keeps_its_cause_last(fake, monkeypatch):
+    """A full disk during pip's copy printed 'ERROR: Exception:' and then stdout's 'Processing'
+    line: the cause, stderr's last line (OSError: [Errno 28] No space left on device), was cut
+    (a helper's probe). stderr goes last, so the cause is kept."""
+    entry, _, _ = fake
+
+    class R_:
+        returncode = 2
+        stdout = "Processing ./wheels/x.whl\n"
+        stderr = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x\", line 1\n"
+                  "OSError: [Errno 28] No space left on device\n")
+
+    monkeypatch.setattr(R.subprocess, "run", lambda *a, **k: R_())
+    with pytest.raises(PullError) as ei:
+        R.pull("tiny-test")
+    assert str(ei.value).rstrip().endswith("OSError: [Errno 28] No space left on device"), str(ei.value)

