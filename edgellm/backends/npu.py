@@ -85,6 +85,14 @@ def _providers() -> tuple[str, ...]:
     return tuple(npu.onnx_providers) if npu is not None else ("CPUExecutionProvider",)
 
 
+def _usable_providers() -> list[str]:
+    """The profile's ONNX Runtime providers this onnxruntime has, in the profile's order."""
+    import onnxruntime as ort
+
+    have = set(ort.get_available_providers())
+    return [p for p in _providers() if p in have]
+
+
 def _delegate() -> str | None:
     npu = _state["profile_npu"]
     return npu.tflite_delegate if npu is not None else None
@@ -118,7 +126,7 @@ def _choose_runtime() -> tuple[object | None, str]:
             import onnxruntime as ort
 
             have = set(ort.get_available_providers())
-            usable = [p for p in _providers() if p in have]
+            usable = _usable_providers()
             if not usable:
                 reasons.append(f"onnx: none of the profile's providers {list(_providers())} is in this "
                                f"onnxruntime (it has {sorted(have)})")
@@ -224,10 +232,7 @@ def _cpu_kernels_only(mod) -> str | None:
     """What runs the subgraphs when the chosen runtime reaches no accelerator (ONNX Runtime with
     CPU providers only, LiteRT without a delegate), else None."""
     if mod.__name__.endswith("npu_onnx"):
-        import onnxruntime as ort
-
-        have = set(ort.get_available_providers())
-        usable = [p for p in _providers() if p in have]
+        usable = _usable_providers()
         return f"ONNX Runtime's CPU kernels ({', '.join(usable)})" if set(usable) <= set(_CPU_PROVIDERS) else None
     return None if _delegate() else "LiteRT's CPU kernels (no delegate)"
 
