@@ -79,13 +79,6 @@ static el_xq el_xq_layout(void *scratch, int M, int nb) {
 /* Both twins compute d, 1/d and the rounding identically (nearest even: vcvtnq / nearbyintf in
  * the default rounding mode), so they produce the same int8 blocks bit for bit; test differences
  * between the twins then come from the kernels alone. */
-static void el_quant_row_generic(const float *x, int8_t *q, float *d, float *s, int nb);
-
-/* A block whose 1/d is not finite (|x| below ~3.7e-37 everywhere, or a NaN) takes the generic
- * twin's clamped form in the SIMD rows too: their int32 conversions saturate to +-2^31 there,
- * and summing those overflowed (undefined; the generic twin sums the clamped int8 values) */
-#define EL_QUANT_ID_OK(id) ((id) <= 3.0e38f)
-
 static void el_quant_row_generic(const float *x, int8_t *q, float *d, float *s, int nb) {
     for (int b = 0; b < nb; b++, x += QK, q += QK) {
         float amax = 0.0f;
@@ -109,6 +102,11 @@ static void el_quant_row_generic(const float *x, int8_t *q, float *d, float *s, 
         s[b] = db * (float)sum;
     }
 }
+
+/* A block whose 1/d is not finite (|x| below ~3.7e-37 everywhere, or a NaN) takes the generic
+ * twin's clamped form in the SIMD rows too: their int32 conversions saturate there, and summing
+ * those overflowed (undefined; the generic twin sums the clamped int8 values) */
+#define EL_QUANT_ID_OK(id) ((id) <= 3.0e38f)
 
 /* (x86 AVX2 builds quantize with el_quant_row_avx2 below; this twin still compiles there) */
 static __attribute__((unused)) void el_quant_row_neon(const float *x, int8_t *q, float *d, float *s, int nb) {
