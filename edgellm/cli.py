@@ -276,7 +276,8 @@ class Progress:
             return
         self.last[stage] = pct
         label = {"pull": "downloading model", "prepare": "preparing weights"}.get(stage, stage)
-        size = f" ({done / 2**20:.0f}/{total / 2**20:.0f} MiB)" if stage == "pull" else ""
+        # (done is the pull's share in GGUF bytes, not bytes received: the size said is the total)
+        size = f" of {total / 2**20:.0f} MiB" if stage == "pull" else ""
         end = "\n" if done >= total or not self.tty else ""
         sys.stderr.write(f"\r{label}: {pct:3d}%{size}" + end)
         sys.stderr.flush()

