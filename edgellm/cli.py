@@ -917,6 +917,10 @@ def bench(
         raise ConfigError(f"--short-tokens must be >= 1, got {short_tokens}")
     if concurrent and not (math.isfinite(delay_ms) and delay_ms >= 0):
         raise ConfigError(f"--delay-ms must be a finite number >= 0, got {delay_ms}")
+    if concurrent and short_tokens >= max(lengths):
+        # (a 4000-token "short" request after a 16-token "long" one ran for 46 s and reported a ratio)
+        raise ConfigError(f"--short-tokens ({short_tokens}) must be fewer than the long request's --prompt-tokens "
+                          f"({max(lengths)}): --concurrent measures a short request arriving during a long prefill")
     json_path = check_out_path(json_path, "--json", replaces=JSON_FILE)
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
     eng = _load(model, max(2048, need), threads, device=device, units=units, precision=precision)

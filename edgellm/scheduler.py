@@ -4,8 +4,11 @@ Each loop iteration gives every request that is decoding one step, then runs one
 of one request still in prefill: the highest priority first, then the one with the fewest prompt
 tokens left (shortest-remaining-first minimises mean time-to-first-token), then the oldest. So a
 short chat turn that arrives during a long prefill waits for at most one chunk, not the whole
-prompt. policy="fifo" runs requests one after another instead (the baseline `bench --concurrent`
-compares against).
+prompt. Within a priority a prefill passed over for STARVE_S goes next (the one passed over
+longest first): under a stream of short requests a long prompt got no chunk at all (a helper's
+probe: 14 s, until the stream stopped). Priorities are strict: lower ones wait while higher ones
+have work. policy="fifo" runs requests one after another instead (the baseline `bench
+--concurrent` compares against).
 
 Requests come from any thread; only the worker steps them. The engine's own calls from other
 threads (generate, stream, warm) take turns with the worker a step at a time (Engine.turn), outside
@@ -16,7 +19,10 @@ plus max_tokens beside what the running requests may still take, counted in bloc
 were shared; otherwise it waits, in priority order, for one to finish. Started all at once,
 requests that each fit alone ran each other out of room: the oldest stopped mid-answer with
 stop_reason "context_full" and a later one raised ContextFull. One that does not fit even alone
-runs alone, as it would on the engine. Only this Scheduler's requests are counted: another
+runs alone, as it would on the engine. What is reserved is max_tokens, not what a request will
+use: one with a large max_tokens can hold the whole pool, and every other request, whatever its
+priority, then waits for it to finish (give a request the max_tokens its answer needs). Only
+this Scheduler's requests are counted: another
 Scheduler, or Engine.generate from another thread, on the same engine can still run them out of
 room (one Scheduler per engine). A ring store (kv="ring") runs one request at a time: each
 sequence on it opens a window of its own, which load() counted once (40 queued requests took
@@ -68,6 +74,7 @@ class _Job:
         self.t_tok = 0.0                    # when tokenization ended (the Generation's clock)
         self.tokenize_ms = 0.0
         self.blocks = 0                     # KV blocks it may take: prompt + max_tokens (admission)
+        self.last_chunk = 0.0               # when its prefill last got a chunk (or started)
 
     @property
     def stats(self) -> GenerationStats:
@@ -128,8 +135,11 @@ class Request:
     """A handle to one submitted request: stream() its text, result(), cancel(), stats. When the
     app drops every handle (this object and its stream() iterators), the request is cancelled."""
 
-    def __init__(self, job: _Job):
+    def __init__(self, job: _Job, scheduler: "Scheduler"):
         self._job = job
+        # a handle keeps its Scheduler: one created in a helper function and dropped there was
+        # collected, and its finaliser cancelled the requests the app still held (result() '')
+        self._scheduler = scheduler
         weakref.finalize(self, job.cancel)
 
     id = property(lambda self: self._job.id)
@@ -211,7 +221,7 @@ class Scheduler:
         cfg = generation_config(**kwargs)
         job = _Job(next(self._ids), priority, prompt if prompt is not None else messages, messages is not None, cfg)
         self._worker.add(job)
-        return Request(job)
+        return Request(job, self)
 
     def close(self, cancel: bool = True) -> None:
         """Stop the worker (cancelling what is left, unless cancel=False: then finish it first)."""
@@ -228,6 +238,9 @@ class Scheduler:
 class _Worker:
     """The worker thread's state and loop: each iteration gives every decoding request one step,
     then one prefill chunk to one request still in prefill."""
+
+    # a prefill passed over this long goes before shorter ones of its priority (module doc)
+    STARVE_S = 0.5
 
     def __init__(self, engine, chunk: int, policy: str):
         self.engine, self.chunk, self.policy = engine, chunk, policy
@@ -319,6 +332,7 @@ class _Worker:
             req.gen = Generation(self.engine, req.ids, req.config, req.cancel_token, req.submitted, req.t_tok,
                                  chunk=self.chunk)
             req.gen.stats.tokenize_ms = req.tokenize_ms
+            req.last_chunk = time.perf_counter()
             with self._cv:
                 self._active.append(req)
         except BaseException as e:
@@ -334,9 +348,17 @@ class _Worker:
             todo = [r for r in self._active if not r.gen.in_prefill]
             waiting = [r for r in self._active if r.gen.in_prefill]
             if waiting:
-                todo.append(min(waiting, key=lambda r: (-r.priority, len(r.gen.pending), r.id)))
+                now = time.perf_counter()
+
+                def order(r):
+                    starved = now - r.last_chunk > self.STARVE_S
+                    return -r.priority, not starved, r.last_chunk if starved else len(r.gen.pending), r.id
+
+                todo.append(min(waiting, key=order))
         for req in todo:
             try:
+                if req.gen.in_prefill:
+                    req.last_chunk = time.perf_counter()
                 req._put(req.gen.step())
             except BaseException as e:  # a request's failure must not stop the others
                 req._finish(_as_error(req, e))

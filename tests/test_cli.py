@@ -56,6 +56,8 @@ def test_info_prints_architecture_and_memory(tiny):
      "--delay-ms must be a finite number >= 0, got nan"),
     (["bench", "--model", "TINY", "--prompt-tokens", "8", "--concurrent", "--short-tokens", "0"],
      "--short-tokens must be >= 1, got 0"),
+    (["bench", "--model", "TINY", "--prompt-tokens", "8", "--concurrent", "--short-tokens", "8"],
+     "--short-tokens (8) must be fewer than the long request's --prompt-tokens (8)"),
     (["plan", "--model", "TINY", "--plot", "roofline.txt"], "expected a file ending in .png, .pdf, .svg"),
     (["bench", "--model", "TINY", "--prompt-tokens", "8", "--json", "/nonexistent-dir/b.json"],
      "--json /nonexistent-dir/b.json: the folder /nonexistent-dir does not exist"),

@@ -3,6 +3,7 @@
 40), a bad engine or a non-EdgeLLM exception in tokenization killed the worker (every later
 result() hung), numpy priorities and non-number timeouts."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -129,3 +130,64 @@ def test_close_cancels_a_request_whose_generation_is_being_made(engine, monkeypa
     closer.join(60)
     assert not closer.is_alive()
     assert req.stats.stop_reason == "cancelled" and req.stats.generated_tokens <= 1
+
+
+# -- from a later probe: starvation within a priority, and handles that outlive their Scheduler -----
+
+class _FakeGen:
+    def __init__(self, pending):
+        self.pending, self.done, self.in_prefill = [0] * pending, False, True
+
+    def step(self):
+        self.pending = self.pending[8:]
+        self.in_prefill = bool(self.pending)
+        return None
+
+
+class _FakeJob:
+    def __init__(self, rid, pending, priority=0, passed_over_s=0.0):
+        self.id, self.priority, self.gen = rid, priority, _FakeGen(pending)
+        self.last_chunk = time.perf_counter() - passed_over_s
+
+    def _put(self, piece):
+        pass
+
+
+def _picked(*jobs):
+    """Which prefill the worker gives its next chunk to."""
+    from edgellm.scheduler import _Worker
+
+    w = _Worker(None, 8, "interleave")
+    w._active = list(jobs)
+    before = {j.id: len(j.gen.pending) for j in jobs}
+    w._tick()
+    return [j.id for j in jobs if len(j.gen.pending) != before[j.id]]
+
+
+def test_a_prefill_passed_over_too_long_goes_next_within_its_priority():
+    """Shortest-remaining-first gave a long prompt no chunk while short requests kept coming (a
+    probe: 14 s, until the stream stopped). One passed over for STARVE_S now goes next."""
+    from edgellm.scheduler import _Worker
+
+    late = _Worker.STARVE_S + 0.5
+    assert _picked(_FakeJob(1, 700), _FakeJob(2, 5)) == [2]                       # shortest first
+    assert _picked(_FakeJob(1, 700, passed_over_s=late), _FakeJob(2, 5)) == [1]   # unless starved
+    assert _picked(_FakeJob(1, 700, passed_over_s=late), _FakeJob(2, 600, passed_over_s=late + 1),
+                   _FakeJob(3, 5)) == [2]                                         # the longest wait first
+    # priorities stay strict: a starved lower-priority prefill still waits
+    assert _picked(_FakeJob(1, 700, passed_over_s=late), _FakeJob(2, 5, priority=1)) == [2]
+
+
+def test_a_request_keeps_its_scheduler(engine):
+    """A Scheduler made in a helper function and dropped there was collected while the app held
+    its requests: the finaliser cancelled them, and result() gave '' (stop_reason 'cancelled')."""
+    import gc
+
+    def ask(prompts):
+        s = Scheduler(engine)
+        return [s.submit(p, **GREEDY) for p in prompts]
+
+    reqs = ask(["hello world", "abc def"])
+    gc.collect()
+    assert all(r.result(timeout=60) for r in reqs)
+    assert [r.stats.stop_reason for r in reqs] == ["max_tokens", "max_tokens"]
