@@ -366,8 +366,8 @@ class Engine:
         if not ids:
             raise ConfigError("warm needs a non-empty text")
         if len(ids) >= self.n_ctx:
-            raise ContextFull(f"warm: the text has {len(ids)} tokens but the context holds {self.n_ctx} "
-                              f"(raise n_ctx / --ctx)")
+            raise ContextFull(f"warm: the text has {len(ids)} tokens but must be shorter than the context "
+                              f"({self.n_ctx} tokens), to leave a position for what follows it (raise n_ctx / --ctx)")
         with self.turn():
             seq, n = self._open_sequence(ids)
             try:

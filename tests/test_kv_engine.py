@@ -54,7 +54,7 @@ def test_a_warm_that_does_not_fit_keeps_nothing_and_the_engine_usable(tiny_path)
     want = e.generate(text_of(e, 30, seed=4), max_tokens=6, **GREEDY)
     e.clear_cache()
     free0 = pool.free_blocks
-    with pytest.raises(ContextFull, match="warm: the text has 3.. tokens but the context holds 256"):
+    with pytest.raises(ContextFull, match=r"warm: the text has 3.. tokens but must be shorter than the context \(256 tokens\)"):
         e.warm(text_of(e, 300, seed=5))
     it = e.stream(text_of(e, 150, seed=6), max_tokens=50, **GREEDY)
     next(it)                                          # a live request holding ~10 of 16 blocks

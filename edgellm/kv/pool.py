@@ -213,7 +213,8 @@ class KVPool:
             err = ContextFull(
                 f"KV pool full: {n} more blocks of {self.block_tokens} tokens needed, "
                 f"{len(self._free)} free + {len(self._evictable)} evictable of {self.n_blocks} "
-                f"(the rest are held by live sequences; raise n_ctx / the pool size or end a request)")
+                f"(the rest are held by open sequences: running requests, this one included, and the "
+                f"conversation the engine keeps for its next turn; raise n_ctx / the pool size or end a request)")
             err.needed_blocks, err.free_blocks = n, len(self._free) + len(self._evictable)
             err.block_tokens, err.n_blocks = self.block_tokens, self.n_blocks
             raise err
@@ -362,7 +363,25 @@ class PoolSequence:
         first, end = self._n // bt, -(-(self._n + n_new) // bt)
         cow = [i for i in range(first, min(end, len(table))) if not self._writable(table[i])]
         missing = max(0, end - len(table))
-        fresh = pool._alloc(len(cow) + missing)
+        need, have = len(cow) + missing, len(pool._free) + len(pool._evictable)
+        if cow and have < need:
+            # A copied block this sequence alone holds is given back by the copy: one copy at a
+            # time (those first), then the new blocks, fit in a pool one block short of asking
+            # for all at once. (A prompt one token past a cached block, on an engine with no
+            # other request and a pool of one context, was refused: ContextFull.)
+            own = [i for i in cow if pool._ref[table[i]] == 1]
+            if have == 0 or have + len(own) < need:
+                pool._alloc(need)   # raises ContextFull, changing nothing
+            pool._live.add(self)
+            for i in own + [i for i in cow if i not in own]:
+                b = pool._alloc(1)[0]
+                pool._copy_block(table[i], b)
+                pool._decref(table[i])
+                table[i] = b
+            table.extend(pool._alloc(missing))
+            self._tbl = None
+            return
+        fresh = pool._alloc(need)
         pool._live.add(self)
         for i in cow:
             b = fresh.pop()
