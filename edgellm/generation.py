@@ -78,7 +78,9 @@ class Generation:
         # the chain decode runs pick with, and why they cannot pick as the sampler does (or None)
         self._chain, self._no_runs = self.sampler.run_chain()
         self.stopper = StopChecker(cfg.stop)
-        self.decoder = engine.tokenizer.decoder()
+        # generated control tokens (<|im_start|>, <|im_end|> past ignore_eos) give no text, as in
+        # llama.cpp's completions (token_to_piece with special=False): they showed as text
+        self.decoder = engine.tokenizer.decoder(skip_special=True)
         self.history = list(ids)
         self.last_tok: int | None = None
         self.t_first: float | None = None
