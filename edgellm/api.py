@@ -31,6 +31,7 @@ from .kv.ring import RingKV
 from .kv.session_file import MAX_HEADER_BYTES, foreign_file, read_session, write_session
 from .kv.store import KVConfig, make_store
 from .model.gguf_file import file_memmap
+from .model.chat_plain import RenderedChat, render_plain
 from .model.loader import ModelFile, open_model
 from .model.prefault import enabled_by_env
 from .model.prefault import start as start_prefault
@@ -246,8 +247,17 @@ class Engine:
         """The prompt text the model's chat template makes of `messages` ([{"role": "system" |
         "user" | "assistant", "content": str}, ...]), ending with the assistant's turn opened:
         what chat() tokenizes (its BOS text included where the template writes one). A message
-        list the template cannot take is a ConfigError naming what is wrong."""
-        return self.template.render(ChatTemplate.check_conversation(messages))
+        list the template cannot take is a ConfigError naming what is wrong. The text knows
+        where the contents lie: tokenized as it is (generate(render_chat(...)) too), a
+        special token's text inside a content stays text (model/chat_plain.py)."""
+        return self._render_chat(ChatTemplate.check_conversation(messages))
+
+    def _render_chat(self, messages: list) -> RenderedChat:
+        return render_plain(messages, self.template.render, self._special_texts)
+
+    @property
+    def _special_texts(self) -> list[str]:
+        return [t for t, _ in self.tokenizer._special]
 
     # -- generation ----------------------------------------------------------------------------
     def cancel(self) -> None:
@@ -274,7 +284,7 @@ class Engine:
         rendered inside the TTFT clock, as part of tokenization."""
         cfg = generation_config(config, **kwargs)
         messages = ChatTemplate.check_conversation(messages)   # (a copy: what the app changes later stays out)
-        return self._stream(lambda: self.template.render(messages), cfg, self._cancel_token(cancel))
+        return self._stream(lambda: self._render_chat(messages), cfg, self._cancel_token(cancel))
 
     def _cancel_token(self, cancel: CancelToken | None) -> CancelToken:
         """The request's token: the caller's as it is (one cancelled before the request starts

@@ -286,7 +286,8 @@ class Tokenizer:
         add_bos None is the model's default (tokenizer.ggml.add_bos_token, else llama.cpp's
         default for the vocabulary), which is what llama_tokenize(add_special=True) does;
         True/False force it. With parse_special the texts of control tokens (``<|im_start|>``)
-        become those tokens; user-defined tokens are always matched whole, as in llama.cpp.
+        become those tokens, except inside the plain_spans of a rendered chat (chat_plain:
+        its messages' contents); user-defined tokens are always matched whole, as in llama.cpp.
         A model whose file sets tokenizer.ggml.add_eos_token gets EOS appended too, unless
         add_bos is False (llama.cpp's add_special=False).
         """
@@ -301,7 +302,8 @@ class Tokenizer:
         memo, encode = self._memo, self._encoder
         call = memo.new_call()   # (this text's fragments are not evicted to keep its later ones)
         spm = self.model == "llama"
-        for frag in self._partition(text, parse_special):
+        spans = getattr(text, "plain_spans", ()) if parse_special else ()
+        for frag in (self._partition_spans(text, spans) if spans else self._partition(text, parse_special)):
             if isinstance(frag, int):
                 out.append(frag)
                 prev_special = True
@@ -342,6 +344,33 @@ class Tokenizer:
                         new.append(part)
             frags = new
         return frags
+
+    def _partition_spans(self, text: str, spans) -> list[str | int]:
+        """_partition with specials parsed, except control-token texts that overlap a span."""
+        always = {i for _, i in self._special_parse_always}
+        frags: list[tuple[int, str | int]] = [(0, str(text))] if text else []
+        for tok_text, tok_id in self._special:
+            if tok_text not in text:
+                continue
+            new: list[tuple[int, str | int]] = []
+            for off, frag in frags:
+                if isinstance(frag, int):
+                    new.append((off, frag))
+                    continue
+                pos, cut = 0, 0
+                while (i := frag.find(tok_text, pos)) >= 0:
+                    a, b = off + i, off + i + len(tok_text)
+                    if tok_id not in always and any(a < e and s < b for s, e in spans):
+                        pos = i + 1                     # inside a content: stays text
+                        continue
+                    if i > cut:
+                        new.append((off + cut, frag[cut:i]))
+                    new.append((a, tok_id))
+                    pos = cut = i + len(tok_text)
+                if cut < len(frag):
+                    new.append((off + cut, frag[cut:]))
+            frags = new
+        return [f for _, f in frags]
 
     # --- decoding -------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
