@@ -360,8 +360,8 @@ class Engine:
             n -= 1
         return seq, n
 
-    def _close_sequence(self, seq, keep: bool, token_ids=()) -> None:
-        self.kv.close(seq, keep, token_ids)
+    def _close_sequence(self, seq, keep: bool, token_ids=(), cache: bool = False) -> None:
+        self.kv.close(seq, keep, token_ids, cache)
 
     # -- caches and sessions -------------------------------------------------------------------
     def warm(self, text: str) -> int:

@@ -300,5 +300,6 @@ class Generation:
             rest += "" if hit else self.stopper.flush()
         self._set_decode_rate()
         st.peak_rss_mb = peak_rss_mb()
-        self.engine._close_sequence(self.seq, keep=reason not in ("cancelled", "error"), token_ids=self.history)
+        self.engine._close_sequence(self.seq, keep=reason not in ("cancelled", "error"), token_ids=self.history,
+                                    cache=reason == "cancelled")
         return rest

@@ -57,3 +57,22 @@ def test_the_kept_conversation_does_not_cut_a_running_answer_short(model_path):
     assert eng.last_stats.stop_reason == "max_tokens" and eng.last_stats.generated_tokens == 52
     assert got == want
     eng.kv.pool.check()
+
+
+def test_a_cancelled_answer_leaves_its_blocks_for_the_next_turn(model_path):
+    """A chat's next turn after a Ctrl-C holds the answer so far: it found nothing cached and
+    recomputed the whole conversation (148 tokens, 0 cached, in the probe)."""
+    from edgellm.engine import CancelToken
+
+    eng = edgellm.load(model_path, n_ctx=256, threads=1)
+    prompt = text_of(eng, 3 * eng.kv.pool.block_tokens + 5)
+    cancel = CancelToken()
+    pieces = []
+    for piece in eng.stream(prompt, max_tokens=100, cancel=cancel, **GREEDY):
+        pieces.append(piece)
+        if len(pieces) == 5:
+            cancel.cancel()
+    assert eng.last_stats.stop_reason == "cancelled"
+    eng.generate(prompt + "".join(pieces) + " and then", max_tokens=2, **GREEDY)
+    assert eng.last_stats.cached_tokens >= 3 * eng.kv.pool.block_tokens
+    eng.kv.pool.check()

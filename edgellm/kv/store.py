@@ -94,13 +94,18 @@ class PoolStore:
         seq = self.pool.new_sequence()
         return seq, self.prefix.lookup(seq, ids)
 
-    def close(self, seq, keep: bool, token_ids=()) -> None:
+    def close(self, seq, keep: bool, token_ids=(), cache: bool = False) -> None:
+        """keep: the conversation the next turn continues in place; else freed, its full blocks
+        left in the prefix cache with cache (a cancelled answer: a chat's next turn, which
+        holds the answer so far, recomputed the whole conversation: 148 tokens, 0 cached)."""
         if keep and seq.n_tokens:
             self.prefix.register(seq)
             if self.last is not None and self.last is not seq:
                 self.last.free()
             self.last = seq
         else:
+            if cache and seq.n_tokens:
+                self.prefix.register(seq)
             seq.free()
 
     def clear(self) -> None:
@@ -214,7 +219,7 @@ class RingStore:
         self.history = self.history[:0]
         return self.ring, 0
 
-    def close(self, seq, keep: bool, token_ids=()) -> None:
+    def close(self, seq, keep: bool, token_ids=(), cache: bool = False) -> None:
         """token_ids: the prompt and generated ids of the finished request; the ring took the
         first total_tokens of them (the last sampled token is never fed back)."""
         if seq is not self.ring:
