@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 
 from .errors import EdgeLLMError
+from .fileio import read_capped
 from .selftest_cases import write_cases
 
 TARGETS = ("aarch64-linux-gnu", "aarch64-linux-android")
@@ -319,6 +320,17 @@ def stop_on_sigterm():
         signal.signal(signal.SIGTERM, old)
 
 
+# a bundle.json the build writes is ~2 KB
+BUNDLE_JSON_MAX = 1 << 20
+
+
+def read_bundle_json(path: Path) -> bytes:
+    """A bundle.json's bytes, read as a file someone else may have put there: a FIFO in its place
+    hung `build` (and, beside EDGELLM_NEON_LIB, every command) for ever; a link to /dev/zero grew
+    it to 24 GB (a probe). OSError for anything but a regular file of at most BUNDLE_JSON_MAX."""
+    return read_capped(path, BUNDLE_JSON_MAX)
+
+
 def _is_bundle(out: Path) -> bool:
     """An empty folder, or one whose bundle.json is edgellm's (its format, target, variants and
     files) and that holds no folders and no file the bundle does not list: a project folder with
@@ -332,7 +344,7 @@ def _is_bundle(out: Path) -> bool:
     if any(p.is_dir() for p in entries):
         return False
     try:
-        meta = json.loads((out / "bundle.json").read_text())
+        meta = json.loads(read_bundle_json(out / "bundle.json"))
     except (OSError, ValueError):
         return False
     return (isinstance(meta, dict) and meta.get("format") == 1 and isinstance(meta.get("files"), dict)
@@ -396,7 +408,7 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
         file_above = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
         why = f"{file_above} is a file, not a folder" if file_above else (e.strerror or str(e))
         raise ToolchainError(f"cannot write the bundle at {out}: {why}") from None
-    snap = None
+    snap = old = None
     try:
         # the sources as they are now, compiled and hashed from one copy: an edit during the
         # build would otherwise give a hash of sources other than those compiled
@@ -461,20 +473,21 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
         }
         (tmp / "bundle.json").write_text(json.dumps(meta, indent=2) + "\n")
         tmp.chmod(0o755)      # mkdtemp makes it 0700
-        old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
         try:
             os.replace(tmp, out)
-        except OSError:
-            if old is not None:
+        except BaseException:   # (a Ctrl-C between the two renames too: it left no --out at all)
+            if old is not None and not out.exists():
                 os.replace(old, out)       # the previous bundle stays as it was
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and out.exists():   # (stopped after the new bundle went in)
+            shutil.rmtree(old, ignore_errors=True)
         raise
     finally:
         if snap is not None:

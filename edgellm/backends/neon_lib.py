@@ -289,7 +289,8 @@ def bundle_problem(path: str | os.PathLike) -> str | None:
         if not real.is_file():
             return None                 # (elf_check says what it is)
         meta_path = real.parent / "bundle.json"
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        from ..toolchain import read_bundle_json   # (a FIFO or /dev/zero link there: see it)
+        meta = json.loads(read_bundle_json(meta_path))
     except (OSError, ValueError):
         return None                     # no bundle here (or no readable one): nothing to check against
     if not isinstance(meta, dict) or meta.get("format") != 1 or not isinstance(meta.get("files"), dict):

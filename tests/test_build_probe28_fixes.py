@@ -1,0 +1,77 @@
+"""`build` and the library loader read a bundle.json someone else may have put there: a FIFO hung
+`build` and, beside EDGELLM_NEON_LIB, every command; a link to /dev/zero grew the process to 24 GB
+(a probe). A rebuild stopped between its two renames left no bundle at all."""
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from edgellm import toolchain as tc
+from edgellm.backends import neon_lib
+
+
+def _returns_within(fn, seconds=10):
+    out = {}
+
+    def run():
+        try:
+            out["v"] = fn()
+        except BaseException as e:   # noqa: BLE001 - raised again in the test's thread
+            out["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn} did not return within {seconds} s"
+    if "e" in out:
+        raise out["e"]
+    return out["v"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_bundle_json_that_is_not_a_file_is_not_a_bundle(tmp_path, kind):
+    out = tmp_path / "o"
+    out.mkdir()
+    if kind == "fifo":
+        os.mkfifo(out / "bundle.json")
+    else:
+        (out / "bundle.json").symlink_to("/dev/zero")
+    assert _returns_within(lambda: tc._is_bundle(out)) is False
+    with pytest.raises(tc.ToolchainError, match="not an edgellm bundle"):
+        _returns_within(lambda: tc.build_bundle(out=out, variants=["base"], progress=None))
+
+
+def test_a_fifo_beside_the_library_is_no_bundle_to_check(tmp_path):
+    lib = next(Path(neon_lib.__file__).resolve().parent.parent.glob("_neon_base*.so"), None)
+    if lib is None:
+        pytest.skip("the installed library is not built here")
+    copy = tmp_path / "libedgellm_neon_base.so"
+    shutil.copy(lib, copy)
+    os.mkfifo(tmp_path / "bundle.json")
+    assert _returns_within(lambda: neon_lib.bundle_problem(copy)) is None
+
+
+def test_a_rebuild_stopped_between_its_renames_keeps_the_old_bundle(tmp_path, monkeypatch):
+    from tests.test_neon_selftest import _tiny_src
+
+    src = _tiny_src(tmp_path)
+    out = tmp_path / "out"
+    tc.build_bundle(out=out, variants=["base"], src_dir=src, progress=None)
+    before = sorted(p.name for p in out.iterdir())
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        if Path(b) == out and Path(a).name.startswith(".out.tmp-"):
+            calls.append(a)             # the new bundle into place: a Ctrl-C there
+            raise KeyboardInterrupt
+        return real(a, b)
+
+    monkeypatch.setattr(tc.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        tc.build_bundle(out=out, variants=["base"], src_dir=src, progress=None)
+    monkeypatch.setattr(tc.os, "replace", real)
+    assert calls, "the build never got to its last rename"
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"
