@@ -127,3 +127,18 @@ def test_fake_sysfs_of_each_shipped_soc_picks_its_big_cores(tmp_path, device, bi
     assert len(clusters) == len(prof.clusters)
     assert set(select_big(clusters)) == big
     assert set(select_big(prof.clusters)) == big          # the cost model's view agrees
+
+
+def test_plan_warns_when_the_model_does_not_fit_the_devices_memory(tiny, tmp_path):
+    """A profile with 16 KiB of memory got a full prediction and a silent 16 MiB chunk budget
+    (a probe: 64 MiB against a 140 MiB load)."""
+    from edgellm.device.profile_yaml import shipped_profiles_dir
+
+    text = (shipped_profiles_dir() / "rk3588.yaml").read_text().replace("total: 16 GiB", "total: 16 KiB")
+    small = tmp_path / "small.yaml"
+    small.write_text(text)
+    r = runner.invoke(app, ["plan", "--device", str(small), "--model", tiny, "--prompt-tokens", "32"])
+    assert r.exit_code == 0, r.output
+    assert "more than half of" in r.stderr and "may not load there" in r.stderr
+    r = runner.invoke(app, ["plan", "--device", "rk3588", "--model", tiny, "--prompt-tokens", "32"])
+    assert "may not load there" not in r.stderr
