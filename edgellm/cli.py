@@ -1117,9 +1117,12 @@ def profile(
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"cannot make {folder} for the profile: {e.strerror or e}; set --out or "
+            # (a file or a dangling link there said "File exists")
+            why = "it is not a folder" if os.path.lexists(folder) and not folder.is_dir() else e.strerror or e
+            raise ConfigError(f"cannot make {folder} for the profile: {why}; set --out or "
                               f"EDGELLM_HOME") from None
-        check_out_path(folder / "host.yaml", "the profile's default path")
+        # a hand-written host.yaml there is the user's: replaced silently before (--out refused it)
+        check_out_path(folder / "host.yaml", "the profile's default path", replaces=PROFILE_FILE)
     tty = sys.stderr.isatty()
 
     def prog(stage: str, done: int, total: int) -> None:
@@ -1128,11 +1131,21 @@ def profile(
         sys.stderr.write(f"\r{line[:78]:<78}" + ("\n" if done >= total else "") if tty else line + "\n")
         sys.stderr.flush()
 
-    result = measure_host(out, quick=quick, progress=prog)
+    from .device.probes import ProfileNotWritten
+    from .errors import ConfigError
+
+    try:
+        result = measure_host(out, quick=quick, progress=prog)
+    except ProfileNotWritten as e:
+        # (a full disk lost the whole measurement: the error named no file, and printed nothing)
+        typer.echo(e.text, nl=False)
+        raise ConfigError(f"{e}; the measured profile is printed above: save it as a .yaml file, or run "
+                          f"again with --out on another disk") from None
     m = result.profile.measured
     typer.echo(f"memory read bandwidth {m.memory_read_bandwidth / 1e9:.1f} GB/s")
     for name, figs in m.clusters.items():
-        typer.echo(f"cluster {name}: " + ", ".join(f"{p} {f / 1e9:.1f} GFLOPS" for p, f in figs.items()))
+        typer.echo(f"cluster {name}: " + ", ".join(f"{p} {f / 1e9:.1f} G{'OPS' if p.startswith('int') else 'FLOPS'}"
+                                                   for p, f in figs.items()))
     for c in result.profile.clusters:
         typer.echo(f"cluster {c.name}: peak per core " + ", ".join(
             f"{p} {f / 1e9:.0f} G{'OPS' if p.startswith('int') else 'FLOPS'}" for p, f in c.peak_per_core.items()))

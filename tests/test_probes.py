@@ -391,3 +391,65 @@ def test_profile_command_prints_peaks_and_each_cpu_units_share_of_them(tmp_path,
     ref = prof.measured.units["reference"]
     assert probes.gemm_peak_share(prof, "reference", ref) in r.stdout
     assert "unit reference: best GEMM" in r.stdout and "fp32 peak" in r.stdout
+
+
+def test_a_profile_that_cannot_be_written_keeps_its_measurement(tmp_path, monkeypatch):
+    """A full disk at the end lost the whole measurement: '[Errno 28] No space left on device',
+    no file named, nothing printed (a probe). The error now names the file and carries the text,
+    which the CLI prints."""
+    import errno
+
+    from edgellm.device import profile_yaml
+
+    def full(path, data, mode=0o600):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(profile_yaml, "write_atomic", full)
+    out = tmp_path / "host.yaml"
+    with pytest.raises(probes.ProfileNotWritten) as ei:
+        probes.measure_host(out_path=out, quick=True, sizes=TINY)
+    assert str(out) in str(ei.value) and "No space left" in str(ei.value)
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(ei.value.text)
+    assert load_profile(saved).measured.memory_read_bandwidth > 0     # the measurement, whole
+    assert not out.exists()
+
+
+def test_the_cli_prints_a_profile_it_could_not_write(tmp_path, monkeypatch):
+    import errno
+
+    from typer.testing import CliRunner
+
+    from edgellm.cli import app
+
+    def measure(out, quick=False, progress=None):
+        raise probes.ProfileNotWritten(out, "name: host\nsoc: measured\n", OSError(errno.ENOSPC, "No space left on device"))
+
+    monkeypatch.setattr(probes, "measure_host", measure)
+    r = CliRunner().invoke(app, ["profile", "--quick", "--out", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 1
+    assert r.stdout.startswith("name: host\nsoc: measured\n")
+    assert "could not write the profile to" in r.stderr and "printed above" in r.stderr
+
+
+def test_the_default_profile_path_keeps_a_hand_written_file_and_says_what_is_not_a_folder(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from edgellm.cli import app
+
+    def measure(out, quick=False, progress=None):
+        raise AssertionError("measured before the output path was checked")
+
+    monkeypatch.setattr(probes, "measure_host", measure)
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    (tmp_path / "home" / "profiles").mkdir(parents=True)
+    mine = tmp_path / "home" / "profiles" / "host.yaml"
+    mine.write_text("name: host\n# my own figures\n")
+    r = CliRunner().invoke(app, ["profile", "--quick"])
+    assert r.exit_code == 1 and "exists and is not a profile edgellm wrote" in r.stderr, r.output
+    assert mine.read_text() == "name: host\n# my own figures\n"
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home2"))
+    (tmp_path / "home2").mkdir()
+    (tmp_path / "home2" / "profiles").write_text("")
+    r = CliRunner().invoke(app, ["profile", "--quick"])
+    assert r.exit_code == 1 and "it is not a folder" in r.stderr, r.output

@@ -78,6 +78,15 @@ QUICK = ProbeSizes(cluster_gemm=768, small_gemm=(64, 256, 256), gemm_k=576, gemm
                    gemm_rows=(1, 16, 32, 64, 128, 256, 512), runs=101, min_runs=3, budget_s=1.0)
 
 
+class ProfileNotWritten(ConfigError):
+    """The measured profile could not be written (a full disk, a read-only folder): `text` holds
+    it, so the minute of measuring is not lost (the CLI prints it)."""
+
+    def __init__(self, path: Path, text: str, cause: OSError):
+        super().__init__(f"could not write the profile to {path}: {cause.strerror or cause}")
+        self.path, self.text = path, text
+
+
 @dataclass(frozen=True)
 class HostMeasurement:
     """What measure_host returns; unpacks as (profile, path)."""
@@ -582,7 +591,10 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
         measured=Measured(date=datetime.date.today().isoformat(), tool=tool,
                           memory_read_bandwidth=bandwidth, clusters=clusters, units=units),
         source="")
-    path = write_profile(profile, path)
+    try:
+        path = write_profile(profile, path)
+    except OSError as e:
+        raise ProfileNotWritten(Path(path), dump_profile(profile), e) from None
     loaded = load_profile(path)
     report(i, done=total)
     return HostMeasurement(loaded, path, tuple(notes), time.perf_counter() - started)
