@@ -245,7 +245,9 @@ class Engine:
 
     def render_chat(self, messages: Sequence[dict]) -> str:
         """The prompt text the model's chat template makes of `messages` ([{"role": "system" |
-        "user" | "assistant", "content": str}, ...]), ending with the assistant's turn opened:
+        "user" | "assistant", "content": str}, ...]; other roles, "tool" say, go to the template
+        as they are), ending with the assistant's turn opened (a conversation that ends with an
+        assistant message gets a new assistant turn, as in llama.cpp, not a continuation):
         what chat() tokenizes (its BOS text included where the template writes one). A message
         list the template cannot take is a ConfigError naming what is wrong. The text knows
         where the contents lie: tokenized as it is (generate(render_chat(...)) too), a

@@ -810,7 +810,8 @@ def _decode_line(raw) -> str:
         # ASCII (PYTHONIOENCODING=ascii, a C locale without UTF-8 mode) is read as UTF-8, its
         # superset: valid UTF-8 input was refused there
         raw = raw.decode("utf-8" if codecs.lookup(enc).name == "ascii" else enc)
-    return raw[:-1] if raw.endswith("\n") else raw
+    # a CRLF line (a Windows file, a serial console) kept its '\r' in the turn and the session
+    return raw[:-2] if raw.endswith("\r\n") else raw[:-1] if raw.endswith("\n") else raw
 
 
 def _memory_text(mf, n_ctx: int) -> str:

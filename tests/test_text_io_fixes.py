@@ -85,3 +85,10 @@ def test_chat_lines_under_an_ascii_stdin(monkeypatch):
     monkeypatch.setattr(cli.sys, "stdin", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
     with pytest.raises(UnicodeDecodeError):
         cli._decode_line(b"\xff\n")
+
+
+def test_a_crlf_chat_line_loses_its_carriage_return(monkeypatch):
+    """`printf 'Repeat exactly: abc\\r\\n' | edgellm chat` sent and saved 'Repeat exactly: abc\\r'."""
+    monkeypatch.setattr(cli.sys, "stdin", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
+    assert cli._decode_line(b"Repeat exactly: abc\r\n") == "Repeat exactly: abc"
+    assert cli._decode_line("a\r\n") == "a" and cli._decode_line("a\rb\n") == "a\rb"
