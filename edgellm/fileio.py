@@ -62,6 +62,19 @@ def read_capped(path: str | os.PathLike, max_bytes: int) -> bytes:
     return data
 
 
+# a bundle.json `edgellm build` writes is ~2 KB
+BUNDLE_JSON_MAX = 1 << 20
+
+
+def read_bundle_json(path: str | os.PathLike) -> bytes:
+    """A bundle.json's bytes, read as a file someone else may have put there: a FIFO in its place
+    hung `build` (and, beside EDGELLM_NEON_LIB, every command) for ever; a link to /dev/zero grew
+    it to 24 GB (a probe). OSError for anything but a regular file of at most BUNDLE_JSON_MAX.
+    (Here, not in toolchain: the library loader reads it, and importing the toolchain cost every
+    run 4.5 MiB of RSS.)"""
+    return read_capped(path, BUNDLE_JSON_MAX)
+
+
 def clear_odd_entry(path: str | os.PathLike) -> None:
     """For a cache about to write `path`: remove what is there if it is not a regular file (a
     FIFO, a device link, a link loop, a folder), which write_atomic would refuse to replace and

@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 
 from .errors import EdgeLLMError
-from .fileio import read_capped
+from .fileio import read_bundle_json
 from .selftest_cases import write_cases
 
 TARGETS = ("aarch64-linux-gnu", "aarch64-linux-android")
@@ -318,17 +318,6 @@ def stop_on_sigterm():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
-
-
-# a bundle.json the build writes is ~2 KB
-BUNDLE_JSON_MAX = 1 << 20
-
-
-def read_bundle_json(path: Path) -> bytes:
-    """A bundle.json's bytes, read as a file someone else may have put there: a FIFO in its place
-    hung `build` (and, beside EDGELLM_NEON_LIB, every command) for ever; a link to /dev/zero grew
-    it to 24 GB (a probe). OSError for anything but a regular file of at most BUNDLE_JSON_MAX."""
-    return read_capped(path, BUNDLE_JSON_MAX)
 
 
 def _is_bundle(out: Path) -> bool:

@@ -75,3 +75,21 @@ def test_a_rebuild_stopped_between_its_renames_keeps_the_old_bundle(tmp_path, mo
     assert calls, "the build never got to its last rename"
     assert sorted(p.name for p in out.iterdir()) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folders left behind"
+
+
+def test_loading_a_model_does_not_import_the_toolchain(tmp_path):
+    """The bundle check imported edgellm.toolchain to read bundle.json: 4.5 MiB more RSS for
+    every run, which put bench's peak (187 MiB) over its memory bound (185.7 MiB)."""
+    import subprocess
+    import sys
+
+    from gguf import GGMLQuantizationType as QT
+
+    from tests.synthetic import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "t.gguf", tensor_type=QT.Q4_0, seed=1).path
+    code = ("import sys, edgellm; e = edgellm.load(sys.argv[1], n_ctx=64, threads=1); e.generate('hi', max_tokens=2); "
+            "print(sorted(m for m in sys.modules if m.startswith('edgellm.toolchain')))")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

@@ -15,6 +15,7 @@ import platform
 from ctypes import POINTER, c_float, c_int, c_size_t, c_uint, c_void_p
 from pathlib import Path
 
+from ..fileio import read_bundle_json
 from ..hashing import bulk_sha256
 from . import elf_check
 
@@ -289,7 +290,6 @@ def bundle_problem(path: str | os.PathLike) -> str | None:
         if not real.is_file():
             return None                 # (elf_check says what it is)
         meta_path = real.parent / "bundle.json"
-        from ..toolchain import read_bundle_json   # (a FIFO or /dev/zero link there: see it)
         meta = json.loads(read_bundle_json(meta_path))
     except (OSError, ValueError):
         return None                     # no bundle here (or no readable one): nothing to check against
