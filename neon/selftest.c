@@ -844,6 +844,14 @@ int main(int argc, char **argv) {
     }
     if (c.left) die_format(&c, "%llu bytes after the last case", (unsigned long long)c.left);
     free(file);
+    if (filter) {   /* a filter that matches nothing ran only the built-in checks and said "passed" */
+        uint32_t hits = 0;
+        for (uint32_t i = 0; i < n_cases; i++) hits += strstr(cases[i].name, filter) != NULL;
+        if (!hits) {
+            fprintf(stderr, "selftest: -k %s matches none of the %u cases in %s\n", filter, n_cases, path);
+            return 2;
+        }
+    }
 
     printf("# edgellm selftest: %s features=0x%x threads=%d cases=%u\n", el_build_info(), el_features(), threads,
            n_cases);

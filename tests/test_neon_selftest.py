@@ -320,6 +320,17 @@ def test_small_file_passes(host_selftest, tmp_path):
     assert "PASS add/n7 nmse=" in r.stdout and "PASS rmsnorm/t1_d7/generic nmse=" in r.stdout
 
 
+def test_a_filter_that_matches_no_case_is_an_error(host_selftest, tmp_path):
+    """`-k nomatch` ran only the built-in checks and reported "36 passed, 0 failed", exit 0."""
+    f = tmp_path / "small.bin"
+    f.write_bytes(_small_file())
+    r = _run([host_selftest("base"), "-k", "no-such-case", f])
+    assert r.returncode == 2 and "-k no-such-case matches none of the" in r.stderr, r.stdout + r.stderr
+    assert "PASS" not in r.stdout
+    r = _run([host_selftest("base"), "-k", "add", f])
+    assert r.returncode == 0 and "PASS add/n7" in r.stdout, r.stdout + r.stderr
+
+
 def _expect_rejected(exe: Path, path: Path, what: str) -> None:
     r = _run([exe, path], timeout=60)
     assert r.returncode == 2, f"{what}: exit {r.returncode} (a negative value is a signal)\n{r.stdout}{r.stderr}"
