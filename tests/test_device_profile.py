@@ -548,3 +548,20 @@ def test_a_written_profile_cut_short_is_refused(tmp_path):
     old = text.split("\n", 1)[1].replace("# end of profile\n", "")   # no first-line promise: as before
     path.write_text("# a hand-written profile\n" + old)
     assert load_profile(path).soc == load_profile("rk3588").soc
+
+
+def test_a_note_after_the_end_of_a_written_profile_is_not_called_cut_short(tmp_path, monkeypatch):
+    """A comment added after '# end of profile' said 'cut short ... write it again', which sends
+    the user to measure again; a broken copy in EDGELLM_HOME/profiles was named like the shipped
+    profile it shadows (a probe)."""
+    from edgellm.device.profile_yaml import user_profiles_dir, write_profile
+    path = write_profile(load_profile("rk3588"), tmp_path / "dev.yaml")
+    path.write_text(path.read_text() + "# my note\n")
+    with pytest.raises(ConfigError, match=r"dev\.yaml: has lines after '# end of profile'"):
+        load_profile(path)
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    mine = user_profiles_dir() / "rk3588.yaml"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("schema: 1\nsoc: x\n")
+    with pytest.raises(ConfigError, match=re.escape(str(mine)) + ": "):
+        load_profile("rk3588")

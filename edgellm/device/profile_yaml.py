@@ -274,10 +274,16 @@ _END = "# end of profile"
 
 
 def _profile_from_text(text: str, name: str, source: str) -> DeviceProfile:
-    file = os.path.basename(source) or source
+    # a profile by its name, but one in EDGELLM_HOME/profiles by its path: a user's copy that
+    # shadows a shipped profile was named as if it were the shipped file
+    mine = bool(source) and os.path.dirname(os.path.abspath(source)) == os.path.abspath(user_profiles_dir())
+    file = (source if mine else os.path.basename(source)) or source
     first = text.split("\n", 1)[0]
     if first.startswith("# edgellm device profile ") and first.endswith(_ENDS) and \
             text.rstrip().rsplit("\n", 1)[-1] != _END:
+        if f"\n{_END}\n" in text:   # (a note added after the end read as "cut short": measure again)
+            raise ConfigError(f"{file}: has lines after '{_END}', which ends a written profile: move them "
+                              f"above it (comments may go anywhere before it)")
         raise ConfigError(f"{file}: cut short (a written profile ends with '{_END}'): write it again "
                           f"(`edgellm profile`, or --out for another file)")
     r = _Reader(file)
