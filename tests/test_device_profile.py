@@ -565,3 +565,39 @@ def test_a_note_after_the_end_of_a_written_profile_is_not_called_cut_short(tmp_p
     mine.write_text("schema: 1\nsoc: x\n")
     with pytest.raises(ConfigError, match=re.escape(str(mine)) + ": "):
         load_profile("rk3588")
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ("compute_units: 4 ", "compute_units: 1:30 ", "reads as a base-60 number"),
+    ("bandwidth: 34.1 GB/s", "bandwidth: ３４ GB/s", "memory.bandwidth: expected"),
+    ("soc: Rockchip RK3588", 'soc: "Rock\\achip"', "soc: expected printable text"),
+    ("soc: Rockchip RK3588", "soc: " + "x" * 300, "soc: expected at most 200 characters"),
+])
+def test_yaml_quirks_and_odd_text_in_a_profile_are_refused(tmp_path, old, new, message):
+    """A probe's finds: YAML 1.1 read `compute_units: 1:30` as 90, full-width digits passed as
+    a bandwidth, and a soc with control characters or 900 KB was printed as it was."""
+    from edgellm.device.profile_yaml import shipped_profiles_dir
+    text = (shipped_profiles_dir() / "rk3588.yaml").read_text()
+    assert old in text
+    path = tmp_path / "odd.yaml"
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_profile(path)
+
+
+def test_a_control_character_in_the_yaml_is_a_one_line_error(tmp_path):
+    """libyaml's reader error carried a second line ('in "<unicode string>", position N')."""
+    path = tmp_path / "nul.yaml"
+    path.write_text("schema: 1\nsoc: a\x00b\n")
+    with pytest.raises(ConfigError) as e:
+        load_profile(path)
+    assert "\n" not in str(e.value) and "control characters are not allowed" in str(e.value)
+
+
+def test_yaml_merge_keys_are_refused(tmp_path):
+    from edgellm.device.profile_yaml import shipped_profiles_dir
+    text = (shipped_profiles_dir() / "rk3588.yaml").read_text()
+    path = tmp_path / "merge.yaml"
+    path.write_text(text.replace("memory:\n", "memory:\n  <<: {total: 1 GiB}\n", 1))
+    with pytest.raises(ConfigError, match="merge keys"):
+        load_profile(path)

@@ -10,6 +10,7 @@ import datetime
 import math
 import os
 import re
+import unicodedata
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Callable
@@ -51,7 +52,8 @@ _EXAMPLE = {"size": "a size such as '64 KiB'", "bandwidth": "a bandwidth such as
 # ('1e-999 GB/s') or a whole-byte size does ('0.4 B'), or the roofline's times overflow to inf
 _SMALLEST = {"size": ("1 B", 1.0), "bandwidth": ("1 B/s", 1.0), "frequency": ("1 Hz", 1.0),
              "time": ("0.001 ns", 1e-12), "compute": ("1 FLOPS", 1.0)}
-_QUANTITY = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3})?)\s*(\S+)\s*")
+# ASCII digits only: \d took full-width ones ('３４ GB/s' read as 34e9)
+_QUANTITY = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3})?)\s*(\S+)\s*", re.ASCII)
 
 
 def parse_quantity(text: Any, kind: str, where: str, *, allow_zero: bool = False) -> float:
@@ -152,11 +154,20 @@ class _Reader:
     def qty(self, v: Any, path: str, kind: str, allow_zero: bool = False) -> float:
         return parse_quantity(v, kind, f"{self.file}: {path}", allow_zero=allow_zero)
 
+    # a name or a date, shown in plans and reports: a 900 KB soc was printed whole, and control
+    # characters (BEL, NUL) raw to the terminal
+    MAX_STRING = 200
+
     def string(self, v: Any, path: str) -> str:
         if isinstance(v, datetime.date):  # YAML reads 2026-11-21 as a date
             return v.isoformat()
         if not isinstance(v, str) or not v.strip():
             self.fail(path, f"expected a non-empty string, got {_describe(v)}")
+        if len(v) > self.MAX_STRING:
+            self.fail(path, f"expected at most {self.MAX_STRING} characters, got {len(v):,}")
+        bad = next((c for c in v if unicodedata.category(c) == "Cc"), None)
+        if bad is not None:
+            self.fail(path, f"expected printable text, got the control character {bad!r}")
         return v
 
     def integer(self, v: Any, path: str, lo: int = 1, hi: int = 1 << 31) -> int:
@@ -190,15 +201,24 @@ def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
 
 
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+
+
 def _check_tree(node: yaml.Node, file: str, seen: set[int]) -> None:
     """Reject duplicate keys (safe_load keeps the last silently) and aliases (a 1 MiB file of
     nested aliases expands to billions of nodes; profiles have no use for them)."""
     if id(node) in seen:
         raise ConfigError(f"{file}: line {node.start_mark.line + 1}: YAML aliases are not allowed")
     seen.add(id(node))
+    if isinstance(node, yaml.ScalarNode) and node.tag in (_INT, _FLOAT) and ":" in node.value:
+        # YAML 1.1 reads 1:30 as base 60 (90): a profile means no such number
+        raise ConfigError(f"{file}: line {node.start_mark.line + 1}: {node.value!r} reads as a base-60 number "
+                          f"in YAML; write the number itself, or quote the text")
     if isinstance(node, yaml.MappingNode):
         keys: set[str] = set()
         for k, v in node.value:
+            if isinstance(k, yaml.ScalarNode) and k.tag == "tag:yaml.org,2002:merge":
+                raise ConfigError(f"{file}: line {k.start_mark.line + 1}: YAML merge keys (<<) are not allowed")
             if isinstance(k, yaml.ScalarNode):
                 if k.value in keys:
                     raise ConfigError(f"{file}: line {k.start_mark.line + 1}: duplicate key {k.value!r}")
@@ -255,7 +275,8 @@ def _parse_yaml(text: str, file: str) -> Any:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(e, "problem", None) or str(e)
+        # (one line: a reader error's text carried a second, 'in "<unicode string>", position N')
+        problem = (getattr(e, "problem", None) or str(e)).split("\n", 1)[0]
         if "nesting depth" in problem:   # libyaml >= 0.2.5 stops at its own depth limit
             raise ConfigError(f"{file}: YAML nested too deeply ({where}{problem})") from None
         raise ConfigError(f"{file}: {where}YAML syntax error: {problem}") from None
