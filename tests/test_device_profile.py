@@ -601,3 +601,11 @@ def test_yaml_merge_keys_are_refused(tmp_path):
     path.write_text(text.replace("memory:\n", "memory:\n  <<: {total: 1 GiB}\n", 1))
     with pytest.raises(ConfigError, match="merge keys"):
         load_profile(path)
+
+
+def test_a_number_of_thousands_of_digits_is_refused_in_our_words(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("schema: " + "9" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="thousands of digits") as e:
+        load_profile(path)
+    assert "set_int_max_str_digits" not in str(e.value)

@@ -271,6 +271,8 @@ def _parse_yaml(text: str, file: str) -> Any:
             return loader.construct_document(root)
         except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as e:
             # PyYAML's safe constructors leak these for explicit tags on bad text ("!!int neon")
+            if "int_max_str_digits" in str(e):   # (the advice was Python's: sys.set_int_max_str_digits)
+                raise ConfigError(f"{file}: a number with thousands of digits; no figure needs one") from None
             raise ConfigError(f"{file}: YAML value cannot be read ({type(e).__name__}: {e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
