@@ -149,6 +149,8 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=Non
     if path is None:
         return None
     raw = os.fspath(path)
+    if not raw.strip():   # ("" read as ".": "--out .: is a directory")
+        raise ConfigError(f"{flag}: the path is empty; give a file path")
     if raw == "-":   # (`bench --json -` wrote a file named "-"; stdout carries the command's own report)
         raise ConfigError(f"{flag} -: output files only, not stdout (the report goes there); give a file path")
     p = Path(raw)
@@ -161,6 +163,8 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=Non
         # a pipe there was replaced by a regular file, and /dev/full "took" the whole write
         raise ConfigError(f"{flag} {p}: is not a regular file (a device, pipe or socket); give a file path")
     check_out_folder(p.parent if str(p.parent) else Path("."), flag, p)
+    if suffixes and p.name.lower() in suffixes:   # ('.yaml' is a name without a suffix to Python)
+        raise ConfigError(f"{flag} {p}: the file name before {p.name} is missing")
     if suffixes and p.suffix.lower() not in suffixes:
         raise ConfigError(f"{flag} {p}: expected a file ending in {', '.join(suffixes)}")
     if replaces is not None and p.is_file() and p.stat().st_size:

@@ -73,3 +73,14 @@ def test_requantizing_onto_a_directory_says_directory(tmp_path, tiny):
     (tmp_path / "outdir").mkdir()
     with pytest.raises(ConfigError, match="outdir: is a directory; give a file path"):
         requantize_gguf(tiny, tmp_path / "outdir", {})
+
+
+def test_an_empty_path_and_a_suffix_alone_say_what_is_missing(tmp_path):
+    """`--out ""` said "--out .: is a directory"; `--out dir/.yaml` "expected a file ending in .yaml"."""
+    from edgellm.cli import check_out_path
+
+    with pytest.raises(ConfigError, match="--out: the path is empty"):
+        check_out_path("", "--out", (".yaml",))
+    with pytest.raises(ConfigError, match=r"the file name before \.yaml is missing"):
+        check_out_path(str(tmp_path / ".yaml"), "--out", (".yaml", ".yml"))
+    assert check_out_path(str(tmp_path / "a.yaml"), "--out", (".yaml",)) == tmp_path / "a.yaml"
