@@ -44,37 +44,56 @@ def render_plain(messages: list[dict], render: Callable[[list[dict]], str],
     return out
 
 
+def _marker(messages: list[dict], k: int) -> str:
+    """A marker for messages[k]'s content that no message holds (a user's text could hold a
+    fixed one and send the search to the wrong place)."""
+    taken = "".join(m["content"] + m["role"] for m in messages)
+    for base in range(0xE000, 0xF8FF, 2):
+        mark = f"{chr(base)}{k}{chr(base + 1)}"
+        if chr(base) not in taken and chr(base + 1) not in taken:
+            return mark
+    raise ConfigError("messages: the contents use every private-use character; cannot mark them")
+
+
 def _content_spans(messages: list[dict], hits: list[int], text: str, render, specials) -> list[tuple[int, int]]:
-    """Where messages[k]['content'] (k in hits) lie in text. Exact where a render with each such
-    content replaced by a marker gives text back when the markers are replaced in turn (the
-    template copied the contents as they are); else each is looked for after the one before."""
-    marks = {k: f"\ue000{k}\ue001" for k in hits}
+    """Where messages[k]['content'] (k in hits) lie in text, found by rendering the conversation
+    with each such content replaced by a marker: the text between markers is the template's own
+    and must match text exactly, and each content must appear between them as it is, or trimmed
+    (Llama 3's template trims). Anything else is refused: a search for the content in the text
+    could land on the template's markup (a probe: '<|im_start|>assistant' then read as text, the
+    content's '<|im_start|>' as a control token)."""
+    marks = {k: _marker(messages, k) for k in hits}
+
+    def refuse(k: int) -> ConfigError:
+        return ConfigError(f"messages[{k}].content holds the special token text "
+                           f"{_first_special(messages[k]['content'], specials)!r}, which must stay text, "
+                           f"but the chat template changes the content: it cannot be told from the markup")
+
     try:
         marked = render([dict(m, content=marks[k]) if k in marks else m for k, m in enumerate(messages)])
-    except Exception:   # noqa: BLE001 - a template that inspects contents: the search below
+    except Exception:   # noqa: BLE001 - a template that reads its contents: refused below
         marked = None
-    if marked is not None and all(marked.count(v) == 1 for v in marks.values()):
-        spans, rebuilt, pos = [], [], 0
-        for k in sorted(hits, key=lambda k: marked.index(marks[k])):
-            i = marked.index(marks[k], pos)
-            rebuilt.append(marked[pos:i])
-            start = sum(map(len, rebuilt))
-            rebuilt.append(messages[k]["content"])
-            spans.append((start, start + len(messages[k]["content"])))
-            pos = i + len(marks[k])
-        rebuilt.append(marked[pos:])
-        if "".join(rebuilt) == text:
-            return spans
-    spans, pos = [], 0
-    for k, m in enumerate(messages):
-        c = m["content"]
-        i = text.find(c, pos) if c else -1
-        if i < 0 and k in hits:
-            raise ConfigError(f"messages[{k}].content holds the special token text "
-                              f"{_first_special(c, specials)!r}, which must stay text, but the chat "
-                              f"template changed the content: it cannot be found in the prompt")
-        if i >= 0:
-            if k in hits:
-                spans.append((i, i + len(c)))
-            pos = i + len(c)
+    if marked is None or any(marked.count(v) != 1 for v in marks.values()):
+        raise refuse(hits[0])
+    order = sorted(hits, key=lambda k: marked.index(marks[k]))
+    spans, t, m = [], 0, 0          # positions in text and in marked
+    for n, k in enumerate(order):
+        i = marked.index(marks[k], m)
+        markup = marked[m:i]
+        if text[t:t + len(markup)] != markup:
+            raise refuse(k)
+        t, m = t + len(markup), i + len(marks[k])
+        nxt = marked.index(marks[order[n + 1]], m) if n + 1 < len(order) else len(marked)
+        after = marked[m:nxt]
+        c = messages[k]["content"]
+        for form in dict.fromkeys((c, c.strip(), c.lstrip(), c.rstrip())):
+            # the content as the template wrote it, then the markup that follows it
+            if text.startswith(form, t) and text.startswith(after[:64], t + len(form)):
+                spans.append((t, t + len(form)))
+                t += len(form)
+                break
+        else:
+            raise refuse(k)
+    if text[t:] != marked[m:]:
+        raise refuse(order[-1])
     return spans
