@@ -75,6 +75,7 @@ class _Job:
         self.tokenize_ms = 0.0
         self.blocks = 0                     # KV blocks it may take: prompt + max_tokens (admission)
         self.last_chunk = 0.0               # when its prefill last got a chunk (or started)
+        self.keep = None                    # its Scheduler, held until it ends (Request)
 
     @property
     def stats(self) -> GenerationStats:
@@ -129,17 +130,15 @@ class _Job:
         with self._cv:
             self._done.set()
             self._cv.notify_all()
+        self.keep = None
 
 
 class Request:
     """A handle to one submitted request: stream() its text, result(), cancel(), stats. When the
     app drops every handle (this object and its stream() iterators), the request is cancelled."""
 
-    def __init__(self, job: _Job, scheduler: "Scheduler"):
+    def __init__(self, job: _Job):
         self._job = job
-        # a handle keeps its Scheduler: one created in a helper function and dropped there was
-        # collected, and its finaliser cancelled the requests the app still held (result() '')
-        self._scheduler = scheduler
         weakref.finalize(self, job.cancel)
 
     id = property(lambda self: self._job.id)
@@ -220,8 +219,13 @@ class Scheduler:
             check_unicode(prompt, "prompt")
         cfg = generation_config(**kwargs)
         job = _Job(next(self._ids), priority, prompt if prompt is not None else messages, messages is not None, cfg)
+        # a request keeps its Scheduler until it ends: one created in a helper function and
+        # dropped there was collected, and its finaliser cancelled the requests the app still
+        # held (result() ''). The job lets go when it ends: a finished request the app keeps no
+        # longer keeps the worker thread (30 kept results held 30 threads)
+        job.keep = self
         self._worker.add(job)
-        return Request(job, self)
+        return Request(job)
 
     def close(self, cancel: bool = True) -> None:
         """Stop the worker (cancelling what is left, unless cancel=False: then finish it first)."""
@@ -357,9 +361,10 @@ class _Worker:
                 todo.append(min(waiting, key=order))
         for req in todo:
             try:
-                if req.gen.in_prefill:
-                    req.last_chunk = time.perf_counter()
+                chunk = req.gen.in_prefill
                 req._put(req.gen.step())
+                if chunk:   # (after the chunk: stamped before it, a chunk over STARVE_S made the
+                    req.last_chunk = time.perf_counter()   # request that just had one "starved")
             except BaseException as e:  # a request's failure must not stop the others
                 req._finish(_as_error(req, e))
                 self._active.remove(req)

@@ -153,6 +153,44 @@ class _FakeJob:
         pass
 
 
+class _SlowGen(_FakeGen):
+    def step(self):
+        time.sleep(0.1)
+        return super().step()
+
+
+def test_a_chunk_longer_than_starve_s_does_not_make_its_request_starved(monkeypatch):
+    """The clock was stamped before the chunk ran: a chunk over STARVE_S made the request that
+    just had one 'starved', and it went again before a short one (a review probe)."""
+    from edgellm.scheduler import _Worker
+
+    monkeypatch.setattr(_Worker, "STARVE_S", 0.05)
+    w = _Worker(None, 8, "interleave")
+    long = _FakeJob(1, 700)
+    long.gen = _SlowGen(700)
+    w._active = [long]
+    w._tick()                                   # the long prompt's chunk: 0.1 s
+    short = _FakeJob(2, 5)
+    w._active = [long, short]
+    before = len(long.gen.pending)
+    w._tick()
+    assert len(long.gen.pending) == before and len(short.gen.pending) < 5
+
+
+def test_a_finished_request_the_app_keeps_does_not_keep_the_worker(engine):
+    import gc
+
+    def ask():
+        s = Scheduler(engine)
+        return s.submit("hello world", **GREEDY), s._thread
+
+    r, thread = ask()
+    assert r.result(timeout=60)
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and r.result() and r.done
+
+
 def _picked(*jobs):
     """Which prefill the worker gives its next chunk to."""
     from edgellm.scheduler import _Worker
