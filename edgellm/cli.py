@@ -396,9 +396,26 @@ def _conversation_only(path: Path, chat: bool) -> dict:
 
     try:
         h = read_header(path, whole=False)   # (a file cut short in its data keeps its header)
-    except SessionFileError:
+    except SessionFileError as e:
+        _keep_aside(path, e)
         return {}
     return _conversation_in(h.meta if h is not None else {})
+
+
+def _keep_aside(path: Path, why) -> None:
+    """A session file whose header cannot be read (damaged, or a newer format) is renamed aside,
+    not replaced: the run's save wrote over it, and the conversation it held was gone (a probe:
+    7 turns lost to one flipped header byte, or to a newer edgellm's file after a downgrade). An
+    empty file is a new session, as before."""
+    try:
+        if os.stat(path).st_size == 0:
+            return
+        aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.rename(path, aside)
+    except OSError:
+        return
+    typer.echo(f"edgellm: warning: {path} cannot be read ({getattr(why, 'reason', why)}): kept as {aside.name}; "
+               f"this run starts a new conversation", err=True)
 
 
 def _conversation_in(meta: dict) -> dict:
@@ -441,6 +458,8 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
             saved["n_tokens"] = n
     else:
         saved = _conversation_only(session, chat)
+        if seen is not None and _file_state(session) is None:
+            seen = None   # (kept aside: the save writes a new file, and says nothing of a change)
     if "messages" in saved and not chat:
         raise ConfigError(f"--session {session} holds a chat: continue it with --chat")
     if "text" in saved and chat:

@@ -1,0 +1,42 @@
+"""Session files across processes and faults, a probe's finds (session 28): a session whose
+header cannot be read (one flipped byte, a newer format after a downgrade) was replaced by the
+run's save, and the conversation it held was lost."""
+import struct
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+from typer.testing import CliRunner
+
+from edgellm.cli import app
+from tests.synthetic import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("sess28") / "m.gguf", tensor_type=QT.Q8_0, seed=3).path
+
+
+@pytest.mark.parametrize("damage", ["version", "header byte"])
+def test_an_unreadable_session_is_kept_aside_not_replaced(tiny, tmp_path, monkeypatch, damage):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    runner = CliRunner()
+    f = tmp_path / "s.edgesess"
+    for prompt in ("one", " two"):
+        r = runner.invoke(app, ["run", prompt, "-m", tiny, "--ctx", "128", "-n", "2", "--session", str(f)])
+        assert r.exit_code == 0, r.output
+    with open(f, "r+b") as out:
+        if damage == "version":
+            out.seek(8)
+            out.write(struct.pack("<I", 99))
+        else:
+            out.seek(20)
+            b = out.read(1)
+            out.seek(20)
+            out.write(bytes([b[0] ^ 0xFF]))
+    damaged = f.read_bytes()
+    r = runner.invoke(app, ["run", "three", "-m", tiny, "--ctx", "128", "-n", "2", "--session", str(f)])
+    assert r.exit_code == 0, r.output
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("s.edgesess.unreadable-")]
+    assert len(aside) == 1 and aside[0].read_bytes() == damaged
+    assert f"kept as {aside[0].name}" in r.stderr and "changed since this run read it" not in r.stderr
+    assert f.is_file() and f.read_bytes() != damaged     # the new conversation
