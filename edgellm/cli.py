@@ -701,7 +701,11 @@ def chat(
             if command == "/reset":
                 messages = list(system_turn)
                 if session is not None:   # (the cleared state is the session's, even if no answer follows)
-                    session.unlink(missing_ok=True)
+                    try:
+                        session.unlink(missing_ok=True)
+                    except OSError as e:   # (a read-only disk ended the chat, blaming only the path)
+                        _err(f"/reset: {session} could not be removed ({e.strerror or e}); the conversation is "
+                             f"cleared here, and the next answer's save replaces the file if it can")
                     seen = None
                 _note("[conversation cleared]" + (f"; {session} removed until the next answer"
                                                   if session is not None else ""))
@@ -737,7 +741,17 @@ def chat(
             failed += 1   # (a cut answer is a failed turn: exit 1, as the README says)
         messages.append({"role": "assistant", "content": "".join(answer)})
         if session is not None and eng.last_stats.stop_reason != "cancelled":
-            seen = _save_session(eng, session, {"messages": messages}, seen)
+            # Ctrl-C just after an answer is not a quit (see _read_line): during the save it is
+            # ignored (it ended the chat, the turn unsaved); a failed save (a full disk) is a failed
+            # turn, not the end of the chat
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                seen = _save_session(eng, session, {"messages": messages}, seen)
+            except (EdgeLLMError, OSError) as e:
+                _err(f"{e}; the conversation goes on here, unsaved")
+                failed += 1
+            finally:
+                signal.signal(signal.SIGINT, previous)
         if stats:
             _note(eng.last_stats.summary())
 

@@ -40,3 +40,22 @@ def test_an_unreadable_session_is_kept_aside_not_replaced(tiny, tmp_path, monkey
     assert len(aside) == 1 and aside[0].read_bytes() == damaged
     assert f"kept as {aside[0].name}" in r.stderr and "changed since this run read it" not in r.stderr
     assert f.is_file() and f.read_bytes() != damaged     # the new conversation
+
+
+def test_a_chat_whose_save_fails_goes_on(tiny, tmp_path, monkeypatch):
+    """A full disk at the first answer's save ended `chat` (exit 1, the next line never read)."""
+    import errno
+
+    import edgellm.api
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+
+    def full(self, path, meta=None):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(edgellm.api.Engine, "save_session", full)
+    f = tmp_path / "c.edgesess"
+    r = CliRunner().invoke(app, ["chat", "-m", tiny, "--ctx", "128", "-n", "2", "--session", str(f)],
+                           input="first\nsecond\n")
+    assert r.exit_code == 1, r.output                      # failed turns: exit 1, as documented
+    assert r.stderr.count("the conversation goes on here, unsaved") == 2, r.stderr
