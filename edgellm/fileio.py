@@ -41,7 +41,16 @@ def temp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
     folder's temporary files whose writers are dead are removed (a killed writer, SIGKILL or a
     phone's low-memory killer, cannot clean up: a session's save left 54 MiB in 3 files)."""
     remove_dead_writers(path.parent)
-    return tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{writer_tag()}.", suffix=suffix)
+    # the temp name adds ~26 bytes: a valid name of 230-255 bytes failed with "File name too long"
+    # after the whole answer (a probe); such a name is cut in the temp name only
+    name = path.name
+    if len(os.fsencode(name)) > _TEMP_NAME_MAX:
+        name = os.fsdecode(os.fsencode(name)[:_TEMP_NAME_MAX // 2])   # (a cut character: its bytes)
+    return tempfile.mkstemp(dir=path.parent, prefix=f".{name}.{writer_tag()}.", suffix=suffix)
+
+
+# names longer than this (bytes) are cut in their temp file's name: NAME_MAX is 255
+_TEMP_NAME_MAX = 200
 
 
 def read_capped(path: str | os.PathLike, max_bytes: int) -> bytes:

@@ -59,3 +59,14 @@ def test_a_chat_whose_save_fails_goes_on(tiny, tmp_path, monkeypatch):
                            input="first\nsecond\n")
     assert r.exit_code == 1, r.output                      # failed turns: exit 1, as documented
     assert r.stderr.count("the conversation goes on here, unsaved") == 2, r.stderr
+
+
+def test_a_long_valid_file_name_can_be_written_atomically(tmp_path):
+    """A 247-byte name is valid, but its temp name (+26 bytes) was not: 'File name too long'."""
+    from edgellm.fileio import write_atomic
+
+    for name in ("a" * 238 + ".edgesess", "é" * 115 + ".edgesess"):
+        p = tmp_path / name
+        write_atomic(p, b"data")
+        assert p.read_bytes() == b"data"
+    assert sorted(len(n.encode()) for n in __import__("os").listdir(tmp_path)) == [239, 247]
