@@ -447,8 +447,11 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
     why = foreign_file(session)
     if why is not None:   # (a user's document given by mistake: never overwritten)
         raise ConfigError(f"--session {session}: {why}")
+    loaded = eng.load_session(session)
+    # the state of what was read: taken before the load (~0.1 s of hashing), another run's save
+    # in between was loaded here and still warned "changed since this run read it"
     seen = _file_state(session)
-    if eng.load_session(session):
+    if loaded:
         saved = _conversation_in(eng.session_meta)
         n = eng.session_meta.get("n_tokens")
         if not saved:
@@ -474,7 +477,11 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
 def _save_session(eng, session: Path, meta: dict, seen: tuple | None) -> tuple | None:
     """Saves the conversation (warning when another run saved to the file since it was read);
     returns the file's new state."""
-    if _file_state(session) != seen:   # (two runs on one session: the last save wins, silently before)
+    now = _file_state(session)
+    if now is None and seen is not None:   # (`cache clear`, or rm: not "another run saved to it")
+        typer.echo(f"edgellm: warning: {session} was removed since this run read it; this conversation is "
+                   f"saved there again", err=True)
+    elif now != seen:   # (two runs on one session: the last save wins, silently before)
         typer.echo(f"edgellm: warning: {session} changed since this run read it (another run saved to it); "
                    f"this conversation replaces that one", err=True)
     n = eng.save_session(session, meta=meta)

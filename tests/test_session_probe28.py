@@ -70,3 +70,45 @@ def test_a_long_valid_file_name_can_be_written_atomically(tmp_path):
         write_atomic(p, b"data")
         assert p.read_bytes() == b"data"
     assert sorted(len(n.encode()) for n in __import__("os").listdir(tmp_path)) == [239, 247]
+
+
+def test_a_session_removed_meanwhile_is_said_to_be_removed(tiny, tmp_path, monkeypatch):
+    """`cache clear` (or rm) during a run was reported as 'another run saved to it'."""
+    import edgellm.api as api
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    f = tmp_path / "s.edgesess"
+    base = ["run", "-m", tiny, "--ctx", "128", "-n", "2", "--session", str(f)]
+    assert CliRunner().invoke(app, base + ["one"]).exit_code == 0
+    real_stream = api.Engine.stream
+
+    def stream_while_removed(self, *a, **k):
+        out = list(real_stream(self, *a, **k))
+        f.unlink()
+        return iter(out)
+
+    monkeypatch.setattr(api.Engine, "stream", stream_while_removed)
+    r = CliRunner().invoke(app, base + [" two"])
+    assert r.exit_code == 0 and "was removed since this run read it" in r.stderr
+    assert "another run saved to it" not in r.stderr and f.is_file()
+
+
+def test_a_save_between_the_check_and_the_load_is_not_a_change(tiny, tmp_path, monkeypatch):
+    """The file's state was taken before the load (~0.1 s of hashing): another run's save in
+    between was loaded, and still warned 'changed since this run read it'."""
+    import edgellm.api as api
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    f = tmp_path / "s.edgesess"
+    base = ["run", "-m", tiny, "--ctx", "128", "-n", "2", "--session", str(f)]
+    assert CliRunner().invoke(app, base + ["one"]).exit_code == 0
+    real_load = api.Engine.load_session
+
+    def load_after_another_save(self, path):
+        self.generate("another run", max_tokens=1)
+        self.save_session(path, meta={"text": "another run"})      # lands just before the read
+        return real_load(self, path)
+
+    monkeypatch.setattr(api.Engine, "load_session", load_after_another_save)
+    r = CliRunner().invoke(app, base + [" two"])
+    assert r.exit_code == 0 and "changed since this run read it" not in r.stderr, r.stderr
