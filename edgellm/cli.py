@@ -516,11 +516,19 @@ def _session_path(eng, name: str) -> Path:
     """A bare name is an entry of the on-disk cache (per model); anything path-like is a file."""
     from .kv import disk_cache
 
+    from .errors import ConfigError
+
     if _is_session_file(name):
-        return Path(name)
+        # a link is followed for the save too: the save replaced the link with a file, and its
+        # target kept the old conversation (a probe)
+        return Path(os.path.realpath(name)) if os.path.islink(name) else Path(name)
     check_session_arg(name)
     disk_cache.cache_dir(create=True)
-    return disk_cache.entry_path(eng.model_sha256(), name)
+    path = disk_cache.entry_path(eng.model_sha256(), name)
+    if path.is_symlink():   # (`cache list` calls such an entry invalid: the cache follows no link)
+        raise ConfigError(f"--session {name}: {path} is a link; the on-disk cache follows no links (remove it, "
+                          f"or give a file path to --session)")
+    return path
 
 
 KV_HELP = "KV cache: 'pool' (blocks + prefix cache, n_ctx tokens) or 'ring' (sliding window + sinks, endless chat)"

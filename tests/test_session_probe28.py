@@ -112,3 +112,33 @@ def test_a_save_between_the_check_and_the_load_is_not_a_change(tiny, tmp_path, m
     monkeypatch.setattr(api.Engine, "load_session", load_after_another_save)
     r = CliRunner().invoke(app, base + [" two"])
     assert r.exit_code == 0 and "changed since this run read it" not in r.stderr, r.stderr
+
+
+def test_a_session_link_is_followed_for_the_save_too(tiny, tmp_path, monkeypatch):
+    """--session link.edgesess loaded the target, then replaced the link with a file: the target
+    kept the old conversation."""
+    import os
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    target, link = tmp_path / "t.edgesess", tmp_path / "link.edgesess"
+    base = ["run", "-m", tiny, "--ctx", "128", "-n", "2"]
+    assert CliRunner().invoke(app, base + ["one", "--session", str(target)]).exit_code == 0
+    before = target.read_bytes()
+    link.symlink_to(target)
+    r = CliRunner().invoke(app, base + [" two", "--session", str(link)])
+    assert r.exit_code == 0, r.output
+    assert link.is_symlink() and os.path.realpath(link) == str(target)
+    assert target.read_bytes() != before
+
+
+def test_a_link_in_the_cache_is_refused_as_a_session_name(tiny, tmp_path, monkeypatch):
+    from edgellm.kv import disk_cache
+
+    import edgellm
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    entry = disk_cache.entry_path(edgellm.load(tiny, n_ctx=64, threads=1).model_sha256(), "mine")
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "elsewhere.edgesess").write_bytes(b"")
+    entry.symlink_to(tmp_path / "elsewhere.edgesess")
+    r = CliRunner().invoke(app, ["run", "x", "-m", tiny, "--ctx", "128", "-n", "1", "--session", "mine"])
+    assert r.exit_code == 1 and "follows no links" in r.stderr, r.output
