@@ -407,13 +407,25 @@ def _keep_aside(path: Path, why) -> None:
     not replaced: the run's save wrote over it, and the conversation it held was gone (a probe:
     7 turns lost to one flipped header byte, or to a newer edgellm's file after a downgrade). An
     empty file is a new session, as before."""
+    from .errors import ConfigError
+
     try:
         if os.stat(path).st_size == 0:
             return
-        aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.rename(path, aside)
     except OSError:
         return
+    stamp = f".unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = path.name
+    if len(os.fsencode(name + stamp)) > 240:   # (the rename failed past 228 bytes, silently: overwritten)
+        name = os.fsdecode(os.fsencode(name)[:200])
+    aside, n = path.with_name(name + stamp), 1
+    while os.path.lexists(aside):   # (two in one second: the second rename replaced the first)
+        aside, n = path.with_name(f"{name}{stamp}-{n}"), n + 1
+    try:
+        os.rename(path, aside)
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read ({getattr(why, 'reason', why)}) and could not be kept aside "
+                          f"({e.strerror or e}): move it away, or give another --session") from None
     typer.echo(f"edgellm: warning: {path} cannot be read ({getattr(why, 'reason', why)}): kept as {aside.name}; "
                f"this run starts a new conversation", err=True)
 
@@ -447,11 +459,11 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
     why = foreign_file(session)
     if why is not None:   # (a user's document given by mistake: never overwritten)
         raise ConfigError(f"--session {session}: {why}")
-    loaded = eng.load_session(session)
-    # the state of what was read: taken before the load (~0.1 s of hashing), another run's save
-    # in between was loaded here and still warned "changed since this run read it"
+    # taken before the load: a save by another run during it then warns at this run's save (at
+    # worst needlessly, when the load read the new file); taken after, a save that landed after
+    # the load's read was replaced without a word
     seen = _file_state(session)
-    if loaded:
+    if eng.load_session(session):
         saved = _conversation_in(eng.session_meta)
         n = eng.session_meta.get("n_tokens")
         if not saved:
@@ -715,15 +727,15 @@ def chat(
                 return
             if command == "/reset":
                 messages = list(system_turn)
+                removed = False
                 if session is not None:   # (the cleared state is the session's, even if no answer follows)
                     try:
                         session.unlink(missing_ok=True)
+                        removed, seen = True, None
                     except OSError as e:   # (a read-only disk ended the chat, blaming only the path)
                         _err(f"/reset: {session} could not be removed ({e.strerror or e}); the conversation is "
                              f"cleared here, and the next answer's save replaces the file if it can")
-                    seen = None
-                _note("[conversation cleared]" + (f"; {session} removed until the next answer"
-                                                  if session is not None else ""))
+                _note("[conversation cleared]" + (f"; {session} removed until the next answer" if removed else ""))
             elif command == "/help":
                 _note("/reset forgets the conversation (the system prompt stays), /exit or /quit (or Ctrl-D) "
                       "quits; Ctrl-C stops an answer")

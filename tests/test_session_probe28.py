@@ -93,27 +93,6 @@ def test_a_session_removed_meanwhile_is_said_to_be_removed(tiny, tmp_path, monke
     assert "another run saved to it" not in r.stderr and f.is_file()
 
 
-def test_a_save_between_the_check_and_the_load_is_not_a_change(tiny, tmp_path, monkeypatch):
-    """The file's state was taken before the load (~0.1 s of hashing): another run's save in
-    between was loaded, and still warned 'changed since this run read it'."""
-    import edgellm.api as api
-
-    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
-    f = tmp_path / "s.edgesess"
-    base = ["run", "-m", tiny, "--ctx", "128", "-n", "2", "--session", str(f)]
-    assert CliRunner().invoke(app, base + ["one"]).exit_code == 0
-    real_load = api.Engine.load_session
-
-    def load_after_another_save(self, path):
-        self.generate("another run", max_tokens=1)
-        self.save_session(path, meta={"text": "another run"})      # lands just before the read
-        return real_load(self, path)
-
-    monkeypatch.setattr(api.Engine, "load_session", load_after_another_save)
-    r = CliRunner().invoke(app, base + [" two"])
-    assert r.exit_code == 0 and "changed since this run read it" not in r.stderr, r.stderr
-
-
 def test_a_session_link_is_followed_for_the_save_too(tiny, tmp_path, monkeypatch):
     """--session link.edgesess loaded the target, then replaced the link with a file: the target
     kept the old conversation."""
@@ -142,3 +121,42 @@ def test_a_link_in_the_cache_is_refused_as_a_session_name(tiny, tmp_path, monkey
     entry.symlink_to(tmp_path / "elsewhere.edgesess")
     r = CliRunner().invoke(app, ["run", "x", "-m", tiny, "--ctx", "128", "-n", "1", "--session", "mine"])
     assert r.exit_code == 1 and "follows no links" in r.stderr, r.output
+
+
+def test_a_save_landing_after_the_load_is_warned_about(tiny, tmp_path, monkeypatch):
+    """With the file's state taken after the load, another run's save that landed after the
+    load's read was replaced without a word (a review probe)."""
+    import os
+
+    import edgellm.api as api
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    f, other = tmp_path / "s.edgesess", tmp_path / "o.edgesess"
+    base = ["run", "-m", tiny, "--ctx", "128", "-n", "2"]
+    assert CliRunner().invoke(app, base + ["one", "--session", str(f)]).exit_code == 0
+    assert CliRunner().invoke(app, base + ["other", "--session", str(other)]).exit_code == 0
+    real_load = api.Engine.load_session
+
+    def load_then_another_save(self, path):
+        ok = real_load(self, path)
+        os.replace(other, f)                    # another run's save, just after this run read
+        return ok
+
+    monkeypatch.setattr(api.Engine, "load_session", load_then_another_save)
+    r = CliRunner().invoke(app, base + [" two", "--session", str(f)])
+    assert r.exit_code == 0 and "changed since this run read it" in r.stderr, r.stderr
+
+
+def test_an_unreadable_session_with_a_long_name_is_kept_aside_too(tiny, tmp_path, monkeypatch):
+    """The aside name's 27 more bytes failed past 228 bytes, silently, and the save overwrote the
+    file; two asides in one second replaced each other."""
+    from edgellm import cli
+
+    f = tmp_path / ("s" * 231 + ".edgesess")
+    kept = []
+    for _ in range(2):
+        f.write_bytes(b"EDGESESS" + b"\xff" * 64)
+        cli._keep_aside(f, "damaged")
+        assert not f.exists()
+        kept = [p for p in tmp_path.iterdir() if ".unreadable-" in p.name]
+    assert len(kept) == 2 and all(len(p.name.encode()) <= 255 for p in kept)
