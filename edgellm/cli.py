@@ -1140,15 +1140,17 @@ def plan(
     disp = Dispatcher(profile, mf.config, formats, probe=host, override=unit_list, kv_bytes=kv_cfg.bytes_per_elem,
                       compute=compute, threads=threads)
     # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves
-    need = memory_needed(mf, n_ctx, kv_cfg)
-    spare = profile.memory_total_bytes / 2 - need
-    if spare < 0:
+    spare = profile.memory_total_bytes / 2 - memory_needed(mf, n_ctx, kv_cfg)
+    p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=max(spare / 4, 16 * 2**20))
+    # what this plan takes: the mapped file, the units' own weights and the KV cache (counted as
+    # all-fp32 reference weights, SmolLM2 read 558 MiB where a run peaks at 191)
+    need = mf.file_size + memory_needed(mf, n_ctx, kv_cfg, p.placement())
+    if need > profile.memory_total_bytes / 2:
         # (a profile with 64 MiB of memory got a full TTFT prediction for a 140 MiB load)
         typer.echo(f"edgellm: warning: {mf.config.name} with a {n_ctx}-token context needs about "
                    f"{need / 2**20:.0f} MiB, more than half of {profile.name}'s memory "
                    f"({profile.memory_total_bytes / 2**20:.0f} MiB), the share an app can count on: "
                    f"this plan may not load there (lower --ctx, or a smaller model)", err=True)
-    p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=max(spare / 4, 16 * 2**20))
     if as_json:
         typer.echo(json.dumps({"model": mf.config.name, "soc": profile.soc,
                                "precision_plan": pplan.name if pplan else None, **p.to_json()}, indent=1))
