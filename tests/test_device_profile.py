@@ -609,3 +609,31 @@ def test_a_number_of_thousands_of_digits_is_refused_in_our_words(tmp_path):
     with pytest.raises(ConfigError, match="thousands of digits") as e:
         load_profile(path)
     assert "set_int_max_str_digits" not in str(e.value)
+
+
+def test_review_of_the_profile_checks(tmp_path):
+    """A review probe's finds: a no-break space before a unit (a datasheet copy) was refused
+    after the digits went ASCII; a block-scalar soc (ends in a newline) read as a control
+    character; bidi overrides passed; '# end of profile  ' with trailing spaces and a CRLF copy
+    slipped past the end check."""
+    from edgellm.device.profile_yaml import shipped_profiles_dir, write_profile
+    text = (shipped_profiles_dir() / "rk3588.yaml").read_text()
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(text.replace("bandwidth: 34.1 GB/s", "bandwidth: 34.1\u00a0GB/s", 1)
+                  .replace("soc: Rockchip RK3588", "soc: |\n  Rockchip RK3588", 1))
+    p = load_profile(ok)
+    assert p.memory_bandwidth == 34.1e9 and p.soc == "Rockchip RK3588"
+    bidi = tmp_path / "bidi.yaml"
+    bidi.write_text(text.replace("soc: Rockchip RK3588", 'soc: "RK\\u202e3588"', 1))
+    with pytest.raises(ConfigError, match="soc: expected printable text"):
+        load_profile(bidi)
+    written = write_profile(load_profile("rk3588"), tmp_path / "w.yaml").read_text()
+    spaced = tmp_path / "spaced.yaml"
+    spaced.write_text(written.rstrip("\n") + "  \n# my note\n")
+    with pytest.raises(ConfigError, match="has lines after"):
+        load_profile(spaced)
+    crlf = tmp_path / "crlf.yaml"
+    cut = written[: len(written) // 2]
+    crlf.write_bytes(cut[: cut.rindex("\n") + 1].replace("\n", "\r\n").encode())
+    with pytest.raises(ConfigError, match="cut short"):
+        load_profile(crlf)

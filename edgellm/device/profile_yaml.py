@@ -52,8 +52,9 @@ _EXAMPLE = {"size": "a size such as '64 KiB'", "bandwidth": "a bandwidth such as
 # ('1e-999 GB/s') or a whole-byte size does ('0.4 B'), or the roofline's times overflow to inf
 _SMALLEST = {"size": ("1 B", 1.0), "bandwidth": ("1 B/s", 1.0), "frequency": ("1 Hz", 1.0),
              "time": ("0.001 ns", 1e-12), "compute": ("1 FLOPS", 1.0)}
-# ASCII digits only: \d took full-width ones ('３４ GB/s' read as 34e9)
-_QUANTITY = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d{1,3})?)\s*(\S+)\s*", re.ASCII)
+# ASCII digits only: \d took full-width ones ('３４ GB/s' read as 34e9); the spaces stay Unicode
+# (a figure copied from a datasheet brings a no-break space before its unit)
+_QUANTITY = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?)\s*(\S+)\s*")
 
 
 def parse_quantity(text: Any, kind: str, where: str, *, allow_zero: bool = False) -> float:
@@ -163,9 +164,12 @@ class _Reader:
             return v.isoformat()
         if not isinstance(v, str) or not v.strip():
             self.fail(path, f"expected a non-empty string, got {_describe(v)}")
+        v = v.rstrip("\n")   # (a block scalar, `soc: |`, ends its text with a newline)
         if len(v) > self.MAX_STRING:
             self.fail(path, f"expected at most {self.MAX_STRING} characters, got {len(v):,}")
-        bad = next((c for c in v if unicodedata.category(c) == "Cc"), None)
+        # control characters, and the bidirectional overrides that reorder what a terminal shows
+        bad = next((c for c in v if unicodedata.category(c) == "Cc" or "\u202a" <= c <= "\u202e"
+                    or "\u2066" <= c <= "\u2069"), None)
         if bad is not None:
             self.fail(path, f"expected printable text, got the control character {bad!r}")
         return v
@@ -297,14 +301,15 @@ _END = "# end of profile"
 
 
 def _profile_from_text(text: str, name: str, source: str) -> DeviceProfile:
+    text = text.replace("\r\n", "\n")   # (a CRLF copy skipped the end-of-profile check)
     # a profile by its name, but one in EDGELLM_HOME/profiles by its path: a user's copy that
     # shadows a shipped profile was named as if it were the shipped file
     mine = bool(source) and os.path.dirname(os.path.abspath(source)) == os.path.abspath(user_profiles_dir())
     file = (source if mine else os.path.basename(source)) or source
     first = text.split("\n", 1)[0]
     if first.startswith("# edgellm device profile ") and first.endswith(_ENDS) and \
-            text.rstrip().rsplit("\n", 1)[-1] != _END:
-        if f"\n{_END}\n" in text:   # (a note added after the end read as "cut short": measure again)
+            text.rstrip().rsplit("\n", 1)[-1].rstrip() != _END:
+        if any(line.rstrip() == _END for line in text.split("\n")):   # (a note after the end read as "cut short")
             raise ConfigError(f"{file}: has lines after '{_END}', which ends a written profile: move them "
                               f"above it (comments may go anywhere before it)")
         raise ConfigError(f"{file}: cut short (a written profile ends with '{_END}'): write it again "
