@@ -28,8 +28,8 @@ import difflib
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -40,7 +40,7 @@ from .model import layout
 from .model.ggml_types import GGML_QUANT_SIZES, GGUFValueType
 from .model.ggml_types import GGMLQuantizationType as T
 from .errors import ConfigError, ModelFormatError, UnsupportedModelError
-from .fileio import fsync_dir, remove_dead_writers, writer_tag
+from .fileio import fsync_dir, remove_dead_writers, temp_beside
 from .model.gguf_file import read_tensor
 
 __all__ = [
@@ -479,7 +479,7 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     except BaseException:
         src.close()
         raise
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dst_path)}.{writer_tag()}.", suffix=".tmp", dir=d)
+    fd, tmp = temp_beside(Path(dst_path))   # (its own temp name failed for names past ~225 bytes)
     os.close(fd)
     writer = _Writer(tmp, g.metadata.get("general.architecture", "llama"))
     reports: list[TensorReport] = []

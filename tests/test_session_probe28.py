@@ -160,3 +160,15 @@ def test_an_unreadable_session_with_a_long_name_is_kept_aside_too(tiny, tmp_path
         assert not f.exists()
         kept = [p for p in tmp_path.iterdir() if ".unreadable-" in p.name]
     assert len(kept) == 2 and all(len(p.name.encode()) <= 255 for p in kept)
+
+
+def test_quantize_writes_a_long_output_name(tmp_path):
+    """requantize's own temp name failed for output names past ~225 bytes (a review probe)."""
+    from gguf import GGMLQuantizationType as QT
+
+    from edgellm.requant import requantize_gguf
+
+    src = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.F32, seed=2).path
+    out = tmp_path / ("q" * 240 + ".gguf")
+    requantize_gguf(src, out, {"blk.0.ffn_down.weight": "q8_0"})
+    assert out.read_bytes()[:4] == b"GGUF"
