@@ -255,11 +255,7 @@ class Engine:
         return self._render_chat(ChatTemplate.check_conversation(messages))
 
     def _render_chat(self, messages: list) -> RenderedChat:
-        return render_plain(messages, self.template.render, self._special_texts)
-
-    @property
-    def _special_texts(self) -> list[str]:
-        return [t for t, _ in self.tokenizer._special]
+        return render_plain(messages, self.template.render, self.tokenizer.special_texts)
 
     # -- generation ----------------------------------------------------------------------------
     def cancel(self) -> None:

@@ -420,6 +420,11 @@ class Tokenizer:
     def is_control(self, token_id: int) -> bool:
         return token_id in self._control
 
+    @property
+    def special_texts(self) -> list[str]:
+        """The texts encode() parses into special tokens, longest first."""
+        return [t for t, _ in self._special]
+
 
 class StreamDecoder:
     """Incremental detokenizer: ``push(id)`` returns only complete UTF-8 text, holding back the
