@@ -102,3 +102,50 @@ def test_marker_text_in_another_message_does_not_misplace_a_span():
     r = render_plain(msgs, render, ["<|im_start|>", "<|im_end|>"])
     (s, e), = r.plain_spans
     assert r[s:e] == msgs[1]["content"]
+
+
+R1_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% else %}{% set c = message['content'] %}{% if '</think>' in c %}{% set c = c.split('</think>')[-1] %}"
+    "{% endif %}{{ '<|im_start|>assistant\\n' + c + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_user_defined_token_in_an_answer_is_no_reason_to_refuse(tmp_path, monkeypatch):
+    """DeepSeek-R1-style templates keep only what follows '</think>' in an assistant turn. That
+    token is user-defined (parsed whole either way, nothing to keep as text), yet counted as a
+    special text it made every second chat turn a ConfigError (a probe)."""
+    import tests.synthetic as syn
+
+    real = syn.build_vocab
+
+    def with_think(vocab_size=None):
+        tokens, types, merges = real(vocab_size)
+        tokens[len(syn.SPECIAL_TOKENS):len(syn.SPECIAL_TOKENS)] = ["</think>"]
+        types[len(syn.SPECIAL_TOKENS):len(syn.SPECIAL_TOKENS)] = [4]    # TOKEN_USER_DEFINED
+        return tokens, types, merges
+
+    monkeypatch.setattr(syn, "build_vocab", with_think)
+    tm = write_tiny_model(tmp_path / "r1.gguf", tensor_type=QT.F32, seed=4,
+                          extra_metadata={"tokenizer.chat_template": R1_TEMPLATE})
+    eng = edgellm.load(tm.path, n_ctx=256, threads=1)
+    assert "</think>" not in eng.tokenizer.special_texts and "<|im_end|>" in eng.tokenizer.special_texts
+    msgs = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "Let me add.\n</think>\n\n4"},
+            {"role": "user", "content": "and 3+3?"}]
+    r = eng.render_chat(msgs)
+    assert str(r) == eng.template.render(msgs) and r.plain_spans == ()
+
+
+def test_a_content_the_template_leaves_out_is_no_reason_to_refuse():
+    """A tool message a template skips held nothing to keep as text, yet was refused."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x <|im_end|> y"}]
+    render = lambda ms: "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"  # noqa: E731
+                                for m in ms if m["role"] != "tool")
+    r = render_plain(msgs, render, ["<|im_start|>", "<|im_end|>"])
+    assert r.plain_spans == () and str(r) == render(msgs)
+    # a template that writes it only in the real render (it reads the content) is still refused
+    sneaky = lambda ms: "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"  # noqa: E731
+                                for m in ms if m["role"] != "tool" or "<|im_end|>" in m["content"])
+    with pytest.raises(ConfigError, match="changes the content"):
+        render_plain(msgs, sneaky, ["<|im_start|>", "<|im_end|>"])

@@ -73,9 +73,19 @@ def _content_spans(messages: list[dict], hits: list[int], text: str, render, spe
         marked = render([dict(m, content=marks[k]) if k in marks else m for k, m in enumerate(messages)])
     except Exception:   # noqa: BLE001 - a template that reads its contents: refused below
         marked = None
-    if marked is None or any(marked.count(v) != 1 for v in marks.values()):
+    if marked is None:
         raise refuse(hits[0])
-    order = sorted(hits, key=lambda k: marked.index(marks[k]))
+    twice = next((k for k in hits if marked.count(marks[k]) > 1), None)
+    if twice is not None:
+        raise refuse(twice)
+    # a content the template leaves out (a tool role it skips, Mistral v3's system message
+    # before an assistant turn) holds nothing to keep as text: the markup check below still
+    # refuses it if the real render wrote it after all
+    order = sorted((k for k in hits if marks[k] in marked), key=lambda k: marked.index(marks[k]))
+    if not order:
+        if text != marked:
+            raise refuse(hits[0])
+        return []
     spans, t, m = [], 0, 0          # positions in text and in marked
     for n, k in enumerate(order):
         i = marked.index(marks[k], m)

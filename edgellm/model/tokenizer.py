@@ -422,8 +422,11 @@ class Tokenizer:
 
     @property
     def special_texts(self) -> list[str]:
-        """The texts encode() parses into special tokens, longest first."""
-        return [t for t, _ in self._special]
+        """The texts encode(parse_special=True) parses into special tokens and parse_special=False
+        leaves as text, longest first (user-defined tokens, parsed either way, are not among
+        them: chat_plain has nothing to keep as text there)."""
+        always = {i for _, i in self._special_parse_always}
+        return [t for t, i in self._special if i not in always]
 
 
 class StreamDecoder:
