@@ -10,7 +10,7 @@ import time
 from typing import Callable
 
 from .api import Engine, GenerationConfig
-from .bench_floor import decode_weight_bytes, floor_fields
+from .bench_floor import decode_kv_bytes, decode_weight_bytes, floor_fields
 from .procmem import file_rss_mb, reset_peak_rss
 
 # Plain prose, repeated to reach the requested length; varied enough that the tokenizer sees
@@ -123,7 +123,8 @@ def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
             "threads": engine.threads,
         })
         if bandwidth:
-            records[-1].update(floor_fields(decode_weight_bytes(engine.model), statistics.median(decode_tps), bw))
+            records[-1].update(floor_fields(decode_weight_bytes(engine.model), statistics.median(decode_tps), bw,
+                                            decode_kv_bytes(engine, actual, gen_tokens)))
     return records
 
 

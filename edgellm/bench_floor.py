@@ -12,6 +12,7 @@ The sgemv it replaced read slower than the decode kernels stream (decode at 128 
 from __future__ import annotations
 
 import logging
+import statistics
 import subprocess
 import sys
 
@@ -56,17 +57,30 @@ def read_bandwidth_gbs(nbytes: int = 0, timeout_s: float = 120.0) -> float | Non
     return gbs
 
 
-def floor_fields(weight_bytes: int, decode_tps: float, bandwidths: list[float | None]) -> dict:
-    """The record's floor fields. The floor takes the fastest bandwidth measured around the runs
-    (the strictest floor); none measured, or no decode rate: the fields say so with None."""
+def decode_kv_bytes(engine, prompt_tokens: int, gen_tokens: int) -> int:
+    """Bytes of KV cache a decode token reads, at the decode's middle position: every layer's K
+    and V of every position before it (the floor counted only the weights: up to ~25% low at
+    1,024 tokens, a probe)."""
+    c, kv = engine.config, engine.kv.kv
+    held = prompt_tokens + gen_tokens / 2
+    if kv.kind == "ring":
+        held = min(held, kv.window)
+    return int(c.n_layers * 2 * c.n_kv_heads * c.head_dim * kv.bytes_per_elem * held)
+
+
+def floor_fields(weight_bytes: int, decode_tps: float, bandwidths: list[float | None], kv_bytes: int = 0) -> dict:
+    """The record's floor fields: (weights + KV) bytes at the median bandwidth measured around
+    the runs. (The fastest one set it before: one spike of the probe, 31 to 53 GB/s back to
+    back on a shared host, made the ratio 1.4 at one length and 2.5 at the next.) None
+    measured, or no decode rate: the fields say so with None."""
     measured = [b for b in bandwidths if b]
-    rec = {"decode_weight_mb": round(weight_bytes / 1e6, 2),
+    rec = {"decode_weight_mb": round(weight_bytes / 1e6, 2), "decode_kv_mb": round(kv_bytes / 1e6, 2),
            "read_bandwidth_gbs": [round(b, 2) if b else None for b in bandwidths],
            "decode_floor_ms": None, "decode_ms_per_token": None, "decode_vs_floor": None}
     if decode_tps > 0:
         rec["decode_ms_per_token"] = round(1e3 / decode_tps, 6)
     if measured:
-        floor_ms = weight_bytes / (max(measured) * 1e9) * 1e3
+        floor_ms = (weight_bytes + kv_bytes) / (statistics.median(measured) * 1e9) * 1e3
         rec["decode_floor_ms"] = round(floor_ms, 6)
         if decode_tps > 0:
             rec["decode_vs_floor"] = round(1e3 / decode_tps / floor_ms, 3)

@@ -1026,16 +1026,17 @@ def bench(
     parts = (f" (model file {m['rss_model_mapped_mb']:.1f} MiB mapped, KV cache {m['kv_cache_mb']:.1f} MiB, "
              f"the rest {m['rss_runtime_mb']:.1f} MiB)" if "rss_model_mapped_mb" in m else "")
     peak = max(m["rss_after_load_mb"], *(r["peak_rss_mb"] for r in recs))   # (each length's own, and load's)
-    typer.echo(f"memory: peak RSS {peak:.0f} MiB, {m['rss_after_load_mb']:.0f} MiB "
+    over = f"; the peak is {peak - m['rss_bound_mb']:.1f} MiB OVER the bound" if peak > m["rss_bound_mb"] else ""
+    typer.echo(f"memory: peak RSS {peak:.1f} MiB, {m['rss_after_load_mb']:.0f} MiB "
                f"right after load{parts}; bound 1.5 x {m['model_file_mb']:.1f} MiB file + {m['kv_cache_mb']:.1f} MiB "
-               f"KV cache = {m['rss_bound_mb']:.1f} MiB")
+               f"KV cache = {m['rss_bound_mb']:.1f} MiB{over}")
     for r in recs:
         if r.get("decode_vs_floor") is not None:
             bws = " and ".join(f"{x:.1f}" if x else "-" for x in r["read_bandwidth_gbs"])
             typer.echo(f"decode at {r['prompt_tokens']}: {r['decode_ms_per_token']:.2f} ms/token = "
                        f"{r['decode_vs_floor']:.2f}x the memory floor of {r['decode_floor_ms']:.2f} ms "
-                       f"({r['decode_weight_mb']:.1f} MB of weights per token at the faster of {bws} GB/s, measured "
-                       f"before and after the runs)"
+                       f"({r['decode_weight_mb']:.1f} MB of weights + {r.get('decode_kv_mb', 0):.1f} MB of KV cache per "
+                       f"token at the median of {bws} GB/s, measured before and after the runs)"
                        + ("; under 1: the probe read slower than decode streamed (a busy machine's memory, "
                           "or numpy's sgemv where the neon library is missing)" if r["decode_vs_floor"] < 1 else ""))
         elif "decode_weight_mb" in r:

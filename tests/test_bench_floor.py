@@ -42,12 +42,24 @@ def test_decode_weight_bytes_uses_the_quantized_sizes(tmp_path):
     assert decode_weight_bytes(q8) == matrix_elems // 32 * 34 + 4 * (2 * LAYERS + 1) * D
 
 
-def test_floor_fields_take_the_fastest_bandwidth():
-    rec = floor_fields(96_570_000, 125.0, [20.0, 22.0])
-    assert rec["decode_weight_mb"] == 96.57
+def test_floor_fields_take_the_median_bandwidth_and_count_the_kv_cache():
+    """The fastest of the probes set the floor (one spike of a noisy probe made the ratio 1.4 at
+    one length and 2.5 at the next), and the KV cache decode also reads was left out (a probe)."""
+    rec = floor_fields(96_570_000, 125.0, [20.0, 22.0, 40.0], kv_bytes=3_430_000)
+    assert rec["decode_weight_mb"] == 96.57 and rec["decode_kv_mb"] == 3.43
     assert rec["decode_ms_per_token"] == 8.0
-    assert rec["decode_floor_ms"] == pytest.approx(96.57 / 22.0, abs=1e-3)     # MB / (GB/s) = ms
-    assert rec["decode_vs_floor"] == pytest.approx(8.0 / (96.57 / 22.0), abs=1e-3)
+    assert rec["decode_floor_ms"] == pytest.approx(100.0 / 22.0, abs=1e-3)     # MB / (GB/s) = ms
+    assert rec["decode_vs_floor"] == pytest.approx(8.0 / (100.0 / 22.0), abs=1e-3)
+
+
+def test_the_kv_a_decode_token_reads(tiny):
+    import edgellm
+    from edgellm.bench_floor import decode_kv_bytes
+
+    eng = edgellm.load(tiny, n_ctx=256, threads=1)
+    c = eng.config
+    per_token = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2            # f16 K and V
+    assert decode_kv_bytes(eng, 100, 20) == per_token * 110
 
 
 def test_floor_fields_without_a_bandwidth_say_so():

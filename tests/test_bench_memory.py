@@ -77,3 +77,32 @@ def test_a_lengths_peak_rss_is_its_own():
     before = peak_rss_mb()
     assert reset_peak_rss()
     assert peak_rss_mb() < before - 32
+
+
+def test_a_peak_over_the_bound_is_said(tiny, monkeypatch):
+    """The peak went over the bound (186.3 against 185.7 MiB) with the bound printed beside it
+    as if it held (a probe)."""
+    import edgellm.bench as b
+
+    real = b.memory_fields
+
+    def tight(engine):
+        out = real(engine)
+        out["rss_bound_mb"] = 1.0
+        return out
+
+    monkeypatch.setattr(b, "memory_fields", tight)
+    r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--gen-tokens", "3", "--runs", "1",
+                            "--no-floor"])
+    assert r.exit_code == 0, r.output
+    assert "MiB OVER the bound" in r.stdout
+
+    def roomy(engine):
+        out = real(engine)
+        out["rss_bound_mb"] = 1e6
+        return out
+
+    monkeypatch.setattr(b, "memory_fields", roomy)
+    r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--gen-tokens", "3", "--runs", "1",
+                            "--no-floor"])
+    assert "OVER the bound" not in r.stdout
