@@ -86,23 +86,12 @@ def test_a_peak_over_the_bound_is_said(tiny, monkeypatch):
 
     real = b.memory_fields
 
-    def tight(engine):
-        out = real(engine)
-        out["rss_bound_mb"] = 1.0
-        return out
+    def bench_with_bound(mb: float) -> str:
+        monkeypatch.setattr(b, "memory_fields", lambda engine: {**real(engine), "rss_bound_mb": mb})
+        r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--gen-tokens", "3", "--runs", "1",
+                                "--no-floor"])
+        assert r.exit_code == 0, r.output
+        return r.stdout
 
-    monkeypatch.setattr(b, "memory_fields", tight)
-    r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--gen-tokens", "3", "--runs", "1",
-                            "--no-floor"])
-    assert r.exit_code == 0, r.output
-    assert "MiB OVER the bound" in r.stdout
-
-    def roomy(engine):
-        out = real(engine)
-        out["rss_bound_mb"] = 1e6
-        return out
-
-    monkeypatch.setattr(b, "memory_fields", roomy)
-    r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--gen-tokens", "3", "--runs", "1",
-                            "--no-floor"])
-    assert "OVER the bound" not in r.stdout
+    assert "MiB OVER the bound" in bench_with_bound(1.0)
+    assert "OVER the bound" not in bench_with_bound(1e6)
