@@ -65,14 +65,17 @@ def decode_kv_bytes(engine, prompt_tokens: int, gen_tokens: int) -> int:
     held = prompt_tokens + gen_tokens / 2
     if kv.kind == "ring":
         held = min(held, kv.window)
-    return int(c.n_layers * 2 * c.n_kv_heads * c.head_dim * kv.bytes_per_elem * held)
+    # int8 rows carry an fp32 scale each, which bytes_per_elem leaves out (5.9% at head_dim 64)
+    row = c.head_dim * kv.bytes_per_elem + (4 if kv.precision == "int8" else 0)
+    return int(c.n_layers * 2 * c.n_kv_heads * row * held)
 
 
 def floor_fields(weight_bytes: int, decode_tps: float, bandwidths: list[float | None], kv_bytes: int = 0) -> dict:
     """The record's floor fields: (weights + KV) bytes at the median bandwidth measured around
-    the runs. (The fastest one set it before: one spike of the probe, 31 to 53 GB/s back to
-    back on a shared host, made the ratio 1.4 at one length and 2.5 at the next.) None
-    measured, or no decode rate: the fields say so with None."""
+    the runs (of the two probes a length takes, their mean: a spike is halved, not rejected).
+    The fastest one set it before: one spike of the probe, 31 to 53 GB/s back to back on a
+    shared host, made the ratio 1.4 at one length and 2.5 at the next. None measured, or no
+    decode rate: the fields say so with None."""
     measured = [b for b in bandwidths if b]
     rec = {"decode_weight_mb": round(weight_bytes / 1e6, 2), "decode_kv_mb": round(kv_bytes / 1e6, 2),
            "read_bandwidth_gbs": [round(b, 2) if b else None for b in bandwidths],

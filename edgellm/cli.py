@@ -1036,7 +1036,7 @@ def bench(
             typer.echo(f"decode at {r['prompt_tokens']}: {r['decode_ms_per_token']:.2f} ms/token = "
                        f"{r['decode_vs_floor']:.2f}x the memory floor of {r['decode_floor_ms']:.2f} ms "
                        f"({r['decode_weight_mb']:.1f} MB of weights + {r.get('decode_kv_mb', 0):.1f} MB of KV cache per "
-                       f"token at the median of {bws} GB/s, measured before and after the runs)"
+                       f"token at the mean of {bws} GB/s, measured before and after the runs)"
                        + ("; under 1: the probe read slower than decode streamed (a busy machine's memory, "
                           "or numpy's sgemv where the neon library is missing)" if r["decode_vs_floor"] < 1 else ""))
         elif "decode_weight_mb" in r:

@@ -114,3 +114,16 @@ def test_bench_without_floor_skips_the_probe(tiny, tmp_path):
                             "--no-floor", "--json", str(out)])
     assert r.exit_code == 0, r.output
     assert "decode_vs_floor" not in json.loads(out.read_text())[0]
+
+
+def test_an_int8_kv_row_counts_its_scale():
+    """int8 K and V rows carry an fp32 scale each: the count was 5.9% low at head_dim 64 (a probe)."""
+    from types import SimpleNamespace
+
+    from edgellm.bench_floor import decode_kv_bytes
+    from edgellm.kv.store import KVConfig
+
+    cfg = SimpleNamespace(n_layers=30, n_kv_heads=3, head_dim=64)
+    eng = lambda prec: SimpleNamespace(config=cfg, kv=SimpleNamespace(kv=KVConfig(precision=prec)))  # noqa: E731
+    assert decode_kv_bytes(eng("f16"), 100, 0) == 30 * 2 * 3 * 64 * 2 * 100
+    assert decode_kv_bytes(eng("int8"), 100, 0) == 30 * 2 * 3 * (64 + 4) * 100
