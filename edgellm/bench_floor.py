@@ -61,13 +61,15 @@ def decode_kv_bytes(engine, prompt_tokens: int, gen_tokens: int) -> int:
     """Bytes of KV cache a decode token reads, at the decode's middle position: every layer's K
     and V of every position before it (the floor counted only the weights: up to ~25% low at
     1,024 tokens, a probe)."""
+    from .kv.pool import KVPool
+
     c, kv = engine.config, engine.kv.kv
     held = prompt_tokens + gen_tokens / 2
     if kv.kind == "ring":
         held = min(held, kv.window)
-    # int8 rows carry an fp32 scale each, which bytes_per_elem leaves out (5.9% at head_dim 64)
-    row = c.head_dim * kv.bytes_per_elem + (4 if kv.precision == "int8" else 0)
-    return int(c.n_layers * 2 * c.n_kv_heads * row * held)
+    # one position's K and V in every layer, int8's row scales included (the ring's rows are the
+    # pool's): the pool's own count, not a second copy of its layout
+    return int(KVPool.nbytes_for(c.n_layers, c.n_kv_heads, c.head_dim, 1, 1, kv.precision) * held)
 
 
 def floor_fields(weight_bytes: int, decode_tps: float, bandwidths: list[float | None], kv_bytes: int = 0) -> dict:
