@@ -415,9 +415,10 @@ def _keep_aside(path: Path, why) -> None:
     except OSError:
         return
     stamp = f".unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
-    name = path.name
-    if len(os.fsencode(name + stamp)) > 240:   # (the rename failed past 228 bytes, silently: overwritten)
-        name = os.fsdecode(os.fsencode(name)[:200])
+    from .fileio import cut_name
+
+    # (the rename failed past 228 bytes, silently, and the save overwrote the file)
+    name = cut_name(path.name, 240 - len(stamp), 200)
     aside, n = path.with_name(name + stamp), 1
     while os.path.lexists(aside):   # (two in one second: the second rename replaced the first)
         aside, n = path.with_name(f"{name}{stamp}-{n}"), n + 1

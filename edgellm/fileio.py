@@ -43,10 +43,16 @@ def temp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
     remove_dead_writers(path.parent)
     # the temp name adds ~26 bytes: a valid name of 230-255 bytes failed with "File name too long"
     # after the whole answer (a probe); such a name is cut in the temp name only
-    name = path.name
-    if len(os.fsencode(name)) > _TEMP_NAME_MAX:
-        name = os.fsdecode(os.fsencode(name)[:_TEMP_NAME_MAX // 2])   # (a cut character: its bytes)
+    name = cut_name(path.name, _TEMP_NAME_MAX, _TEMP_NAME_MAX // 2)
     return tempfile.mkstemp(dir=path.parent, prefix=f".{name}.{writer_tag()}.", suffix=suffix)
+
+
+def cut_name(name: str, longest: int, keep: int) -> str:
+    """name, or its first `keep` bytes when it is longer than `longest` bytes: room for what a
+    derived name adds (a temp or an aside suffix) within NAME_MAX (a cut character keeps its
+    bytes, as the file system would)."""
+    raw = os.fsencode(name)
+    return os.fsdecode(raw[:keep]) if len(raw) > longest else name
 
 
 # names longer than this (bytes) are cut in their temp file's name: NAME_MAX is 255
