@@ -394,11 +394,40 @@ class PoolSequence:
     def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
         """k, v (T, n_kv_heads, head_dim) for positions start..start+T-1, all reserved and in
         blocks this sequence owns alone."""
-        pool, bt = self.pool, self.pool.block_tokens
+        self._check_rows("write", k, v)
+        if self.pool.k_scale is None:
+            self._put(layer, start, k, v)
+        else:
+            self._put(layer, start, *quantize_int8(np.asarray(k, dtype=np.float32)),
+                      *quantize_int8(np.asarray(v, dtype=np.float32)))
+
+    def write_int8(self, layer: int, start: int, kq: np.ndarray, ks: np.ndarray,
+                   vq: np.ndarray, vs: np.ndarray) -> None:
+        """An int8 pool's rows as they are stored: kq, vq int8 (T, n_kv_heads, head_dim), their
+        scales ks, vs float32 (T, n_kv_heads), as read_int8 gives them (a session's restore
+        writes them back unchanged: dequantizing and quantizing again could move a value)."""
+        pool = self.pool
+        if pool.k_scale is None:
+            raise ValueError(f"write_int8 on a {pool.precision} pool")
+        self._check_rows("write_int8", kq, vq)
+        for name, a, want in (("kq", kq, np.int8), ("vq", vq, np.int8), ("ks", ks, np.float32),
+                              ("vs", vs, np.float32)):
+            if a.dtype != want:
+                raise ValueError(f"write_int8 needs {name} of dtype {np.dtype(want)}, got {a.dtype}")
+        if ks.shape != kq.shape[:2] or vs.shape != kq.shape[:2]:
+            raise ValueError(f"write_int8 needs scales of shape {kq.shape[:2]}, got {ks.shape}, {vs.shape}")
+        self._put(layer, start, kq, ks, vq, vs)
+
+    def _check_rows(self, what: str, k: np.ndarray, v: np.ndarray) -> None:
+        pool = self.pool
         shape = (pool.n_kv_heads, pool.head_dim)
         if k.ndim != 3 or k.shape[1:] != shape or v.shape != k.shape:
-            raise ValueError(f"write needs k, v of shape (T, {shape[0]}, {shape[1]}), "
+            raise ValueError(f"{what} needs k, v of shape (T, {shape[0]}, {shape[1]}), "
                              f"got {k.shape}, {v.shape}")
+
+    def _put(self, layer: int, start: int, k: np.ndarray, *rest: np.ndarray) -> None:
+        """Stores rows at start..: (k, v) on a float pool, (kq, ks, vq, vs) on an int8 one."""
+        pool, bt = self.pool, self.pool.block_tokens
         if not 0 <= layer < pool.n_layers:
             raise ValueError(f"layer {layer} outside 0..{pool.n_layers - 1}")
         t = k.shape[0]
@@ -413,9 +442,6 @@ class PoolSequence:
             if not self._writable(table[i]):
                 raise KVInvariantError(f"write into block {table[i]} (table slot {i}) that is shared "
                                        f"(refcount {pool._ref[table[i]]}) or cached: reserve copies it first")
-        if pool.k_scale is not None:
-            kq, ks = quantize_int8(np.asarray(k, dtype=np.float32))
-            vq, vs = quantize_int8(np.asarray(v, dtype=np.float32))
         if b0 == b1:  # decode and block-aligned small chunks: plain slices
             b, o = table[b0], start - b0 * bt
             sl = (b, layer, slice(o, o + t))
@@ -424,10 +450,26 @@ class PoolSequence:
             sl = (self._table()[pos // bt], layer, pos % bt)
         if pool.k_scale is None:
             pool.k[sl] = k
-            pool.v[sl] = v
+            pool.v[sl] = rest[0]
         else:
-            pool.k[sl], pool.k_scale[sl] = kq, ks
+            ks, vq, vs = rest
+            pool.k[sl], pool.k_scale[sl] = k, ks
             pool.v[sl], pool.v_scale[sl] = vq, vs
+
+    def read_int8(self, layer: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """An int8 pool's positions 0..n-1 as stored: kq, vq int8 (n, n_kv_heads, head_dim) and
+        their scales ks, vs float32 (n, n_kv_heads) (copies)."""
+        pool, bt = self.pool, self.pool.block_tokens
+        if pool.k_scale is None:
+            raise ValueError(f"read_int8 on a {pool.precision} pool")
+        if n < 0 or n > self.capacity:
+            raise KVInvariantError(f"read of {n} positions; {self.capacity} reserved")
+        kvh, hd = pool.n_kv_heads, pool.head_dim
+        nb = -(-n // bt)
+        idx = self._table()[:nb]
+        rows = [a[idx, layer].reshape(nb * bt, kvh, hd)[:n] for a in (pool.k, pool.v)]
+        scales = [a[idx, layer].reshape(nb * bt, kvh)[:n] for a in (pool.k_scale, pool.v_scale)]
+        return rows[0], scales[0], rows[1], scales[1]
 
     def read(self, layer: int, n: int, out: tuple[np.ndarray, np.ndarray] | None = None
              ) -> tuple[np.ndarray, np.ndarray]:

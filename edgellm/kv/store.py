@@ -126,14 +126,20 @@ class PoolStore:
         return True
 
     def snapshot(self) -> tuple[list[int], dict[str, np.ndarray]]:
-        """The last conversation's token ids and KV, (layers, n, kv_heads, head_dim) each, in
-        the pool's storage precision (f16 stays f16, so a restore is bit-exact)."""
+        """The last conversation's token ids and KV, (layers, n, kv_heads, head_dim) each, as the
+        pool stores it, so a restore is bit-exact: f16 stays f16, int8 stays int8 with its
+        per-(token, head) scales in k_scale and v_scale, (layers, n, kv_heads) float32."""
         seq = self.last
         if seq is None or not seq.n_tokens:
             raise ConfigError("there is no conversation to save yet: generate first")
-        n, store = seq.n_tokens, np.float32 if self.kv.precision == "int8" else PRECISIONS[self.kv.precision]
+        n, layers = seq.n_tokens, range(self.pool.n_layers)
+        if self.kv.precision == "int8":
+            rows = [seq.read_int8(layer, n) for layer in layers]   # kq, ks, vq, vs each
+            names = ("k", "k_scale", "v", "v_scale")
+            return list(seq.tokens[:n]), {name: np.stack([r[i] for r in rows]) for i, name in enumerate(names)}
+        store = PRECISIONS[self.kv.precision]
         ks, vs = [], []
-        for layer in range(self.pool.n_layers):
+        for layer in layers:
             k, v = seq.read(layer, n)                                  # (KVH, n, hd) f32
             ks.append(k.transpose(1, 0, 2).astype(store))
             vs.append(v.transpose(1, 0, 2).astype(store))
@@ -146,13 +152,27 @@ class PoolStore:
         if k.shape != want or v.shape != want:
             raise ConfigError(f"session KV has shape {k.shape}, expected {want}")
         # what snapshot() writes: the storage precision's dtype, finite values. A NaN K loaded, and
-        # the next prompt failed blaming the model's weights; int32 arrays overflowed in the pool
-        store = np.dtype(np.float32 if self.kv.precision == "int8" else PRECISIONS[self.kv.precision])
+        # the next prompt failed blaming the model's weights; int32 arrays overflowed in the pool.
+        # An int8 pool also takes the float32 KV that edgellm wrote for it before it kept int8.
+        native = self.kv.precision == "int8" and k.dtype == np.int8
+        store = np.dtype(np.int8 if native else np.float32 if self.kv.precision == "int8"
+                         else PRECISIONS[self.kv.precision])
         for name, a in (("k", k), ("v", v)):
             if a.dtype != store:
                 raise ConfigError(f"session KV {name} is {a.dtype}, expected {store}")
-            if not np.isfinite(a).all():
+            if native and (a == -128).any():      # (quantize_int8 keeps |q| <= 127)
+                raise ConfigError(f"session KV {name} holds -128, which int8 KV never stores")
+            if not native and not np.isfinite(a).all():
                 raise ConfigError(f"session KV {name} holds non-finite values")
+        if native:
+            scales = [arrays.get(name) for name in ("k_scale", "v_scale")]
+            for name, a in zip(("k_scale", "v_scale"), scales):
+                if a is None or a.dtype != np.float32 or a.shape != want[:3]:
+                    got = "none" if a is None else f"{a.dtype} {a.shape}"
+                    raise ConfigError(f"session KV {name}: expected float32 {want[:3]}, found {got}")
+                # (a scale is max |x| / 127 of a finite row: >= 0 and finite)
+                if not (np.isfinite(a) & (a >= 0)).all():
+                    raise ConfigError(f"session KV {name} holds a negative or non-finite scale")
         # the prefix cache stays: prompts an app warmed keep their blocks, evicted (least recently
         # used first) only as far as the session needs the room (it emptied the cache before)
         self.release_last()
@@ -160,7 +180,10 @@ class PoolStore:
         try:
             seq.reserve(n)      # ContextFull when live requests hold the room
             for layer in range(self.pool.n_layers):
-                seq.write(layer, 0, k[layer].astype(np.float32), v[layer].astype(np.float32))
+                if native:
+                    seq.write_int8(layer, 0, k[layer], scales[0][layer], v[layer], scales[1][layer])
+                else:
+                    seq.write(layer, 0, k[layer].astype(np.float32), v[layer].astype(np.float32))
         except BaseException:
             seq.free()
             raise
