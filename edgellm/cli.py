@@ -114,6 +114,8 @@ def friendly(fn):
         except SystemExit:   # SIGTERM (main's handler): the probe child too, as for Ctrl-C
             _stop_probe_child()
             raise
+        finally:
+            _release_session_locks()
     return wrapper
 
 
@@ -460,9 +462,10 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
     why = foreign_file(session)
     if why is not None:   # (a user's document given by mistake: never overwritten)
         raise ConfigError(f"--session {session}: {why}")
-    # taken before the load: a save by another run during it then warns at this run's save (at
-    # worst needlessly, when the load read the new file); taken after, a save that landed after
-    # the load's read was replaced without a word
+    _hold_session(session)   # (until the command ends: another run on it waits for this one)
+    # taken before the load: a save by another writer during it (an app's engine, or a run that
+    # could take no lock) then warns at this run's save (at worst needlessly, when the load read
+    # the new file); taken after, a save that landed after the load's read was replaced silently
     seen = _file_state(session)
     if eng.load_session(session):
         saved = _conversation_in(eng.session_meta)
@@ -485,6 +488,30 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
     elif saved:
         typer.echo(f"[session: continuing the conversation in {session}; its KV is recomputed]", err=True)
     return session, saved, seen
+
+
+_session_locks: list = []   # the session locks this command holds (released when it ends)
+
+
+def _hold_session(session: Path) -> None:
+    """One run at a time on a session (kv.session_lock): waits, saying so, for a run holding it."""
+    from .kv import session_lock
+
+    def waiting(pid: int | None) -> None:
+        who = f"another edgellm run (pid {pid})" if pid else "another edgellm run"
+        typer.echo(f"[session: {session} is in use by {who}; waiting for it to end (Ctrl-C to stop)]", err=True)
+
+    lock, why = session_lock.hold(session, waiting)
+    if lock is None:
+        typer.echo(f"edgellm: warning: cannot lock {session} against other runs ({why}); runs on it at once "
+                   f"are not serialized", err=True)
+    else:
+        _session_locks.append(lock)
+
+
+def _release_session_locks() -> None:
+    while _session_locks:
+        _session_locks.pop().release()
 
 
 def _save_session(eng, session: Path, meta: dict, seen: tuple | None) -> tuple | None:
