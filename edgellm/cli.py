@@ -1471,7 +1471,10 @@ def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remov
     from .kv import disk_cache
 
     cache_check()
-    typer.echo(f"removed {disk_cache.clear()} session file(s) from {disk_cache.cache_dir()}")
+    in_use: list = []
+    typer.echo(f"removed {disk_cache.clear(in_use=in_use)} session file(s) from {disk_cache.cache_dir()}")
+    for f in in_use:
+        typer.echo(f"kept {f.name}: a running edgellm run or chat holds it (it would save it again)")
     failed: list[str] = []
     if everything:
         from .fileio import writer_alive

@@ -101,3 +101,20 @@ def test_run_goes_on_unserialized_where_no_lock_can_be_taken(tiny, tmp_path, hom
     assert r.exit_code == 0, r.output
     assert f"edgellm: warning: cannot lock {f} against other runs" in r.stderr
     assert "[session: saved" in r.stderr
+
+
+def test_cache_clear_keeps_a_session_a_run_holds(tiny, tmp_path, home):
+    r = runner.invoke(app, ["run", "--model", tiny, "-n", "2", "--temperature", "0", "--session", "talk", "hi"])
+    assert r.exit_code == 0, r.output
+    from edgellm.kv import disk_cache
+    (entry,) = [c.path for c in disk_cache.list_entries()]
+    held, _ = session_lock.hold(entry, lambda pid: None)    # a chat on it, still running
+    try:
+        r = runner.invoke(app, ["cache", "clear"])
+        assert r.exit_code == 0 and "removed 0 session file(s)" in r.stdout, r.output
+        assert f"kept {entry.name}: a running edgellm run or chat holds it" in r.stdout
+        assert entry.exists()
+    finally:
+        held.release()
+    r = runner.invoke(app, ["cache", "clear"])
+    assert "removed 1 session file(s)" in r.stdout and not entry.exists()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..fileio import writer_alive
 from ..model.registry import edgellm_home
+from . import session_lock
 from .session_file import SessionFileError, read_header
 
 __all__ = ["SUFFIX", "CacheEntry", "cache_dir", "entry_path", "list_entries", "clear", "info"]
@@ -118,11 +119,12 @@ def list_entries() -> list[CacheEntry]:
     return out
 
 
-def clear(model_sha256: str | None = None) -> int:
+def clear(model_sha256: str | None = None, in_use: list[Path] | None = None) -> int:
     """Remove cache files: all of them, or those of one model (by header, or by file-name
     prefix for files whose header cannot be read). Temp files whose writer still runs are kept,
-    and those without their writer's pid (older edgellm) while younger than _TEMP_GRACE_S.
-    Returns the number of files removed."""
+    and those without their writer's pid (older edgellm) while younger than _TEMP_GRACE_S; so
+    are sessions a running `edgellm run` or `chat` holds (kv.session_lock), listed in in_use
+    when given. Returns the number of files removed."""
     if model_sha256 is not None and not isinstance(model_sha256, str):
         raise TypeError(f"clear: model_sha256 must be a str or None, got {model_sha256!r}")
     removed, now = 0, time.time()
@@ -136,6 +138,10 @@ def clear(model_sha256: str | None = None) -> int:
                     else c.path.name.lstrip(".").startswith(model_sha256[:_SHA_PREFIX] + "-"))
             if not mine:
                 continue
+        if not _TEMP.fullmatch(c.path.name) and session_lock.in_use(c.path):
+            if in_use is not None:
+                in_use.append(c.path)
+            continue
         try:
             c.path.unlink()
         except FileNotFoundError:

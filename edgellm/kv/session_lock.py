@@ -23,7 +23,7 @@ from typing import Callable
 
 from ..model.registry import edgellm_home
 
-__all__ = ["SessionLock", "hold", "lock_path"]
+__all__ = ["SessionLock", "hold", "in_use", "lock_path"]
 
 
 def lock_path(session: str | os.PathLike) -> Path:
@@ -87,3 +87,22 @@ def hold(session: str | os.PathLike,
         os.close(fd)
         raise
     return SessionLock(fd, path), None
+
+
+def in_use(session: str | os.PathLike) -> bool:
+    """True while a run holds the session's lock (`cache clear` keeps such a file: the chat holding
+    it would only save it again). Creates nothing; False where there is no lock to test."""
+    try:
+        import fcntl
+        fd = os.open(lock_path(session), os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except (ImportError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
