@@ -57,8 +57,13 @@ class Unit:
                                                # (a precision plan picks among them); () = quant_precision
     stores_quantized: bool = False             # keeps GGUF block formats resident (else dequantizes)
     head_precision: str | None = None          # compute precision of lm_head, when not quant_precision
-    quant_fp32_slowdown: float | None = None   # fp32 activations against 4-bit block weights (a plan's
-                                               # ask) run at curve / this; None: at the fp32 peak
+    quant_fp32_slowdown: tuple[tuple[int, float], ...] = ()
+                                               # fp32 activations against 4-bit block weights (a plan's
+                                               # ask) run at curve / this (tokens, factor), interpolated;
+                                               # (): at the fp32 peak
+    quant_fp32_curve: tuple[tuple[int, float], ...] = ()
+                                               # ... or at these measured (tokens, FLOP/s), when the
+                                               # profile has them (they win over the factor)
     fused_kv_bytes: frozenset = frozenset({1.0, 2.0, 4.0})   # KV element sizes its fused step reads in place
     fused_decode_s: float | None = None        # cost of one call running every layer of a decode
                                                # step or a prefill chunk natively (None: no such call)
@@ -201,8 +206,10 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
         peak = _interpolate(op_curve, rows)
     else:
         peak = unit.attainable(prec, rows)
-    if prec == "fp32" and unit.quant_fp32_slowdown and fmt in ("q4_0", "q4_1"):
-        peak = unit.attainable(unit.curve_precision, rows) / unit.quant_fp32_slowdown
+    if prec == "fp32" and fmt in ("q4_0", "q4_1") and unit.quant_fp32_curve:
+        peak = _interpolate(unit.quant_fp32_curve, rows)
+    elif prec == "fp32" and fmt in ("q4_0", "q4_1") and unit.quant_fp32_slowdown:
+        peak = unit.attainable(unit.curve_precision, rows) / _interpolate(unit.quant_fp32_slowdown, rows)
     if peak <= 0:
         return None
     compute_s, memory_s = cost.flops / peak, cost.bytes / unit.bandwidth
@@ -271,6 +278,11 @@ def cpu_peak(clusters: tuple[CpuCluster, ...], precision: str) -> float:
     return min(per_core) * sum(len(c.cores) for c in clusters) if per_core else 0.0
 
 
+# neon's fp32-activation GEMM time over its int8 path's, by rows, where no profile measured it
+# (see cpu_unit)
+NEON_FP32ACT_SLOWDOWN = ((1, 2.7), (4, 3.2), (16, 6.4), (64, 7.4), (256, 7.7))
+
+
 def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -> Unit:
     """reference (numpy) or neon on the big cores. The host's measured figures win over peaks."""
     clusters = big_cpu(profile)
@@ -283,6 +295,7 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     m = profile.measured
     notes = []
     op_curves: dict = {}
+    fp32act_curve: tuple = ()
     if m is not None:
         bw = m.memory_read_bandwidth
         um = m.units.get(name)
@@ -294,6 +307,7 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
             curve = tuple(sorted((g.m, g.flops * ms) for g in um.gemm))
             launch = um.call_overhead_s
             op_curves = {k: tuple((t, f * ms) for t, f in c) for k, c in _op_curves(um).items()}
+            fp32act_curve = tuple((g.m, g.flops * ms) for g in sorted(um.gemm_fp32act, key=lambda g: g.m))
             notes.append(f"measured by {m.tool} on {m.date}"
                          + (f" with {um.threads} threads, scaled to {min(threads, n_big)}" if ms != 1.0 else ""))
     if name == "reference":
@@ -308,12 +322,15 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, curve_precision=qprec, cache_bytes=llc,
                 quant_precision=qprec, stores_quantized=(name != "reference"),
                 # neon also keeps activations fp32 against quantized weights (el_matmul_f32act),
-                # which dequantizes each weight block per row of x: measured on this project's x86
-                # host (SIMDe, 2 threads, Q4_0/Q4_1 576x3072 and 1536x576, 2026-11-21) at 1.2-1.5x
-                # the int8 path's time at 256 rows and 1.6-4.9x at 1-32 rows; 2x is the middle.
+                # which dequantizes each weight block per row of x. `edgellm profile` measures it
+                # (gemm_fp32act); without that, its time against the int8 path's as measured on
+                # this project's x86 host (2 threads, SmolLM2's 120 layer GEMMs, 2026-11-28): 2.7x
+                # at 1 row, 3.2x at 4, 6.4x at 16, 7.4x at 64, 7.7x at 256 (a flat 2x, measured
+                # before the int8 path's AVX-512 tiles, priced fp32 layers 4x too cheap in prefill).
                 # Q8_0 needs no nibble unpacking: its fp32 head GEMV measured no slower than int8
                 quant_precisions=("int8", "fp32") if name == "neon" else (),
-                quant_fp32_slowdown=2.0 if name == "neon" else None,
+                quant_fp32_slowdown=NEON_FP32ACT_SLOWDOWN if name == "neon" else (),
+                quant_fp32_curve=fp32act_curve if name == "neon" else (),
                 # neon's head keeps fp32 activations against its quantized weights (accuracy of
                 # the near-ties that pick the token; memory-bound either way)
                 head_precision="fp32" if name == "neon" else None,

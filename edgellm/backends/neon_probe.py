@@ -18,6 +18,10 @@ from ..device.probes import ProbeSizes, median_seconds
 from ..device.profile import GemmFigure, UnitMeasurement
 
 
+# row counts of the fp32-activation GEMM figures (those of sizes.gemm_rows among them)
+FP32ACT_ROWS = (1, 16, 64, 256)
+
+
 def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | None:
     """None when the neon unit is not available here. `sizes` must be resolved (weight_bytes)."""
     from . import neon
@@ -49,6 +53,17 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
         # never let a noisy overhead figure eat more than half of a measured time
         curve.append(GemmFigure(m=m, k=K, n=N, flops=2.0 * m * K * N / max(t - overhead, 0.5 * t)))
     flops = {"int8": max(g.flops for g in curve)}
+    # the same GEMM with fp32 activations (a precision plan's ask for a sensitive layer): its cost
+    # against the int8 path's depends on the rows (2.7x at 1 row, 7.7x at 256 on an x86 host)
+    fp32act = []
+    rows = [m for m in sizes.gemm_rows if m in FP32ACT_ROWS]
+    for i, m in enumerate(rows):
+        if progress:
+            progress(f"q4_1 gemm, fp32 activations {m}x{K}x{N}", i, len(rows))
+        x = rng.standard_normal((m, K)).astype(np.float32)
+        turn = iter(range(1 << 62))
+        t = median_seconds(lambda: neon.matmul(x, mats[next(turn) % count], precision="fp32"), sizes)
+        fp32act.append(GemmFigure(m=m, k=K, n=N, flops=2.0 * m * K * N / max(t - overhead, 0.5 * t)))
     x = rng.standard_normal((256, K)).astype(np.float32)
     for prec, typ, dtype in (("fp32", "F32", np.float32), ("fp16", "F16", np.float16)):
         w = rng.standard_normal((N, K)).astype(dtype)
@@ -60,7 +75,8 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
         return neon.attention_pool(q, seq.pool, np.asarray(seq.block_table, np.int32), layer, start)
     return UnitMeasurement(precision_flops=flops, gemm=tuple(curve), call_overhead_s=overhead, threads=threads,
                            attention=op_probe.measure_attention(attend, sizes, overhead, progress),
-                           elementwise=op_probe.measure_elementwise(neon, sizes, overhead, progress))
+                           elementwise=op_probe.measure_elementwise(neon, sizes, overhead, progress),
+                           gemm_fp32act=tuple(fp32act))
 
 
 PEAK_KINDS = {"fp32": 0, "fp16": 1, "int8": 2}    # EL_PEAK_* of neon/edgellm_neon.h

@@ -89,6 +89,8 @@ class UnitMeasurement:
     attention: tuple[AttentionFigure, ...] = ()   # causal attention over an f16 KV pool, as the
                                                   # engine runs it on this unit (gather included)
     elementwise: tuple[ElementwiseFigure, ...] = ()   # rmsnorm, rope, swiglu, add, as the engine calls them
+    gemm_fp32act: tuple[GemmFigure, ...] = ()     # neon: the same Q4_1 GEMM with fp32 activations
+                                                  # (el_matmul_f32act, a precision plan's ask)
 
 
 @dataclass(frozen=True)

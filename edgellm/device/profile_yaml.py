@@ -455,7 +455,7 @@ def _unit_name(r: _Reader, n: Any, p: str) -> str:
 
 
 def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
-    r.mapping(v, p, ("threads", "call_overhead", "precision_flops", "gemm"), ("attention", "elementwise"))
+    r.mapping(v, p, ("threads", "call_overhead", "precision_flops", "gemm"), ("attention", "elementwise", "gemm_fp32act"))
 
     def gemm(g: Any, q: str) -> GemmFigure:
         r.mapping(g, q, ("m", "k", "n", "flops"))
@@ -482,6 +482,7 @@ def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
         threads=r.integer(v["threads"], f"{p}.threads", hi=4096),
         attention=tuple(r.items(v.get("attention", []), f"{p}.attention", attention, nonempty=False)),
         elementwise=tuple(r.items(v.get("elementwise", []), f"{p}.elementwise", elementwise, nonempty=False)),
+        gemm_fp32act=tuple(r.items(v.get("gemm_fp32act", []), f"{p}.gemm_fp32act", gemm, nonempty=False)),
     )
 
 
@@ -614,7 +615,9 @@ def _to_dict(p: DeviceProfile) -> dict:
                                                 "flops": q(a.flops, "compute")} for a in u.attention]}
                                 if u.attention else {}),
                              **({"elementwise": [{"op": e.op, "tokens": e.tokens, "flops": q(e.flops, "compute")}
-                                                 for e in u.elementwise]} if u.elementwise else {})}
+                                                 for e in u.elementwise]} if u.elementwise else {}),
+                             **({"gemm_fp32act": [{"m": g.m, "k": g.k, "n": g.n, "flops": q(g.flops, "compute")}
+                                                  for g in u.gemm_fp32act]} if u.gemm_fp32act else {})}
                       for name, u in m.units.items()},
         }
     return d
