@@ -91,6 +91,8 @@ def _bad(arrays, what):
         a["v_scale"][-1, -1, -1] = np.nan
     elif what == "inf scale":
         a["k_scale"][0, 1, 0] = np.inf
+    elif what == "scale past float32 / 127":
+        a["v_scale"][0, 2, 0] = 1e38
     elif what == "-128":
         a["v"][0, 0, 0, 0] = -128
     elif what == "no scales":
@@ -104,7 +106,7 @@ def _bad(arrays, what):
     return a
 
 
-@pytest.mark.parametrize("what", ["negative scale", "nan scale", "inf scale", "-128", "no scales",
+@pytest.mark.parametrize("what", ["negative scale", "nan scale", "inf scale", "scale past float32 / 127", "-128", "no scales",
                                   "scales of another shape", "scales as float16", "int8 v beside float32 k"])
 def test_int8_kv_no_pool_could_hold_is_a_miss(tiny_path, tmp_path, caplog, what):
     path = tmp_path / "s.edgesess"

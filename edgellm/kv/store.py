@@ -56,6 +56,9 @@ def make_store(cfg: ModelConfig, kv: KVConfig, n_ctx: int, background_commit: bo
     return PoolStore(cfg, kv, n_ctx, background_commit) if kv.kind == "pool" else RingStore(cfg, kv)
 
 
+_SCALE_MAX = float(np.finfo(np.float32).max) / 127   # the largest scale quantize_int8 gives
+
+
 class PoolStore:
     """One pool of n_ctx tokens shared by every sequence; full blocks of finished sequences stay
     in the prefix cache (evicted LRU when a new sequence needs room). The last finished sequence
@@ -170,9 +173,11 @@ class PoolStore:
                 if a is None or a.dtype != np.float32 or a.shape != want[:3]:
                     got = "none" if a is None else f"{a.dtype} {a.shape}"
                     raise ConfigError(f"session KV {name}: expected float32 {want[:3]}, found {got}")
-                # (a scale is max |x| / 127 of a finite row: >= 0 and finite)
-                if not (np.isfinite(a) & (a >= 0)).all():
-                    raise ConfigError(f"session KV {name} holds a negative or non-finite scale")
+                # (a scale is max |x| / 127 of a finite row: >= 0, and q * scale stays finite; a
+                # larger one loaded, and every prompt on the session failed with NaN logits)
+                if not ((a >= 0) & (a <= _SCALE_MAX)).all():
+                    raise ConfigError(f"session KV {name} holds a scale no int8 KV row has (negative, "
+                                      f"non-finite or over {_SCALE_MAX:.3g})")
         # the prefix cache stays: prompts an app warmed keep their blocks, evicted (least recently
         # used first) only as far as the session needs the room (it emptied the cache before)
         self.release_last()
