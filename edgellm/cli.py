@@ -1475,6 +1475,8 @@ def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remov
     typer.echo(f"removed {disk_cache.clear(in_use=in_use)} session file(s) from {disk_cache.cache_dir()}")
     for f in in_use:
         typer.echo(f"kept {f.name}: a running edgellm run or chat holds it (it would save it again)")
+    from .kv import session_lock
+    session_lock.remove_unheld()   # (the sessions' lock files no run holds: made again when needed)
     failed: list[str] = []
     if everything:
         from .fileio import writer_alive

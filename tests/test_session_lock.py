@@ -118,3 +118,44 @@ def test_cache_clear_keeps_a_session_a_run_holds(tiny, tmp_path, home):
         held.release()
     r = runner.invoke(app, ["cache", "clear"])
     assert "removed 1 session file(s)" in r.stdout and not entry.exists()
+
+
+def test_cache_clear_removes_the_lock_files_no_run_holds_and_never_hangs_on_a_fifo(tiny, tmp_path, home):
+    for name in ("a", "b"):
+        r = runner.invoke(app, ["run", "--model", tiny, "-n", "1", "--temperature", "0", "--session", name, "hi"])
+        assert r.exit_code == 0, r.output
+    from edgellm.kv import disk_cache
+    a, b = sorted(c.path for c in disk_cache.list_entries())
+    held, _ = session_lock.hold(a, lambda pid: None)
+    fifo = session_lock.lock_path(b)
+    fifo.unlink()
+    os.mkfifo(fifo)                       # (an open of it without O_NONBLOCK waited for a writer)
+    try:
+        p = subprocess.run([sys.executable, "-m", "edgellm.cli", "cache", "clear"], env=dict(os.environ),
+                           capture_output=True, text=True, timeout=60)
+    finally:
+        held.release()
+    assert p.returncode == 0, p.stderr
+    assert f"kept {a.name}" in p.stdout and not b.exists()
+    assert sorted(os.listdir(home / "locks")) == sorted([session_lock.lock_path(a).name, fifo.name])
+    fifo.unlink()
+    runner.invoke(app, ["cache", "clear"])
+    assert os.listdir(home / "locks") == []   # unheld: removed
+
+
+def test_a_run_waiting_on_a_lock_file_that_clear_removes_takes_the_new_one(tmp_path, home):
+    f = tmp_path / "s.edgesess"
+    first, _ = session_lock.hold(f, lambda pid: None)
+    got = []
+    t = threading.Thread(target=lambda: got.append(session_lock.hold(f, lambda pid: None)[0]))
+    t.start()
+    time.sleep(0.2)
+    session_lock.lock_path(f).unlink()    # as remove_unheld does once it holds the file
+    third, _ = session_lock.hold(f, lambda pid: pytest.fail("the path's new file is free"))
+    first.release()
+    time.sleep(0.2)
+    assert not got                         # it woke on the removed file, and now waits on the new one
+    third.release()
+    t.join(10)
+    assert got and got[0] is not None and session_lock._same_file(got[0].fd, session_lock.lock_path(f))
+    got[0].release()

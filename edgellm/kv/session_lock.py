@@ -8,22 +8,29 @@ continues the conversation the first one saved.
 The lock file lives under EDGELLM_HOME/locks, named by a hash of the session's real path
 (links resolved, so two links to one file share it), never beside the user's file or among
 the cache's entries. It holds the holder's pid, for the waiting run's message. The OS releases
-the lock when its holder exits, however it ends; the small file stays for the next run. Where
+the lock when its holder exits, however it ends; the small file stays for the next run, until
+`cache clear` removes the ones no run holds (a holder checks, once it has the lock, that its file
+is still the one at the path, so a removal cannot let two runs in). Where
 no lock can be taken (a read-only EDGELLM_HOME, a file system without flock) hold() says why and
 the run goes on unserialized; its save still warns when the file changed since it was read.
-The Python API takes no lock: an app serializes its own engines.
+The Python API takes no lock: an app serializes its own engines (and a process that holds a
+session's lock waits on itself if it asks for it again: flock locks belong to open files).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Callable
 
 from ..model.registry import edgellm_home
 
-__all__ = ["SessionLock", "hold", "in_use", "lock_path"]
+__all__ = ["SessionLock", "hold", "in_use", "lock_path", "remove_unheld"]
+
+_NAME = re.compile(r"[0-9a-f]{32}\.lock")
+_FLAGS = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def lock_path(session: str | os.PathLike) -> Path:
@@ -60,10 +67,28 @@ def hold(session: str | os.PathLike,
     except ImportError:
         return None, "this system has no flock"
     path = lock_path(session)
+    while True:
+        lock, why = _hold_file(fcntl, path, on_wait)
+        if lock is not None or why is not None:
+            return lock, why
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _hold_file(fcntl, path: Path, on_wait) -> tuple[SessionLock | None, str | None]:
+    """hold()'s one try: (None, None) when the file was removed (`cache clear`) while this run
+    waited on it: the caller tries again on the path's new file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # (O_NOFOLLOW: a link planted there would make this run create or lock another file)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        # (O_NOFOLLOW: a link planted there would make this run create or lock another file;
+        # O_NONBLOCK: a FIFO there would block the open)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _FLAGS, 0o600)
     except OSError as e:
         return None, f"{path}: {e.strerror or e}"
     try:
@@ -78,6 +103,9 @@ def hold(session: str | os.PathLike,
         except OSError as e:   # (a file system without flock)
             os.close(fd)
             return None, f"{path}: {e.strerror or e}"
+        if not _same_file(fd, path):
+            os.close(fd)
+            return None, None
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -94,10 +122,12 @@ def in_use(session: str | os.PathLike) -> bool:
     it would only save it again). Creates nothing; False where there is no lock to test."""
     try:
         import fcntl
-        fd = os.open(lock_path(session), os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(lock_path(session), os.O_RDONLY | _FLAGS)
     except (ImportError, OSError):
         return False
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):   # (no run can hold a lock that is not a file)
+            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
@@ -106,3 +136,32 @@ def in_use(session: str | os.PathLike) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def remove_unheld() -> int:
+    """Removes the lock files no run holds (`cache clear`); returns how many. Each is removed
+    while this process holds it, and a run that waited on it tries again on a new file."""
+    try:
+        import fcntl
+        names = [n for n in os.listdir(edgellm_home() / "locks") if _NAME.fullmatch(n)]
+    except (ImportError, OSError):
+        return 0
+    removed = 0
+    for name in names:
+        path = edgellm_home() / "locks" / name
+        try:
+            fd = os.open(path, os.O_RDONLY | _FLAGS)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _same_file(fd, path):
+                path.unlink()
+                removed += 1
+        except OSError:   # (held by a run: BlockingIOError; or gone meanwhile)
+            pass
+        finally:
+            os.close(fd)
+    return removed
