@@ -434,6 +434,7 @@ class Dispatcher:
                                              ([onorm, head], h_path, h_opts, home, tail_note)):
             prev = start
             for op, u, (ok, no) in zip(ops, path, opts):
+                self._warn_mixed(op, u, no)
                 p = self._placement(op, phase, tokens, u, prev, ok, no)
                 if note:
                     p = replace(p, reason=f"{note}; alone: {p.reason}")
@@ -442,6 +443,21 @@ class Dispatcher:
                 placements.append(p)
                 prev = u
         return PhasePlan(phase, tokens, context, tuple(placements), layer_ms, e_ms + h_ms, self.cfg.n_layers)
+
+    def _warn_mixed(self, op: OpSpec, u: str, no: Mapping[str, str]) -> None:
+        """An op left to reference because its tensors mix weight formats (a file's Q8_0 attn_v
+        beside Q4_0 q and k) says so once: it showed only in the plan's reasons, while that op
+        ran in numpy in every layer and decode lost its fused step."""
+        if u != "reference":
+            return
+        units = [n for n, w in no.items() if w.startswith("runs a projection in one weight format")]
+        if units:
+            mixed = ", ".join(mixed_formats(self.formats.get(op.name, "f32")))
+            msg = (f"op {op.name}: its tensors mix {mixed}, and {', '.join(units)} run a projection in one "
+                   f"weight format per call: it runs on reference (numpy), slower")
+            if msg not in self.warnings:
+                self.warnings.append(msg)
+                log.warning(msg)
 
     def _swiglu_with_its_ffn(self, lops, lpath: list, lopts) -> tuple[list, str]:
         """An NPU runs swiglu only inside its FFN subgraph, which needs both FFN projections on
