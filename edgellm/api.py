@@ -422,7 +422,9 @@ class Engine:
 
     def save_session(self, path: str | os.PathLike, meta: dict | None = None) -> int:
         """Write the last conversation (token ids and KV) atomically; returns its token count.
-        `meta` (JSON-able, e.g. the chat messages) comes back as session_meta on load."""
+        `meta` (JSON-able, e.g. the chat messages) comes back as session_meta on load. The last
+        conversation is the engine's, not the calling thread's: that of the request that ended
+        last on any thread or Scheduler (ConfigError when a later request has taken its room)."""
         path = _session_path(path, "save_session")
         if meta is not None and not isinstance(meta, dict):
             raise ConfigError(f"save_session: meta must be a dict (JSON-able), found {type(meta).__name__}")
