@@ -134,3 +134,134 @@ def test_a_ctrl_c_inside_the_kv_accounting_leaves_the_pool_whole(model_path, mon
     finally:
         eng.close()
         fresh.close()
+
+
+class _AppTimeout(Exception):
+    pass
+
+
+class _SigLandsAfter:
+    """interrupts._sig whose `name` call returns, then raises as another signal's Python handler
+    would at the next bytecode (an app's SIGALRM timeout)."""
+
+    def __init__(self, name):
+        self.name, self.fired = name, False
+
+    def __getattr__(self, attr):
+        real = getattr(interrupts.signal, attr)
+        if attr != self.name:
+            return real
+
+        def call(*a):
+            out = real(*a)
+            if not self.fired:     # (one signal: the undo's own calls go through)
+                self.fired = True
+                raise _AppTimeout()
+            return out
+        return call
+
+
+@pytest.mark.parametrize("where", ["getsignal", "signal"])
+def test_an_exception_from_another_handler_inside_enter_leaves_nothing_held(monkeypatch, where):
+    """A timeout exception landing inside deferred().__enter__ (1 of ~2,400 timed-out generations
+    in a probe) left _depth at 1 and SIGINT on the recording handler: every later Ctrl-C outside
+    the engine was swallowed, then raised inside some unrelated generate."""
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(interrupts, "_sig", _SigLandsAfter(where))
+    with pytest.raises(_AppTimeout):
+        with interrupts.deferred():
+            pytest.fail("the block ran")
+    monkeypatch.undo()
+    assert interrupts._depth == 0 and not interrupts._saved and not interrupts._pending
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt):   # Ctrl-C raises again, at once
+        _ctrl_c()
+        for i in range(1000):
+            abs(i)
+
+
+def test_a_timeout_signal_waits_for_the_block_and_every_signal_is_delivered_once_in_order():
+    """An app's SIGALRM handler raising its own exception (a timeout around generate) landed in
+    the KV accounting like a Ctrl-C: a block's refcount off by one after ~6,000 timed-out calls."""
+    got = []
+
+    def on_alarm(signum, frame):
+        got.append("alarm")
+        raise _AppTimeout()
+
+    def on_usr1(signum, frame):
+        got.append("usr1")
+    old = signal.signal(signal.SIGALRM, on_alarm), signal.signal(signal.SIGUSR1, on_usr1)
+    try:
+        ran = []
+        with pytest.raises(_AppTimeout):
+            with interrupts.deferred():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), signal.SIGALRM)
+                os.kill(os.getpid(), signal.SIGUSR1)    # (pending once, as the OS keeps it)
+                for i in range(1000):
+                    ran.append(abs(i))
+                ran.append("block ended")
+        assert len(ran) == 1001 and got == ["usr1", "alarm"]
+        assert signal.getsignal(signal.SIGALRM) is on_alarm and signal.getsignal(signal.SIGUSR1) is on_usr1
+        with pytest.raises(_AppTimeout):             # raises at once outside a block, as before
+            os.kill(os.getpid(), signal.SIGALRM)
+            for i in range(1000):
+                abs(i)
+    finally:
+        signal.signal(signal.SIGALRM, old[0])
+        signal.signal(signal.SIGUSR1, old[1])
+
+
+def test_a_signal_after_one_whose_handler_raised_still_comes():
+    got = []
+
+    def raising(signum, frame):
+        got.append(signum)
+        raise _AppTimeout()
+    old = signal.signal(signal.SIGUSR2, raising), signal.signal(signal.SIGHUP, raising)
+    try:
+        with pytest.raises(_AppTimeout):
+            with interrupts.deferred():
+                os.kill(os.getpid(), signal.SIGUSR2)
+                os.kill(os.getpid(), signal.SIGHUP)
+        try:
+            for i in range(1000):   # (the second, sent again after the first's exception, may land here)
+                abs(i)
+        except _AppTimeout:
+            pass
+        assert got == [signal.SIGUSR2, signal.SIGHUP]   # neither lost
+    finally:
+        signal.signal(signal.SIGUSR2, old[0])
+        signal.signal(signal.SIGHUP, old[1])
+
+
+@pytest.mark.parametrize("cls,name", [(KVPool, "_decref"), (PoolStore, "open"), (PrefixCache, "register")],
+                         ids=["KVPool._decref", "PoolStore.open", "PrefixCache.register"])
+def test_a_timeout_exception_inside_the_kv_accounting_leaves_the_pool_whole(model_path, monkeypatch, cls, name):
+    eng = edgellm.load(model_path, n_ctx=256, threads=1)
+    fresh = edgellm.load(model_path, n_ctx=256, threads=1)
+
+    def on_alarm(signum, frame):
+        raise _AppTimeout()
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    try:
+        pool = eng.kv.pool
+        eng.generate(FIRST, **GREEDY)
+        original = getattr(cls, name)
+
+        def timed_out(*a, **k):
+            os.kill(os.getpid(), signal.SIGALRM)     # the app's timer fires here
+            return original(*a, **k)
+        monkeypatch.setattr(cls, name, timed_out)
+        with pytest.raises(_AppTimeout):
+            eng.generate(SECOND, **GREEDY)
+        monkeypatch.setattr(cls, name, original)
+        pool.check()
+        eng.clear_cache()
+        assert (pool.free_blocks, pool.live_sequences) == (pool.n_blocks, 0)
+        assert eng.generate(SECOND, **GREEDY) == fresh.generate(SECOND, **GREEDY)
+    finally:
+        signal.signal(signal.SIGALRM, old)
+        eng.close()
+        fresh.close()
