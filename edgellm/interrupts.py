@@ -33,18 +33,28 @@ except ImportError:   # (another Python implementation)
     _sig = signal
 
 # The asynchronous signals whose Python handlers wait (when the app installed one): Ctrl-C, and
-# the ones apps raise exceptions from: timers (a SIGALRM timeout around generate() landed in the
-# KV accounting too: a block's refcount off by one after ~6,000 timed-out calls, in a probe),
-# termination requests, and the user signals. Faults (SIGSEGV, ...) are never touched.
-DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM",
-                                              "SIGPROF", "SIGUSR1", "SIGUSR2") if hasattr(signal, n))
-
+# the ones apps raise exceptions from: SIGALRM timeouts (one around generate() landed in the KV
+# accounting too: a block's refcount off by one after ~6,000 timed-out calls, in a probe),
+# termination requests, and the user signals. Not SIGPROF / SIGVTALRM: a sampling profiler's
+# samples would collapse into one at each block's end, on the wrong frame. Faults (SIGSEGV, ...)
+# are never touched.
+DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1",
+                                              "SIGUSR2") if hasattr(signal, n))
 _depth = 0                     # nesting of deferred() in the main thread
 _saved: dict = {}              # signal -> the Python handler deferred() replaced
 _pending: list = []            # (signum, frame) received while deferred, in arrival order
+_last: dict = {}               # signal -> the handler last replaced (see _record)
+_MAIN = threading.main_thread().ident
 
 
 def _record(signum, frame) -> None:
+    if _depth == 0 and signum not in _saved and signum in _last:
+        # outside any block: an app that saved getsignal()'s answer inside one put the recorder
+        # back itself; its own handler goes back in place, and takes this signal
+        handler = _last[signum]
+        _sig.signal(signum, handler)
+        handler(signum, frame)
+        return
     _pending.append((signum, frame))
 
 
@@ -69,27 +79,64 @@ def _swap_in() -> None:
     first: an undo puts back whatever it holds)."""
     for signum in DEFERRED:
         handler = _sig.getsignal(signum)
-        if callable(handler) and handler is not _record:
-            _saved[signum] = handler
+        if handler is _record:       # left in place by a swap an exception cut short
+            if signum in _last:
+                _saved[signum] = _last[signum]
+        elif callable(handler):
+            _saved[signum] = _last[signum] = handler
             try:
                 _sig.signal(signum, _record)
             except ValueError:       # not the main interpreter: nothing to defer
                 del _saved[signum]
 
 
-def _swap_out() -> list:
-    """The saved handlers back; returns the signals received meanwhile (state cleared). Handlers
-    first: a signal arriving during this then goes to its own handler, not to a list just read."""
-    saved = dict(_saved)
-    for signum, handler in saved.items():
-        try:
+def _restore(items: list, i: int = 0) -> None:
+    """items[i:]'s handlers back where the recorder still stands (not where the app installed
+    another meanwhile: a handler that switches to the default on a second Ctrl-C); each one even
+    when a handler raised as an earlier one went back (those left had stayed recorders)."""
+    if i == len(items):
+        return
+    signum, handler = items[i]
+    try:
+        if _sig.getsignal(signum) is _record:
             _sig.signal(signum, handler)
-        except ValueError:
-            pass
-    _saved.clear()
-    pending = _pending[:]
-    _pending.clear()
-    return [p for p in pending if p[0] in saved]
+    except ValueError:
+        pass
+    finally:
+        _restore(items, i + 1)
+
+
+def _swap_out(received: list) -> None:
+    """The saved handlers back; the signals received meanwhile, each once, into `received`.
+    State cleared whatever happens."""
+    try:
+        _restore(list(_saved.items()))
+    finally:
+        seen = set()
+        for signum, frame in _pending:
+            if signum in _saved and signum not in seen:
+                seen.add(signum)
+                received.append((signum, frame))
+        _saved.clear()
+        _pending.clear()
+
+
+def _deliver_all(received: list, i: int = 0) -> None:
+    """Each received signal's handler in place now, in arrival order; one raising does not stop
+    the next (as Python runs the rest at its next check: the later exception has the earlier as
+    its context). Called directly, not re-raised: a second raise wrote a second wakeup byte, and
+    asyncio ran its callback twice."""
+    if i == len(received):
+        return
+    signum, frame = received[i]
+    try:
+        handler = _sig.getsignal(signum)
+        if callable(handler):
+            handler(signum, frame)
+        elif handler != signal.SIG_IGN:      # (the app set the default meanwhile: the OS applies it)
+            os.kill(os.getpid(), signum)
+    finally:
+        _deliver_all(received, i + 1)
 
 
 class deferred:
@@ -110,33 +157,31 @@ class deferred:
             _depth += 1
             counted = True
         except BaseException:
-            # an exception from another Python handler (one the swap had not reached yet) landed
-            # between two of these steps, and the with block never began: undone here, or the
-            # recorders stayed for good and Ctrl-C was swallowed outside the engine
+            # an exception from a handler that ran midway (a signal that arrived just before)
+            # and the with block never began: undone here, or the recorders stayed for good and
+            # Ctrl-C was swallowed outside the engine
             if counted:
                 _depth -= 1
             if _depth == 0:
-                _swap_out()
+                received: list = []
+                try:
+                    _swap_out(received)
+                finally:
+                    _deliver_all(received)
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         global _depth
-        if not self._active:
+        if not self._active or _depth == 0:   # (0: a fork inside the block reset the child)
             return False
         _depth -= 1
         if _depth == 0 and _saved:
-            received = _swap_out()
-            # each signal received once more, now that its own handler is back: Python runs it at
-            # once (raise_signal checks for signals before it returns), as it would have then
-            order = list(dict.fromkeys(signum for signum, _ in received))
-            for i, signum in enumerate(order):
-                try:
-                    _sig.raise_signal(signum)
-                except BaseException:
-                    for rest in order[i + 1:]:   # (after its exception, as Python would)
-                        os.kill(os.getpid(), rest)
-                    raise
+            received: list = []
+            try:
+                _swap_out(received)
+            finally:
+                _deliver_all(received)
         return False
 
 
@@ -149,9 +194,12 @@ def checkpoint() -> None:
 
 def _reset_in_child() -> None:
     """A fork from another thread while the main thread held signals back: the child has no such
-    block to end, so it gets the handlers back now."""
+    block to end, so it gets the handlers back now. (A fork from the main thread inside a block
+    leaves the child in that block, which restores them as it ends.)"""
     global _depth
-    _swap_out()
+    if threading.get_ident() == _MAIN:
+        return
+    _swap_out([])
     _depth = 0
 
 

@@ -265,3 +265,66 @@ def test_a_timeout_exception_inside_the_kv_accounting_leaves_the_pool_whole(mode
         signal.signal(signal.SIGALRM, old)
         eng.close()
         fresh.close()
+
+
+def test_an_asyncio_signal_callback_runs_once_for_a_signal_held_back():
+    """The first version raised each held signal again at the block's end: its second wakeup-fd
+    byte made asyncio run the callback twice (a review)."""
+    import asyncio
+    got = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, lambda: got.append("usr1"))
+        try:
+            with interrupts.deferred():
+                os.kill(os.getpid(), signal.SIGUSR1)
+            for _ in range(5):
+                await asyncio.sleep(0.02)
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
+    asyncio.run(main())
+    assert got == ["usr1"]
+
+
+def test_a_handler_the_app_installs_inside_a_block_stays():
+    """'A second Ctrl-C quits': the first one's handler, delivered at a checkpoint, installs the
+    default one; the block's end had put the first back (a review)."""
+    calls = []
+
+    def first(signum, frame):
+        calls.append("first")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    old = signal.signal(signal.SIGINT, first)
+    try:
+        with interrupts.deferred():
+            _ctrl_c()
+            interrupts.checkpoint()
+        assert calls == ["first"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_profiling_signals_are_not_held_and_a_leaked_recorder_hands_over():
+    seen = []
+    old = signal.signal(signal.SIGPROF, lambda s, f: seen.append("prof"))
+    try:
+        with interrupts.deferred():
+            os.kill(os.getpid(), signal.SIGPROF)
+            for i in range(1000):
+                abs(i)
+            assert seen == ["prof"]     # at once, inside the block: a sampler's samples stay put
+    finally:
+        signal.signal(signal.SIGPROF, old)
+    got = []
+    old = signal.signal(signal.SIGUSR2, lambda s, f: got.append("usr2"))
+    try:
+        with interrupts.deferred():
+            inside = signal.getsignal(signal.SIGUSR2)    # (the recorder: an app saving it ...)
+        signal.signal(signal.SIGUSR2, inside)           # ... and putting it back outside
+        os.kill(os.getpid(), signal.SIGUSR2)
+        for i in range(1000):
+            abs(i)
+        assert got == ["usr2"] and signal.getsignal(signal.SIGUSR2) is not inside
+    finally:
+        signal.signal(signal.SIGUSR2, old)
