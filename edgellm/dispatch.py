@@ -453,8 +453,8 @@ class Dispatcher:
         units = [n for n, w in no.items() if w.startswith("runs a projection in one weight format")]
         if units:
             mixed = ", ".join(mixed_formats(self.formats.get(op.name, "f32")))
-            msg = (f"op {op.name}: its tensors mix {mixed}, and {', '.join(units)} run a projection in one "
-                   f"weight format per call: it runs on reference (numpy), slower")
+            msg = (f"op {op.name}: its tensors mix {mixed}, and {', '.join(units)} run{'s' if len(units) == 1 else ''} "
+                   f"a projection in one weight format per call: it runs on reference (numpy), slower")
             if msg not in self.warnings:
                 self.warnings.append(msg)
                 log.warning(msg)

@@ -73,3 +73,14 @@ def test_profile_measures_the_curve():
     assert [g.m for g in um.gemm_fp32act] == [1, 16]
     int8 = {g.m: g.flops for g in um.gemm}
     assert all(0 < g.flops < 2 * int8[g.m] for g in um.gemm_fp32act)   # never far above the int8 path
+
+
+def test_a_row_count_given_twice_is_refused(tmp_path, monkeypatch):
+    from edgellm.errors import ConfigError
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
+    curve = (GemmFigure(1, 576, 1536, 5.5e9), GemmFigure(64, 576, 1536, 21e9))
+    path = write_profile(_host(curve), tmp_path / "profiles" / "host.yaml")
+    path.write_text(path.read_text().replace("{m: 64, k: 576, n: 1536, flops: 21 GFLOPS}",
+                                             "{m: 1, k: 576, n: 1536, flops: 900 GFLOPS}"))
+    with pytest.raises(ConfigError, match=r"gemm_fp32act: expected one figure per row count m, found m \[1\]"):
+        load_profile("host")

@@ -482,8 +482,19 @@ def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
         threads=r.integer(v["threads"], f"{p}.threads", hi=4096),
         attention=tuple(r.items(v.get("attention", []), f"{p}.attention", attention, nonempty=False)),
         elementwise=tuple(r.items(v.get("elementwise", []), f"{p}.elementwise", elementwise, nonempty=False)),
-        gemm_fp32act=tuple(r.items(v.get("gemm_fp32act", []), f"{p}.gemm_fp32act", gemm, nonempty=False)),
+        gemm_fp32act=_by_rows(r, tuple(r.items(v.get("gemm_fp32act", []), f"{p}.gemm_fp32act", gemm,
+                                                nonempty=False)), f"{p}.gemm_fp32act"),
     )
+
+
+def _by_rows(r: _Reader, figures: tuple, p: str) -> tuple:
+    """A curve by rows: one figure per row count (two for 1 row priced 1 row at the first and
+    2..255 rows from the second)."""
+    rows = [g.m for g in figures]
+    if len(set(rows)) != len(rows):
+        r.fail(p, f"expected one figure per row count m, found m {sorted(m for m in set(rows) if rows.count(m) > 1)} "
+                  f"more than once")
+    return figures
 
 
 # -- finding -----------------------------------------------------------------------------------
