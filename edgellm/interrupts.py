@@ -40,6 +40,7 @@ except ImportError:   # (another Python implementation)
 # are never touched.
 DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1",
                                               "SIGUSR2") if hasattr(signal, n))
+
 _depth = 0                     # nesting of deferred() in the main thread
 _saved: dict = {}              # signal -> the Python handler deferred() replaced
 _pending: list = []            # (signum, frame) received while deferred, in arrival order
