@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import weakref
 
 try:
     # the C module under `signal`: signal.signal / getsignal wrap each handler in an enum lookup
@@ -41,22 +42,40 @@ except ImportError:   # (another Python implementation)
 DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGUSR1",
                                               "SIGUSR2") if hasattr(signal, n))
 
-_depth = 0                     # nesting of deferred() in the main thread
+# The main thread's open deferred() blocks, outermost first, as weak references: a block whose
+# __exit__ never ran (an exception from another handler landing as it was called: Python checks
+# for signals at every call's entry) dies with the frame that held it, and the next block, or a
+# signal's recorder, sees no block open and puts the handlers back (a count stayed at 1 for good,
+# and every later Ctrl-C outside the engine was recorded and lost).
+_blocks: list = []
 _saved: dict = {}              # signal -> the Python handler deferred() replaced
 _pending: list = []            # (signum, frame) received while deferred, in arrival order
-_last: dict = {}               # signal -> the handler last replaced (see _record)
+_history: dict = {}            # signal -> the handlers deferred() replaced, latest last (see _record)
 _MAIN = threading.main_thread().ident
 
 
+def _open() -> int:
+    """How many blocks are open (dead ones dropped)."""
+    if _blocks and _blocks[-1]() is None:
+        _blocks[:] = [b for b in _blocks if b() is not None]
+    return len(_blocks)
+
+
 def _record(signum, frame) -> None:
-    if _depth == 0 and signum not in _saved and signum in _last:
-        # outside any block: an app that saved getsignal()'s answer inside one put the recorder
-        # back itself; its own handler goes back in place, and takes this signal
-        handler = _last[signum]
-        _sig.signal(signum, handler)
-        handler(signum, frame)
+    if _open():
+        _pending.append((signum, frame))
         return
-    _pending.append((signum, frame))
+    # no block open: a recorder left in place (a restore cut short, or an app that saved
+    # getsignal()'s answer inside a block and put it back), or called by an app's handler that
+    # chains to what it replaced inside a block. The handler it stands for takes the signal; left
+    # in place, it gives way to it.
+    current = _sig.getsignal(signum)
+    handler = next((h for h in reversed(_history.get(signum, ())) if h is not current), None)
+    if handler is None:
+        return
+    if current is _record:
+        _sig.signal(signum, handler)
+    handler(signum, frame)
 
 
 def _in_main() -> bool:
@@ -66,10 +85,11 @@ def _in_main() -> bool:
 def _deliver() -> None:
     """Runs the saved handler of the first signal received while deferred (it may raise); the
     same signal's repeats go with it (the OS keeps one of each pending), the others stay."""
+    global _pending
     if not _pending:
         return
     signum, frame = _pending[0]
-    _pending[:] = [p for p in _pending if p[0] != signum]
+    _pending = [p for p in _pending if p[0] != signum]
     handler = _saved.get(signum)
     if handler is not None:
         handler(signum, frame)
@@ -77,14 +97,19 @@ def _deliver() -> None:
 
 def _swap_in() -> None:
     """The recording handler in place of each deferred signal's Python handler (into _saved
-    first: an undo puts back whatever it holds)."""
+    first: an undo puts back whatever it holds). A recorder already in place (left by a swap an
+    exception cut short) stands for the handler it replaced."""
     for signum in DEFERRED:
         handler = _sig.getsignal(signum)
-        if handler is _record:       # left in place by a swap an exception cut short
-            if signum in _last:
-                _saved[signum] = _last[signum]
+        if handler is _record:
+            if signum not in _saved and _history.get(signum):
+                _saved[signum] = _history[signum][-1]
         elif callable(handler):
-            _saved[signum] = _last[signum] = handler
+            _saved[signum] = handler
+            h = _history.setdefault(signum, [])
+            if not h or h[-1] is not handler:
+                h.append(handler)
+                del h[:-4]
             try:
                 _sig.signal(signum, _record)
             except ValueError:       # not the main interpreter: nothing to defer
@@ -94,7 +119,7 @@ def _swap_in() -> None:
 def _restore(items: list, i: int = 0) -> None:
     """items[i:]'s handlers back where the recorder still stands (not where the app installed
     another meanwhile: a handler that switches to the default on a second Ctrl-C); each one even
-    when a handler raised as an earlier one went back (those left had stayed recorders)."""
+    when a handler raised as an earlier one went back."""
     if i == len(items):
         return
     signum, handler = items[i]
@@ -109,17 +134,18 @@ def _restore(items: list, i: int = 0) -> None:
 
 def _swap_out(received: list) -> None:
     """The saved handlers back; the signals received meanwhile, each once, into `received`.
-    State cleared whatever happens."""
+    (`x, _x = _x, new`: no signal check between a load and a store, so a state is taken whole.)"""
+    global _saved, _pending
+    saved, _saved = _saved, {}
     try:
-        _restore(list(_saved.items()))
+        _restore(list(saved.items()))
     finally:
+        pending, _pending = _pending, []
         seen = set()
-        for signum, frame in _pending:
-            if signum in _saved and signum not in seen:
+        for signum, frame in pending:
+            if signum in saved and signum not in seen:
                 seen.add(signum)
                 received.append((signum, frame))
-        _saved.clear()
-        _pending.clear()
 
 
 def _deliver_all(received: list, i: int = 0) -> None:
@@ -140,68 +166,74 @@ def _deliver_all(received: list, i: int = 0) -> None:
         _deliver_all(received, i + 1)
 
 
+def _close_all() -> None:
+    """The handlers back and the signals received handed over: the outermost block's end."""
+    received: list = []
+    try:
+        _swap_out(received)
+    finally:
+        _deliver_all(received)
+
+
 class deferred:
     """Context manager: the Python handlers of DEFERRED signals wait until the outermost block
     ends (or a checkpoint())."""
 
-    __slots__ = ("_active",)
+    __slots__ = ("_active", "__weakref__")
 
     def __enter__(self):
-        global _depth
         self._active = _in_main()
         if not self._active:
             return self
-        counted = False
+        outermost = not _open()
         try:
-            if _depth == 0:
+            if outermost:
+                if _saved:           # the last outermost block died without its exit
+                    _close_all()
                 _swap_in()
-            _depth += 1
-            counted = True
+            _blocks.append(weakref.ref(self))
         except BaseException:
             # an exception from a handler that ran midway (a signal that arrived just before)
-            # and the with block never began: undone here, or the recorders stayed for good and
-            # Ctrl-C was swallowed outside the engine
-            if counted:
-                _depth -= 1
-            if _depth == 0:
-                received: list = []
-                try:
-                    _swap_out(received)
-                finally:
-                    _deliver_all(received)
+            # and the with block never began: undone here, or the recorders stayed for good
+            if outermost and not _open():
+                _close_all()
             raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        global _depth
-        if not self._active or _depth == 0:   # (0: a fork inside the block reset the child)
+        if not self._active:
             return False
-        _depth -= 1
-        if _depth == 0 and _saved:
-            received: list = []
-            try:
-                _swap_out(received)
-            finally:
-                _deliver_all(received)
+        for i, b in enumerate(_blocks):
+            if b() is self:
+                del _blocks[i:]      # (with any inner block that died without its exit)
+                break
+        else:
+            return False             # (a fork reset the child, or a block already closed)
+        if not _blocks:
+            _close_all()
         return False
 
 
 def checkpoint() -> None:
     """Inside deferred(): delivers a signal received so far, here, where the caller's state is
-    whole. The handlers stay deferred for the rest of the block."""
-    if _depth and _pending and _in_main():
-        _deliver()
+    whole. The handlers stay deferred for the rest of the block, a handler the delivered one
+    installed too (a 'second Ctrl-C quits' handler took the next Ctrl-C inside the KV
+    accounting)."""
+    if _pending and _in_main() and _open():
+        try:
+            _deliver()
+        finally:
+            _swap_in()
 
 
 def _reset_in_child() -> None:
     """A fork from another thread while the main thread held signals back: the child has no such
     block to end, so it gets the handlers back now. (A fork from the main thread inside a block
     leaves the child in that block, which restores them as it ends.)"""
-    global _depth
     if threading.get_ident() == _MAIN:
         return
+    _blocks.clear()
     _swap_out([])
-    _depth = 0
 
 
 if hasattr(os, "register_at_fork"):

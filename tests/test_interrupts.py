@@ -172,7 +172,7 @@ def test_an_exception_from_another_handler_inside_enter_leaves_nothing_held(monk
         with interrupts.deferred():
             pytest.fail("the block ran")
     monkeypatch.undo()
-    assert interrupts._depth == 0 and not interrupts._saved and not interrupts._pending
+    assert not interrupts._open() and not interrupts._saved and not interrupts._pending
     assert signal.getsignal(signal.SIGINT) is before
     with pytest.raises(KeyboardInterrupt):   # Ctrl-C raises again, at once
         _ctrl_c()
@@ -328,3 +328,98 @@ def test_profiling_signals_are_not_held_and_a_leaked_recorder_hands_over():
         assert got == ["usr2"] and signal.getsignal(signal.SIGUSR2) is not inside
     finally:
         signal.signal(signal.SIGUSR2, old)
+
+
+@pytest.mark.parametrize("target", ["__exit__", "_swap_out", "_close_all"])
+def test_an_exception_landing_as_the_block_closes_heals(target):
+    """Python checks for signals at every call's entry: another handler's exception there left
+    the block counted open for good, and every later Ctrl-C outside the engine was recorded and
+    lost (a review). The block dies with its frame; the next block, or the signal, heals."""
+    import sys
+    before = signal.getsignal(signal.SIGINT)
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == target and frame.f_globals.get("__name__") == interrupts.__name__:
+            sys.settrace(None)
+            raise _AppTimeout()
+    with pytest.raises(_AppTimeout):
+        with interrupts.deferred():
+            sys.settrace(tracer)
+    sys.settrace(None)
+    assert not interrupts._open()
+    with pytest.raises(KeyboardInterrupt):       # outside any block: raised at once
+        _ctrl_c()
+        for i in range(1000):
+            abs(i)
+    with interrupts.deferred():                  # and the next block finds a whole state
+        pass
+    assert signal.getsignal(signal.SIGINT) is before and not interrupts._saved and not interrupts._pending
+
+
+def test_a_second_ctrl_c_after_the_handler_switched_at_a_checkpoint_still_waits():
+    """'Press again to quit': the first Ctrl-C's handler (run at a checkpoint) installs the
+    default one; the second Ctrl-C landed raw inside the KV accounting (a review)."""
+    def first(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    old = signal.signal(signal.SIGINT, first)
+    ran = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with interrupts.deferred():
+                _ctrl_c()
+                interrupts.checkpoint()          # the first one, handled here
+                _ctrl_c()                        # the second: held until the block ends
+                for i in range(1000):
+                    ran.append(abs(i))
+        assert len(ran) == 1000 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def test_a_handler_chaining_to_what_it_replaced_inside_a_block_reaches_the_original_once():
+    """signal.signal() inside a block returns the recorder; a handler that chains to it recursed
+    without end once a later block had seen it (a review)."""
+    calls = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: calls.append("orig"))
+    try:
+        with interrupts.deferred():
+            prev = signal.signal(signal.SIGUSR1, lambda s, f: (calls.append("mine"), prev(s, f)))
+        with interrupts.deferred():
+            pass
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for i in range(1000):
+                abs(i)
+        assert calls == ["mine", "orig"] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_an_exception_while_the_received_signals_are_collected_delivers_none_twice(monkeypatch):
+    """A timeout landing in that loop left the state uncollected: the next block delivered the
+    same signals again, and late (a review)."""
+    got = []
+    old = (signal.signal(signal.SIGUSR1, lambda s, f: got.append("usr1")),
+           signal.signal(signal.SIGUSR2, lambda s, f: got.append("usr2")))
+
+    class RaisingSet(set):
+        def add(self, x):
+            if self:                      # (the second signal: as if a timeout landed there)
+                raise _AppTimeout()
+            return super().add(x)
+    try:
+        with pytest.raises(_AppTimeout):
+            with interrupts.deferred():
+                os.kill(os.getpid(), signal.SIGUSR1)
+                os.kill(os.getpid(), signal.SIGUSR2)
+                for i in range(1000):
+                    abs(i)
+                monkeypatch.setattr(interrupts, "set", RaisingSet, raising=False)
+        monkeypatch.undo()
+        with interrupts.deferred():
+            pass
+        assert got.count("usr1") <= 1 and got.count("usr2") <= 1
+        assert not interrupts._pending and not interrupts._saved
+    finally:
+        signal.signal(signal.SIGUSR1, old[0])
+        signal.signal(signal.SIGUSR2, old[1])
