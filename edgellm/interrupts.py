@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import weakref
 
@@ -63,14 +64,22 @@ def _open() -> int:
 
 def _record(signum, frame) -> None:
     if _open():
-        _pending.append((signum, frame))
+        # (not the frame: one kept in this list kept the block of its __exit__ alive, for good)
+        _pending.append((signum, None))
         return
     # no block open: a recorder left in place (a restore cut short, or an app that saved
     # getsignal()'s answer inside a block and put it back), or called by an app's handler that
-    # chains to what it replaced inside a block. The handler it stands for takes the signal; left
-    # in place, it gives way to it.
+    # chains to what it replaced inside a block. The handler it stands for takes the signal: the
+    # one before the calling handler in what deferred() replaced (two chained handlers recursed
+    # without end), else the latest that is not in place; left in place, it gives way to it.
     current = _sig.getsignal(signum)
-    handler = next((h for h in reversed(_history.get(signum, ())) if h is not current), None)
+    older = list(reversed(_history.get(signum, ())))
+    caller = sys._getframe(1).f_code
+    for i, h in enumerate(older):
+        if getattr(h, "__code__", None) is caller:
+            older = older[i + 1:]
+            break
+    handler = next((h for h in older if h is not current), None)
     if handler is None:
         return
     if current is _record:
@@ -92,7 +101,7 @@ def _deliver() -> None:
     _pending = [p for p in _pending if p[0] != signum]
     handler = _saved.get(signum)
     if handler is not None:
-        handler(signum, frame)
+        handler(signum, frame or sys._getframe(1))   # (the frame it is delivered in)
 
 
 def _swap_in() -> None:
@@ -159,7 +168,7 @@ def _deliver_all(received: list, i: int = 0) -> None:
     try:
         handler = _sig.getsignal(signum)
         if callable(handler):
-            handler(signum, frame)
+            handler(signum, frame or sys._getframe(1))
         elif handler != signal.SIG_IGN:      # (the app set the default meanwhile: the OS applies it)
             os.kill(os.getpid(), signum)
     finally:
@@ -209,7 +218,7 @@ class deferred:
                 break
         else:
             return False             # (a fork reset the child, or a block already closed)
-        if not _blocks:
+        if not _open():              # (an outer block may have died meanwhile)
             _close_all()
         return False
 

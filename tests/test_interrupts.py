@@ -423,3 +423,34 @@ def test_an_exception_while_the_received_signals_are_collected_delivers_none_twi
     finally:
         signal.signal(signal.SIGUSR1, old[0])
         signal.signal(signal.SIGUSR2, old[1])
+
+
+def test_two_handlers_chaining_to_recorders_reach_the_original_in_order():
+    """Each chains to what signal.signal() returned inside its block, the recorder both times:
+    the second's call into it picked the first's again and recursed without end (a review)."""
+    calls = []
+    old = signal.signal(signal.SIGUSR1, lambda s, f: calls.append("A"))
+    try:
+        with interrupts.deferred():
+            pc = signal.signal(signal.SIGUSR1, lambda s, f: (calls.append("C"), pc(s, f)))
+        with interrupts.deferred():
+            pd = signal.signal(signal.SIGUSR1, lambda s, f: (calls.append("D"), pd(s, f)))
+        with interrupts.deferred():
+            pass
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for i in range(1000):
+            abs(i)
+        assert calls == ["D", "C", "A"]
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_held_signal_keeps_no_frame_alive():
+    """A recorded (signum, frame) kept the frame of a block's __exit__ alive from a module list,
+    and with it the block, counted open for good (a review): only the signal is kept."""
+    with interrupts.deferred():
+        _ctrl_c()
+        for i in range(1000):
+            abs(i)
+        assert interrupts._pending == [(signal.SIGINT, None)]
+        interrupts._pending.clear()
