@@ -51,7 +51,6 @@ DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SI
 _blocks: list = []
 _saved: dict = {}              # signal -> the Python handler deferred() replaced
 _pending: list = []            # (signum, frame) received while deferred, in arrival order
-_history: dict = {}            # signal -> the handlers deferred() replaced, latest last (see _record)
 _MAIN = threading.main_thread().ident
 
 
@@ -62,29 +61,26 @@ def _open() -> int:
     return len(_blocks)
 
 
-def _record(signum, frame) -> None:
-    if _open():
-        # (not the frame: one kept in this list kept the block of its __exit__ alive, for good)
-        _pending.append((signum, None))
-        return
-    # no block open: a recorder left in place (a restore cut short, or an app that saved
-    # getsignal()'s answer inside a block and put it back), or called by an app's handler that
-    # chains to what it replaced inside a block. The handler it stands for takes the signal: the
-    # one before the calling handler in what deferred() replaced (two chained handlers recursed
-    # without end), else the latest that is not in place; left in place, it gives way to it.
-    current = _sig.getsignal(signum)
-    older = list(reversed(_history.get(signum, ())))
-    caller = sys._getframe(1).f_code
-    for i, h in enumerate(older):
-        if getattr(h, "__code__", None) is caller:
-            older = older[i + 1:]
-            break
-    handler = next((h for h in older if h is not current), None)
-    if handler is None:
-        return
-    if current is _record:
-        _sig.signal(signum, handler)
-    handler(signum, frame)
+class _Recorder:
+    """What stands in for a handler during a block: records the signal. One per replaced handler,
+    so that outside any block it knows the handler it stands for: left in place (a restore cut
+    short, or an app that saved getsignal()'s answer inside a block and put it back) it gives way
+    to it, and called by an app's handler that chains to what it replaced inside a block, it
+    passes the signal on to it (one shared recorder sent two such chains round without end)."""
+
+    __slots__ = ("replaced",)
+
+    def __init__(self, replaced):
+        self.replaced = replaced
+
+    def __call__(self, signum, frame) -> None:
+        if _open():
+            # (not the frame: one kept in this list kept the block of its __exit__ alive, for good)
+            _pending.append((signum, None))
+            return
+        if _sig.getsignal(signum) is self:
+            _sig.signal(signum, self.replaced)
+        self.replaced(signum, frame)
 
 
 def _in_main() -> bool:
@@ -110,17 +106,12 @@ def _swap_in() -> None:
     exception cut short) stands for the handler it replaced."""
     for signum in DEFERRED:
         handler = _sig.getsignal(signum)
-        if handler is _record:
-            if signum not in _saved and _history.get(signum):
-                _saved[signum] = _history[signum][-1]
+        if isinstance(handler, _Recorder):
+            _saved.setdefault(signum, handler.replaced)
         elif callable(handler):
             _saved[signum] = handler
-            h = _history.setdefault(signum, [])
-            if not h or h[-1] is not handler:
-                h.append(handler)
-                del h[:-4]
             try:
-                _sig.signal(signum, _record)
+                _sig.signal(signum, _Recorder(handler))
             except ValueError:       # not the main interpreter: nothing to defer
                 del _saved[signum]
 
@@ -133,7 +124,7 @@ def _restore(items: list, i: int = 0) -> None:
         return
     signum, handler = items[i]
     try:
-        if _sig.getsignal(signum) is _record:
+        if isinstance(_sig.getsignal(signum), _Recorder):
             _sig.signal(signum, handler)
     except ValueError:
         pass

@@ -376,25 +376,6 @@ def test_a_second_ctrl_c_after_the_handler_switched_at_a_checkpoint_still_waits(
         signal.signal(signal.SIGINT, old)
 
 
-def test_a_handler_chaining_to_what_it_replaced_inside_a_block_reaches_the_original_once():
-    """signal.signal() inside a block returns the recorder; a handler that chains to it recursed
-    without end once a later block had seen it (a review)."""
-    calls = []
-    old = signal.signal(signal.SIGUSR1, lambda s, f: calls.append("orig"))
-    try:
-        with interrupts.deferred():
-            prev = signal.signal(signal.SIGUSR1, lambda s, f: (calls.append("mine"), prev(s, f)))
-        with interrupts.deferred():
-            pass
-        for _ in range(2):
-            os.kill(os.getpid(), signal.SIGUSR1)
-            for i in range(1000):
-                abs(i)
-        assert calls == ["mine", "orig"] * 2
-    finally:
-        signal.signal(signal.SIGUSR1, old)
-
-
 def test_an_exception_while_the_received_signals_are_collected_delivers_none_twice(monkeypatch):
     """A timeout landing in that loop left the state uncollected: the next block delivered the
     same signals again, and late (a review)."""
@@ -425,22 +406,27 @@ def test_an_exception_while_the_received_signals_are_collected_delivers_none_twi
         signal.signal(signal.SIGUSR2, old[1])
 
 
-def test_two_handlers_chaining_to_recorders_reach_the_original_in_order():
-    """Each chains to what signal.signal() returned inside its block, the recorder both times:
-    the second's call into it picked the first's again and recursed without end (a review)."""
-    calls = []
-    old = signal.signal(signal.SIGUSR1, lambda s, f: calls.append("A"))
+@pytest.mark.parametrize("chained", [["mine"], ["C", "D"]])
+def test_handlers_chaining_to_what_they_replaced_inside_blocks_reach_the_original_in_order(chained):
+    """signal.signal() inside a block returns the recorder; a handler chaining to it recursed
+    without end once a later block had seen it, and of two such handlers the second's call picked
+    the first's again (two reviews)."""
+    calls, prev = [], {}
+
+    def install(name):
+        prev[name] = signal.signal(signal.SIGUSR1, lambda s, f: (calls.append(name), prev[name](s, f)))
+    old = signal.signal(signal.SIGUSR1, lambda s, f: calls.append("orig"))
     try:
-        with interrupts.deferred():
-            pc = signal.signal(signal.SIGUSR1, lambda s, f: (calls.append("C"), pc(s, f)))
-        with interrupts.deferred():
-            pd = signal.signal(signal.SIGUSR1, lambda s, f: (calls.append("D"), pd(s, f)))
+        for name in chained:
+            with interrupts.deferred():
+                install(name)
         with interrupts.deferred():
             pass
-        os.kill(os.getpid(), signal.SIGUSR1)
-        for i in range(1000):
-            abs(i)
-        assert calls == ["D", "C", "A"]
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            for i in range(1000):
+                abs(i)
+        assert calls == (chained[::-1] + ["orig"]) * 2
     finally:
         signal.signal(signal.SIGUSR1, old)
 
