@@ -24,6 +24,8 @@ from .ops import ACT_BYTES, MATMUL_KINDS, OpSpec, layer_ops, mixed_formats, mode
 
 log = logging.getLogger("edgellm")
 PHASES = ("prefill", "decode")
+# the reason a unit refuses a projection whose tensors mix formats (_warn_mixed finds it by this)
+ONE_FORMAT_PER_CALL = "runs a projection in one weight format per call"
 SHORT_STEP = 32                      # the short prefill step planned for: a chat turn's new tokens
 SHORT_STEPS = (8, 16, 32, 64, 128)   # step lengths the short placement is checked at
 
@@ -283,7 +285,7 @@ class Dispatcher:
         fmt = self.formats.get(op.name, "f32")
         mixed = mixed_formats(fmt)
         if mixed and u.keeps_file_format(op, fmt):
-            return None, (f"runs a projection in one weight format per call, and {op.name}'s tensors mix "
+            return None, (f"{ONE_FORMAT_PER_CALL}, and {op.name}'s tensors mix "
                           f"{', '.join(mixed)} (its load rejects it)")
         parts = []
         for ask, count in self._asks(op, phase, context + tokens):
@@ -450,7 +452,7 @@ class Dispatcher:
         ran in numpy in every layer and decode lost its fused step."""
         if u != "reference":
             return
-        units = [n for n, w in no.items() if w.startswith("runs a projection in one weight format")]
+        units = [n for n, w in no.items() if w.startswith(ONE_FORMAT_PER_CALL)]
         if units:
             mixed = ", ".join(mixed_formats(self.formats.get(op.name, "f32")))
             msg = (f"op {op.name}: its tensors mix {mixed}, and {', '.join(units)} run{'s' if len(units) == 1 else ''} "

@@ -117,50 +117,54 @@ def _hold_file(fcntl, path: Path, on_wait) -> tuple[SessionLock | None, str | No
     return SessionLock(fd, path), None
 
 
+def _try_lock(path: Path) -> tuple[int | None, bool]:
+    """(a descriptor holding path's lock, taken without waiting; the caller closes it, False) or
+    (None, whether a run holds it). Creates nothing; a FIFO or other non-file is never held."""
+    try:
+        import fcntl
+        fd = os.open(path, os.O_RDONLY | _FLAGS)
+    except (ImportError, OSError):
+        return None, False
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd, False
+        held = False
+    except BlockingIOError:
+        held = True
+    except OSError:
+        held = False
+    os.close(fd)
+    return None, held
+
+
 def in_use(session: str | os.PathLike) -> bool:
     """True while a run holds the session's lock (`cache clear` keeps such a file: the chat holding
     it would only save it again). Creates nothing; False where there is no lock to test."""
-    try:
-        import fcntl
-        fd = os.open(lock_path(session), os.O_RDONLY | _FLAGS)
-    except (ImportError, OSError):
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):   # (no run can hold a lock that is not a file)
-            return False
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
+    fd, held = _try_lock(lock_path(session))
+    if fd is not None:
         os.close(fd)
-    return False
+    return held
 
 
 def remove_unheld() -> int:
     """Removes the lock files no run holds (`cache clear`); returns how many. Each is removed
     while this process holds it, and a run that waited on it tries again on a new file."""
     try:
-        import fcntl
         names = [n for n in os.listdir(edgellm_home() / "locks") if _NAME.fullmatch(n)]
-    except (ImportError, OSError):
+    except OSError:
         return 0
     removed = 0
     for name in names:
         path = edgellm_home() / "locks" / name
-        try:
-            fd = os.open(path, os.O_RDONLY | _FLAGS)
-        except OSError:
+        fd, _ = _try_lock(path)
+        if fd is None:
             continue
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                continue
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if _same_file(fd, path):
                 path.unlink()
                 removed += 1
-        except OSError:   # (held by a run: BlockingIOError; or gone meanwhile)
+        except OSError:   # (gone meanwhile)
             pass
         finally:
             os.close(fd)
