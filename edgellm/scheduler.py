@@ -30,7 +30,9 @@ sequence on it opens a window of its own, which load() counted once (40 queued r
 
 A request whose every handle the app drops (its Request and the iterators of its stream()) is
 cancelled, as Engine.stream ends a stream the app stops reading; it ran on to max_tokens, holding
-its KV.
+its KV. A cancelled request ends at the worker's next iteration, whatever its priority.
+
+The prefill chunk is DEFAULT_CHUNK on a pool; on a ring it is the engine's own (_prefill_chunk).
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ from .generation import Generation, GenerationStats
 from .model.chat_template import ChatTemplate
 from .model.tokenizer import check_unicode
 from .threads import start_quietly
+
+DEFAULT_CHUNK = 128   # prefill tokens per step on a pool: a short request waits at most one such chunk
 
 
 class _Job:
@@ -175,23 +179,24 @@ class Scheduler:
     when it is garbage-collected (cancelling what is left), so the worker does not keep the
     engine (and its mapped model) alive."""
 
-    def __init__(self, engine, *, chunk: int = 128, policy: str = "interleave"):
+    def __init__(self, engine, *, chunk: int | None = None, policy: str = "interleave"):
         from .api import Engine
 
         if not isinstance(engine, Engine):   # (the worker died on its first request, which then hung)
             raise ConfigError(f"Scheduler needs an edgellm Engine (edgellm.load()), got {type(engine).__name__}")
         if policy not in ("interleave", "fifo"):
             raise ConfigError(f"policy must be 'interleave' or 'fifo', got {policy!r}")
-        if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1):
             raise ConfigError(f"chunk must be an integer >= 1, got {chunk!r}")
+        engine._check_open()
         self.engine = engine
-        self.chunk = int(chunk)   # (a numpy integer, as load's options take)
+        self.chunk = _prefill_chunk(engine, None if chunk is None else int(chunk))   # (numpy ints, as load's)
         self.policy = policy
         self._ids = itertools.count(1)
         self._pid = os.getpid()
         # the worker holds no reference to this handle: a dropped handle is collected, and the
         # finaliser stops the worker
-        self._worker = _Worker(engine, chunk, policy)
+        self._worker = _Worker(engine, self.chunk, policy)
         self._thread = threading.Thread(target=self._worker.run, name="edgellm-scheduler", daemon=True)
         start_quietly(self._thread)
         weakref.finalize(self, self._worker.stop, True)
@@ -317,7 +322,8 @@ class _Worker:
         the running ones; the first that does not fit stops the rest (no overtaking: a large
         request is not starved by small ones)."""
         pool = getattr(self.engine.kv, "pool", None)
-        self._waiting.sort(key=lambda r: (-r.priority, r.id))
+        with self._cv:   # (list.sort empties the list while it runs: a close() then cancelled none of it)
+            self._waiting.sort(key=lambda r: (-r.priority, r.id))
         while self._waiting:
             req = self._waiting[0]
             held = sum(r.blocks for r in self._active)
@@ -346,6 +352,16 @@ class _Worker:
                 self._starting = None
 
     def _tick(self) -> None:
+        # a cancelled request ends now, not at its next step: a prefill passed over for higher
+        # priorities kept running (and its room in the pool) for as long as they came
+        for req in [r for r in self._active if r.cancel_token.cancelled]:
+            self._active.remove(req)
+            try:
+                req.gen.close()   # (as cancelled, its KV freed)
+            except BaseException as e:
+                req._finish(_as_error(req, e))
+                continue
+            req._finish()
         if self.policy == "fifo":
             todo = [min(self._active, key=lambda r: r.id)] if self._active else []
         else:
@@ -372,6 +388,25 @@ class _Worker:
             if req.gen.done:
                 req._finish()
                 self._active.remove(req)
+
+
+def _prefill_chunk(engine, chunk: int | None) -> int:
+    """The scheduler's prefill chunk: `chunk`, else DEFAULT_CHUNK. On a ring the chunk decides
+    what a prompt longer than the window sees (a chunk's first token sees only what the window
+    kept), so there the default is the engine's own chunk (load() caps it at half the room): a
+    request's text is then Engine.generate's (with 128 against the engine's 98, a 404-token
+    prompt on a 200-token window answered otherwise). A chunk past the ring's room is refused, as
+    load() refuses such a prefill_chunk."""
+    kv = engine.kv.kv
+    if kv.kind != "ring":
+        return DEFAULT_CHUNK if chunk is None else chunk
+    if chunk is None:
+        return engine.runner.prefill_chunk
+    room = kv.window - kv.sinks
+    if chunk > room:
+        raise ConfigError(f"chunk {chunk} is more than this engine's ring (window {kv.window} with {kv.sinks} "
+                          f"sinks) takes at once ({room} tokens): give at most {room}, or leave chunk unset")
+    return chunk
 
 
 def _as_error(req: _Job, e: BaseException) -> EdgeLLMError:

@@ -285,3 +285,26 @@ def test_request_stats_are_live_and_say_how_a_request_ended(engine):
         with pytest.raises(ContextFull):
             too_long.result(timeout=30)
         assert too_long.stats.stop_reason == "context_full" and too_long.stats.prompt_tokens > 1000
+
+
+def test_a_ring_engines_scheduler_answers_a_prompt_longer_than_the_window_as_generate_does(real_model_path):
+    """On a ring the chunk changes what a long prompt's tokens see: the scheduler's default chunk
+    is the engine's own, so its answer is Engine.generate's (with 128 against the engine's 98 on
+    a 200-token window, this 404-token prompt answered otherwise: a probe)."""
+    import random
+
+    words = ("apple river mountain quick brown fox jumps over lazy dog city bridge market tower stone garden "
+             "summer winter north south").split()
+    r = random.Random(400)
+    prompt = " ".join(r.choice(words) for _ in range(400)) + "\nSummary: more"
+    ring = dict(kv="ring", window=200, threads=2)
+    kw = dict(temperature=0, max_tokens=20)   # (the 1-thread rounding happened to agree at 128 too)
+    e = edgellm.load(real_model_path, **ring)
+    assert len(e.tokenize(prompt)) > 200
+    want = e.generate(prompt, **kw)
+    e.close()
+    e = edgellm.load(real_model_path, **ring)
+    with Scheduler(e) as s:
+        assert s.chunk == e.runner.prefill_chunk
+        assert s.submit(prompt, **kw).result(timeout=120) == want
+    e.close()

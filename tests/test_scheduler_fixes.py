@@ -10,6 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 
 import edgellm
+from edgellm.engine import CancelToken
 from edgellm.errors import ConfigError, EdgeLLMError
 from edgellm.scheduler import Scheduler
 from tests.synthetic import write_tiny_model
@@ -148,6 +149,10 @@ class _FakeJob:
     def __init__(self, rid, pending, priority=0, passed_over_s=0.0):
         self.id, self.priority, self.gen = rid, priority, _FakeGen(pending)
         self.last_chunk = time.perf_counter() - passed_over_s
+        self.cancel_token, self.blocks = CancelToken(), 1
+
+    def cancel(self):
+        self.cancel_token.cancel()
 
     def _put(self, piece):
         pass
@@ -229,3 +234,113 @@ def test_a_request_keeps_its_scheduler(engine):
     gc.collect()
     assert all(r.result(timeout=60) for r in reqs)
     assert [r.stats.stop_reason for r in reqs] == ["max_tokens", "max_tokens"]
+
+
+# -- from a later probe: close() during the waiting list's sort, cancels of passed-over prefills,
+# -- and a ring engine's chunk ------------------------------------------------------------------
+
+class _SortedSlowly(int):
+    """A priority whose negation (the sort key) runs `during` while list.sort is under way."""
+    during = None
+
+    def __neg__(self):
+        type(self).during()
+        return int.__neg__(self)
+
+
+def test_close_during_the_waiting_lists_sort_cancels_every_waiting_request():
+    """list.sort empties the list while it runs: a close() on another thread at that moment found
+    no waiting request, cancelled none, and the worker then ran them all (93 s for 6,000)."""
+    from types import SimpleNamespace
+
+    from edgellm.scheduler import _Worker
+
+    engine = SimpleNamespace(kv=SimpleNamespace(pool=SimpleNamespace(n_blocks=1)))
+    w = _Worker(engine, 8, "interleave")
+    w._active = [_FakeJob(1, 0)]                            # holds the pool: nothing is admitted
+    waiting = [_FakeJob(i, 5) for i in range(2, 6)]
+    waiting[2].priority = _SortedSlowly(0)
+    w._waiting = list(waiting)
+    closer = threading.Thread(target=w.stop, args=(True,))
+
+    def close_meanwhile():
+        if not closer.is_alive():
+            closer.start()
+            time.sleep(0.2)                                 # the closer's moment, mid-sort
+
+    _SortedSlowly.during = close_meanwhile
+    w._admit()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert [j.cancel_token.cancelled for j in waiting] == [True] * 4
+
+
+def test_a_cancelled_prefill_ends_at_the_next_tick_even_when_higher_priorities_run():
+    """A lower-priority prefill only saw its cancel inside its own next chunk: while higher
+    priorities kept coming it ran on (5.8 s after cancel()), holding its room in the pool."""
+    from edgellm.scheduler import _Worker
+
+    class _Closing(_FakeGen):
+        closed = False
+
+        def close(self):
+            self.closed, self.done = True, True
+
+    w = _Worker(None, 8, "interleave")
+    high, low = _FakeJob(1, 700, priority=5), _FakeJob(2, 700)
+    low.gen = _Closing(700)
+    finished = []
+    low._finish = lambda error=None: finished.append(error)
+    w._active = [high, low]
+    low.cancel()
+    w._tick()
+    assert low.gen.closed and finished == [None] and w._active == [high]
+    assert len(high.gen.pending) < 700                      # and the tick went on to the others
+
+
+def test_a_cancelled_request_waiting_for_chunks_ends_promptly(engine, monkeypatch):
+    """The same through a real Scheduler: a low-priority prompt passed over by a long
+    high-priority one ends as cancelled while the high one is still in prefill."""
+    real = engine.runner.forward
+
+    def slow_forward(*a, **kw):
+        time.sleep(0.02)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(engine.runner, "forward", slow_forward)
+    words = "river stone light garden paper window music winter ".split()
+    text = " ".join(words[i % len(words)] for i in range(100))   # 462 tokens: both fit the pool
+    with Scheduler(engine, chunk=4) as s:
+        low = s.submit(text, priority=0, **GREEDY)
+        deadline = time.perf_counter() + 30
+        while low._job.gen is None and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        high = s.submit(text + " again", priority=5, **GREEDY)
+        while high._job.gen is None and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        low.cancel()
+        assert low._job._done.wait(2)
+        assert low.stats.stop_reason == "cancelled" and not high.done
+        high.cancel()
+
+
+def test_a_ring_engines_scheduler_takes_the_engines_chunk(model_path):
+    """On a ring the chunk decides what a prompt longer than the window sees: the default is the
+    engine's own (load() caps it at half the room), and a chunk past the room is refused."""
+    e = edgellm.load(model_path, kv="ring", window=64, sinks=4, threads=1)
+    room = 64 - 4
+    assert e.runner.prefill_chunk <= room // 2
+    with Scheduler(e) as s:
+        assert s.chunk == e.runner.prefill_chunk
+    with Scheduler(e, chunk=room) as s:
+        assert s.chunk == room
+    with pytest.raises(ConfigError, match=f"at most {room}"):
+        Scheduler(e, chunk=room + 1)
+    e.close()
+    with pytest.raises(ConfigError, match="closed"):
+        Scheduler(e)
+
+
+def test_a_pool_engines_scheduler_chunk_defaults_to_128(engine):
+    with Scheduler(engine) as s:
+        assert s.chunk == 128
