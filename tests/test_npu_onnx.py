@@ -208,6 +208,15 @@ def test_cache_reuse_and_output_buffer(tmp_path):
     assert not np.array_equal(out, y1)
 
 
+def test_sessions_keep_no_memory_arena(cache):
+    """Each of a model's hundreds of sessions kept its CPU arena at the high-water mark of its
+    runs: SmolLM2-135M on the CPU EP went from 1.1 GiB after load to 2.3 GiB after 20 requests
+    (1.7 GiB without arenas, the same logits bit for bit)."""
+    graph = make_graph("ffn", "int8", 32, np.random.default_rng(3), name="blk.3.ffn")
+    sub = npu_onnx.compile(graph, providers=CPU, cache_dir=cache)
+    assert sub._sess.get_session_options().enable_cpu_mem_arena is False
+
+
 def test_unwritable_cache_still_compiles(tmp_path, caplog):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_bytes(b"")
