@@ -184,8 +184,12 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=Non
     return p
 
 
-# what a --json output may replace: an earlier JSON output (records, a report)
-JSON_FILE = (lambda head: head.lstrip()[:1] in (b"[", b"{"), "a JSON file")
+# what a --json output may replace: what that command wrote there before (any JSON was replaced:
+# `--json package.json` destroyed the app's own file)
+BENCH_JSON = (lambda head: head.lstrip()[:1] == b"[" and b'"prompt_tokens"' in head and b'"ttft_ms_p50"' in head,
+              "bench records edgellm wrote")
+ANALYSIS_JSON = (lambda head: head.lstrip()[:1] == b"{" and b'"calibration_sha256"' in head and b'"schema"' in head,
+                 "a sensitivity analysis edgellm wrote")
 # what the YAML and plot outputs may replace: what edgellm wrote there before (a hand-edited plan,
 # a user's own profile or drawing was replaced without a word)
 PROFILE_FILE = (lambda head: head.startswith(b"# edgellm device profile"), "a profile edgellm wrote")
@@ -1014,7 +1018,7 @@ def bench(
         # (a 4000-token "short" request after a 16-token "long" one ran for 46 s and reported a ratio)
         raise ConfigError(f"--short-tokens ({short_tokens}) must be fewer than the long request's --prompt-tokens "
                           f"({max(lengths)}): --concurrent measures a short request arriving during a long prefill")
-    json_path = check_out_path(json_path, "--json", replaces=JSON_FILE)
+    json_path = check_out_path(json_path, "--json", replaces=BENCH_JSON)
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
     eng = _load(model, max(2048, need), threads, device=device, units=units, precision=precision)
     if need > eng.n_ctx:   # (it failed after the load and the first runs, advising a --ctx bench has not)
@@ -1351,7 +1355,7 @@ def precision_analyze(
 
     if top < 0:
         raise ConfigError(f"--top must be >= 0, got {top}")
-    json_out = check_out_path(json_out, "--json", replaces=JSON_FILE)
+    json_out = check_out_path(json_out, "--json", replaces=ANALYSIS_JSON)
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     op_list = tuple(o.strip() for o in ops.split(",") if o.strip())
     _check_analysis_args(fmts, op_list, max_tokens)

@@ -11,20 +11,34 @@ from tests.synthetic import write_tiny_model
 runner = CliRunner()
 
 
-def test_bench_json_replaces_json_only(tmp_path, monkeypatch):
+def test_bench_json_replaces_only_its_own_records(tmp_path, monkeypatch):
+    """Any JSON was replaced too (a later probe): `--json package.json` destroyed the app's file."""
     monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
     model = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.Q8_0, seed=3).path
     args = ["bench", "-m", model, "--prompt-tokens", "8", "--gen-tokens", "2", "--runs", "1", "--no-floor", "--json"]
-    for victim, data in (("copy.gguf", open(model, "rb").read()), ("notes.txt", b"my notes\n")):
+    for victim, data in (("copy.gguf", open(model, "rb").read()), ("notes.txt", b"my notes\n"),
+                         ("package.json", b'{"name": "my-app", "version": "1.0.0"}\n'), ("list.json", b"[1, 2]\n"),
+                         ("other.json", b'[{"prompt_tokens": 8}]\n')):
         f = tmp_path / victim
         f.write_bytes(data)
         r = runner.invoke(app, args + [str(f)])
-        one_line_error(r, f"--json {f}: exists and is not a JSON file")
+        one_line_error(r, f"--json {f}: exists and is not bench records edgellm wrote")
         assert f.read_bytes() == data
     out = tmp_path / "bench.json"
-    out.write_text("[]\n")                              # an earlier run's records: replaced
-    assert runner.invoke(app, args + [str(out)]).exit_code == 0
-    assert out.read_text().lstrip().startswith("[") and len(out.read_text()) > 10
+    for _ in range(2):                                  # the second run replaces the first one's records
+        assert runner.invoke(app, args + [str(out)]).exit_code == 0
+        assert out.read_text().lstrip().startswith("[") and '"ttft_ms_p50"' in out.read_text()
+
+
+def test_analysis_json_recognises_an_analysis_and_nothing_else():
+    from edgellm.cli import ANALYSIS_JSON
+    from edgellm.sensitivity import Sensitivity
+
+    sens = Sensitivity("0" * 64, "1" * 64, n_layers=2, n_tokens=8, formats=("q4_0",), ops=("qkv",),
+                       activations=("int8",), entries=())
+    assert ANALYSIS_JSON[0](sens.to_json().encode())
+    for other in (b'{"name": "my-app"}', b'{"schema": 2}', b"[]", b'{"calibration_sha256": "x"}'):
+        assert not ANALYSIS_JSON[0](other)
 
 
 def test_quantize_writes_a_new_file_unless_forced(tmp_path, monkeypatch):
