@@ -457,16 +457,21 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
     """(the session file, the conversation it holds, its state as read) for --session NAME: a
     session file carries the conversation so far (chat messages or plain text) beside its KV."""
     from .errors import ConfigError
-    from .kv.session_file import foreign_file
+    from .kv.session_file import FOREIGN, foreign_file
 
     if name is None:
         return None, {}, None
     session = _session_path(eng, name)
     check_out_path(session, "--session")
     why = foreign_file(session)
-    if why is not None:   # (a user's document given by mistake: never overwritten)
+    entry = not _is_session_file(name)   # a cache entry: edgellm's folder, edgellm's name
+    if why is not None and not (why == FOREIGN and entry):   # (a user's document given by mistake: kept)
         raise ConfigError(f"--session {session}: {why}")
     _hold_session(session)   # (until the command ends: another run on it waits for this one)
+    if foreign_file(session) == FOREIGN and entry:
+        # an entry damaged in its magic is kept aside, as one damaged in its header: it was an
+        # error for good ("is not an edgellm session file"), until the user found and removed it
+        _keep_aside(session, FOREIGN)
     # taken before the load: a save by another writer during it (an app's engine, or a run that
     # could take no lock) then warns at this run's save (at worst needlessly, when the load read
     # the new file); taken after, a save that landed after the load's read was replaced silently

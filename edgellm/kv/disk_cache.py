@@ -2,8 +2,9 @@
 
 Entry files are named `<first 16 hex digits of the model sha256>-<key>.edgesess`, so entries of
 one model can be found without opening every file. Only files with that suffix (and the temp
-files a killed writer may leave, `.<name>.edgesess.*.tmp`) are ever listed or removed: anything
-else a user keeps in the directory is left alone. Listing reads each file's header only (at
+files a killed writer may leave, `.<name>.edgesess.*.tmp`, and the entries a run could not read
+and renamed aside, `<name>.edgesess.unreadable-<date>-<time>`) are ever listed or removed:
+anything else a user keeps in the directory is left alone. Listing reads each file's header only (at
 most MAX_HEADER_BYTES + 16 bytes), never the KV data, and reports unusable files with their
 reason instead of raising.
 """
@@ -29,6 +30,8 @@ _HEX = re.compile(r"[0-9a-f]{16,}")
 _KEY = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _TEMP = re.compile(r"\..+" + re.escape(SUFFIX) + r"\..+\.tmp")  # write_session's temp names
 _TEMP_GRACE_S = 600.0  # a younger temp file may belong to a writer still running: clear() keeps it
+# an entry a run could not read, renamed aside rather than saved over (cli._keep_aside)
+_ASIDE = re.compile(r".+" + re.escape(SUFFIX) + r"\.unreadable-\d{8}-\d{6}(-\d+)?")
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ def entry_path(model_sha256: str, key: str) -> Path:
 def _candidates() -> list[os.DirEntry]:
     try:
         with os.scandir(cache_dir()) as it:
-            return [e for e in it if e.name.endswith(SUFFIX) or _TEMP.fullmatch(e.name)]
+            return [e for e in it if e.name.endswith(SUFFIX) or _TEMP.fullmatch(e.name) or _ASIDE.fullmatch(e.name)]
     except OSError:   # (absent, not a folder, a link loop: no entries to list)
         return []
 
@@ -103,9 +106,11 @@ def _entry(e: os.DirEntry) -> CacheEntry:
     try:
         h = read_header(path)
     except SessionFileError as err:
-        return bad(err.reason)
+        return bad(f"kept aside, unreadable: {err.reason}" if _ASIDE.fullmatch(e.name) else err.reason)
     if h is None:  # removed between the listing and the read
         return bad("vanished while listing")
+    if _ASIDE.fullmatch(e.name):   # (listed and cleared: they piled up unseen, `clear --all` left them)
+        return bad("kept aside by a run that could not read it")
     name = h.meta.get("model_name")
     return CacheEntry(path, st.st_size, st.st_mtime, h.model_sha256,
                       name if isinstance(name, str) else None, h.kv_layout, h.n_tokens)

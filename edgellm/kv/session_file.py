@@ -155,6 +155,9 @@ def _check_args(model_sha256, config_hash, kv_layout, token_ids, arrays, meta):
     return tok.astype("<i4"), out, meta
 
 
+FOREIGN = "exists and is not an edgellm session file"   # foreign_file's word for another format
+
+
 def foreign_file(path: str | os.PathLike) -> str | None:
     """Why `path` must not be overwritten by a session: it exists and is not a session file (a
     user's document given as --session by mistake), or it is not a regular file. None when it is
@@ -176,7 +179,7 @@ def foreign_file(path: str | os.PathLike) -> str | None:
             head = f.read(len(MAGIC))
     except OSError as e:
         return f"cannot be read ({e.strerror})"
-    return None if head == MAGIC else "exists and is not an edgellm session file"
+    return None if head == MAGIC else FOREIGN
 
 
 def write_session(path: str | os.PathLike, *, model_sha256: str, config_hash: str,
