@@ -230,6 +230,40 @@ def _check_analysis_args(formats: tuple[str, ...], ops: tuple[str, ...], max_tok
         raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
 
 
+def _calibration_engine(model, max_tokens: int, text: str):
+    """The reference engine a sensitivity analysis runs on. Its context is sized to the tokens the
+    text can give (at most one per byte, and a BOS) within the model's trained context:
+    --max-tokens 100000 asked for a context the model lacks ("n_ctx 100001 is above ... using
+    8192") for tokens the text does not have."""
+    import edgellm
+
+    from .model.loader import open_model
+    from .model.registry import resolve_model
+
+    path = resolve_model(model, progress=lambda d, t: Progress()("pull", d, t))
+    trained = open_model(path).config.context_length
+    n_ctx = min(max(min(max_tokens, len(text.encode()) + 2) + 1, 256), trained)
+    return edgellm.load(path, n_ctx=n_ctx, units=["reference"], progress=Progress())
+
+
+def _analyze(eng, text: str, formats: tuple[str, ...], ops: tuple[str, ...], max_tokens: int):
+    """sensitivity.analyze with its progress on stderr, and what it measures said once it starts
+    measuring (said up front, it also showed for a result read from the cache)."""
+    from .sensitivity import analyze, forward_passes
+
+    n = forward_passes(eng.config.n_layers, ops, formats, ("int8",))
+    used = min(max_tokens, eng.n_ctx, len(eng.tokenize(text)))   # as analyze() takes them
+    prog, said = Progress(), []
+
+    def progress(done: int, total: int) -> None:
+        if not said:
+            typer.echo(f"measuring sensitivities: {n} forward passes of {used} tokens (cached afterwards)", err=True)
+            said.append(True)
+        prog("analyzing", done, total)
+
+    return analyze(eng, text, formats=formats, ops=ops, max_tokens=max_tokens, progress=progress)
+
+
 def write_output(path: Path, flag: str, data: bytes) -> None:
     """An output file written whole or not at all (a failed write used to leave a good file
     truncated, or a new one empty), its failure one line naming the flag and the path."""
@@ -279,10 +313,14 @@ class Progress:
         self.tty = sys.stderr.isatty()
         self.last = {}
 
+    # the stages that take minutes: without a terminal they still report, in 25% steps (an analysis
+    # said nothing for two minutes in a log)
+    SLOW = ("pull", "analyzing", "requantizing")
+
     def __call__(self, stage: str, done: int, total: int) -> None:
         pct = int(100 * done / total) if total else 100
-        # without a terminal (logs, CI): downloads in 25% steps, the fast local stages not at all
-        if not self.tty and (stage != "pull" or (self.last.get(stage, -100) + 25 > pct and done < total)):
+        # without a terminal (logs, CI): the slow stages in 25% steps, the fast local ones not at all
+        if not self.tty and (stage not in self.SLOW or (self.last.get(stage, -100) + 25 > pct and done < total)):
             return
         self.last[stage] = pct
         label = {"pull": "downloading model", "prepare": "preparing weights"}.get(stage, stage)
@@ -1175,6 +1213,13 @@ def plan(
                               f"{trained} tokens: {why}; shorten the prompt")
         raise ConfigError(f"--prompt-tokens {prompt_tokens} does not fit --ctx {n_ctx}"
                           f"{'' if ctx is not None else ' (the default)'}: {why}; raise --ctx or shorten the prompt")
+    from .costmodel import big_cpu
+
+    n_big = sum(len(c.cores) for c in big_cpu(profile))
+    if threads is not None and threads > n_big:
+        # (the cost model uses at most the big cores: -t 1000 gave -t 2's figures without a word)
+        typer.echo(f"edgellm: warning: -t {threads}: {profile.name} has {n_big} big core(s); the CPU units' "
+                   f"figures are for {n_big} threads", err=True)
     disp = Dispatcher(profile, mf.config, formats, probe=host, override=unit_list, kv_bytes=kv_cfg.bytes_per_elem,
                       compute=compute, threads=threads)
     # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves
@@ -1190,7 +1235,7 @@ def plan(
                    f"({profile.memory_total_bytes / 2**20:.0f} MiB), the share an app can count on: "
                    f"this plan may not load there (lower --ctx, or a smaller model)", err=True)
     if as_json:
-        typer.echo(json.dumps({"model": mf.config.name, "soc": profile.soc,
+        typer.echo(json.dumps({"model": mf.config.name, "soc": profile.soc, "threads": min(threads or n_big, n_big),
                                "precision_plan": pplan.name if pplan else None, **p.to_json()}, indent=1))
     else:
         ops = {o.name: o for o in (*layer_ops(mf.config), *model_ops(mf.config))}
@@ -1351,11 +1396,7 @@ def precision_analyze(
     """Quantize one layer's op at a time to each candidate format (and its input activations to
     int8) and measure the mean KL of the next-token distribution against the unquantized model on
     calibration text. One forward pass per (layer, op, format); cached per model and settings."""
-    import edgellm
-
     from .calibration import load_calibration
-    from .sensitivity import analyze, forward_passes
-
     from .errors import ConfigError
 
     if top < 0:
@@ -1365,12 +1406,7 @@ def precision_analyze(
     op_list = tuple(o.strip() for o in ops.split(",") if o.strip())
     _check_analysis_args(fmts, op_list, max_tokens)
     text = load_calibration(calib)
-    eng = edgellm.load(model, n_ctx=max(max_tokens + 1, 256), units=["reference"], progress=Progress())
-    n = forward_passes(eng.config.n_layers, op_list, fmts, ("int8",))
-    typer.echo(f"measuring {n} forward passes of up to {max_tokens} tokens (cached afterwards)", err=True)
-    prog = Progress()
-    res = analyze(eng, text, formats=fmts, ops=op_list, max_tokens=max_tokens,
-                  progress=lambda d, t: prog("analyzing", d, t))
+    res = _analyze(_calibration_engine(model, max_tokens, text), text, fmts, op_list, max_tokens)
     if res.from_cache:
         typer.echo(f"{len(res.entries)} entries over {res.n_tokens} tokens, read from the cache (measured with "
                    f"{res.forward_passes} forward passes in {res.seconds:.1f} s)")
@@ -1553,7 +1589,6 @@ def precision_plan(
     from .precision import dump_plan, load_plan
     from .precision_runtime import ComputeTable, planned_formats
     from .precision_search import SEARCH_OPS, op_times, search, teacher_forced_logits, mean_kl
-    from .sensitivity import analyze, forward_passes
 
     if objective not in ("ttft", "decode"):
         raise ConfigError(f"--objective must be ttft or decode, got {objective!r}")
@@ -1566,13 +1601,9 @@ def precision_plan(
     _check_analysis_args(fmts, SEARCH_OPS, max_tokens)
     profile = device_profile(device)      # a bad name is refused now, not after minutes of analysis
     text = load_calibration(calib)
-    ref = edgellm.load(model, n_ctx=max(max_tokens + 1, 256), units=["reference"], progress=Progress())
+    ref = _calibration_engine(model, max_tokens, text)
     mf, cfg = ref.model, ref.config
-    n = forward_passes(cfg.n_layers, SEARCH_OPS, fmts, ("int8",))
-    typer.echo(f"sensitivities: {n} forward passes of up to {max_tokens} tokens (cached after the first run)", err=True)
-    prog = Progress()
-    sens = analyze(ref, text, formats=fmts, ops=SEARCH_OPS, max_tokens=max_tokens,
-                   progress=lambda d, t: prog("analyzing", d, t))
+    sens = _analyze(ref, text, fmts, SEARCH_OPS, max_tokens)
     ids = ref.tokenize(text)[: sens.n_tokens]
     del ref
     host = device in (None, "host")

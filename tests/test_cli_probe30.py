@@ -1,0 +1,60 @@
+"""A CLI probe's finds (session 30): `python -m edgellm` did not run; `plan -t 1000` gave -t 2's
+figures without a word; `precision analyze` said "measuring ..." for a result it then read from
+the cache, and --max-tokens past the calibration text asked for a context the model lacks."""
+import json
+import subprocess
+import sys
+
+import pytest
+from gguf import GGMLQuantizationType as QT
+from typer.testing import CliRunner
+
+from edgellm.cli import app
+from tests.synthetic import write_tiny_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("cli30") / "m.gguf", tensor_type=QT.Q8_0, seed=3,
+                            context_length=512).path
+
+
+def test_python_dash_m_runs_the_command():
+    import edgellm
+
+    r = subprocess.run([sys.executable, "-m", "edgellm", "--version"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == f"edgellm {edgellm.__version__}", r
+
+
+def test_plan_says_when_threads_are_more_than_the_big_cores(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    r = runner.invoke(app, ["plan", "-m", tiny, "--device", "rk3588", "-t", "64", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "-t 64: rk3588 has 4 big core(s); the CPU units' figures are for 4 threads" in r.stderr
+    assert json.loads(r.stdout)["threads"] == 4
+    r = runner.invoke(app, ["plan", "-m", tiny, "--device", "rk3588", "-t", "2", "--json"])
+    assert r.exit_code == 0 and "big core" not in r.stderr and json.loads(r.stdout)["threads"] == 2
+
+
+def test_analyze_says_measuring_only_when_it_measures_and_counts_the_tokens_it_has(tiny, tmp_path, monkeypatch):
+    import edgellm
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    asked, real_load = [], edgellm.load
+
+    def load(*a, **kw):
+        asked.append(kw["n_ctx"])
+        return real_load(*a, **kw)
+
+    monkeypatch.setattr(edgellm, "load", load)
+    args = ["precision", "analyze", "-m", tiny, "--top", "0", "--formats", "q8_0", "--ops", "qkv"]
+    first = runner.invoke(app, args + ["--max-tokens", "100000"])
+    assert first.exit_code == 0, first.output
+    assert asked and max(asked) <= 512                       # no context the model lacks was asked for
+    (said,) = [ln for ln in first.stderr.splitlines() if ln.startswith("measuring")]
+    n_tokens = int(first.stdout.split(" entries over ")[1].split()[0])
+    assert said.endswith(f"forward passes of {n_tokens} tokens (cached afterwards)") and n_tokens < 100000
+    again = runner.invoke(app, args + ["--max-tokens", "100000"])
+    assert again.exit_code == 0 and "read from the cache" in again.stdout and "measuring" not in again.stderr
