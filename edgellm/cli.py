@@ -1614,21 +1614,37 @@ def precision_plan(
     name = Path(mf.path).name.removesuffix(".gguf")
     path = out or edgellm_home() / "plans" / f"{name}-{profile.name}-{objective}-kl{budget_kl:g}.yaml"
 
-    def predicted(plan):
-        d = Dispatcher(profile, cfg, planned_formats(mf, plan), probe=host, compute=ComputeTable(plan, cfg.n_layers),
-                       kv_bytes=KVConfig(precision=plan.kv_precision).bytes_per_elem)
+    def predicted_both(plan):
+        """(TTFT ms, decode ms per token) the dispatcher predicts with `plan` (None: no plan)."""
+        d = (Dispatcher(profile, cfg, files, probe=host) if plan is None else
+             Dispatcher(profile, cfg, planned_formats(mf, plan), probe=host, compute=ComputeTable(plan, cfg.n_layers),
+                        kv_bytes=KVConfig(precision=plan.kv_precision).bytes_per_elem))
         p = d.plan(prompt_tokens=prompt_tokens, n_ctx=max(prompt_tokens + 1, 2048), memory_budget=1 << 30)
-        return p.predicted_ttft_ms if objective == "ttft" else 1e3 / p.predicted_decode_tps
+        return p.predicted_ttft_ms, 1e3 / p.predicted_decode_tps
 
-    q_ms, s_ms = predicted(load_plan("quality")), predicted(res.plan)
+    def predicted(plan):
+        return predicted_both(plan)[0 if objective == "ttft" else 1]
+
+    q_ms = predicted(load_plan("quality"))
+    s_both, none_both = predicted_both(res.plan), predicted_both(None)
+    s_ms = s_both[0 if objective == "ttft" else 1]
     by_kind: dict[str, int] = {}
     for c in res.changes:
         by_kind[f"{c.kind} {c.format}"] = by_kind.get(f"{c.kind} {c.format}", 0) + 1
     typer.echo(f"plan: {len(res.changes)} changes from quality: "
                + (", ".join(f"{v} x {k}" for k, v in sorted(by_kind.items())) or "none"))
     what = "TTFT" if objective == "ttft" else "decode time per token"
+    n_ms = none_both[0 if objective == "ttft" else 1]
     typer.echo(f"  predicted {what} on {profile.name}: {s_ms:.2f} ms vs {q_ms:.2f} ms for quality "
-               f"(speed-up {q_ms / s_ms:.3f}x)")
+               f"(speed-up {q_ms / s_ms:.3f}x) and {n_ms:.2f} ms with no plan ({n_ms / s_ms:.3f}x)")
+    # the phase the search left alone keeps quality's fp32 compute: with no plan each unit runs
+    # its own precision (a ttft plan decoded at 44 tok/s where no plan gave 169: a probe)
+    other, other_objective, o = ("decode", "decode", 1) if objective == "ttft" else ("prefill", "ttft", 0)
+    if s_both[o] > 1.05 * none_both[o]:
+        unit = "ms per token" if o else "ms TTFT"
+        typer.echo(f"  note: {other} keeps quality's fp32 compute in this plan: predicted {s_both[o]:.2f} {unit} "
+                   f"against {none_both[o]:.2f} with no plan; search with --objective {other_objective} for a "
+                   f"plan that speeds it up, or run without --precision for the units' own precision")
     typer.echo(f"  predicted KL (sum of measured sensitivities): {res.predicted_kl:.5f} of the {budget_kl:g} budget")
     if res.note:
         typer.echo(f"  note: {res.note}")

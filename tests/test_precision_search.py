@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -101,6 +102,21 @@ def test_precision_plan_cli_writes_a_plan_that_loads(tmp_path, monkeypatch):
     assert shown.exit_code == 0, shown.output
     d = json.loads(shown.output)
     assert d["precision_plan"] == "p" and plan.kv_precision == "f16"
+
+
+def test_precision_plan_cli_compares_with_no_plan_and_says_what_the_other_phase_costs(tmp_path, monkeypatch):
+    """The speed-up was quality's only, a slower baseline than no plan: a ttft plan decoded at 44
+    tok/s where no plan gave 169 (fp32 compute in decode), and nothing said so (a CLI probe)."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    tm = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.Q8_0, n_layers=2, seed=1)
+    res = CliRunner().invoke(app, ["precision", "plan", "--model", tm.path, "--device", "rk3588", "--objective",
+                                   "ttft", "--budget-kl", "0.05", "--max-tokens", "40", "-o", str(tmp_path / "p.yaml")])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"predicted TTFT on rk3588: [\d.]+ ms vs [\d.]+ ms for quality \(speed-up [\d.]+x\) and "
+                     r"[\d.]+ ms with no plan \([\d.]+x\)", res.stdout), res.stdout
+    note = re.search(r"note: decode keeps quality's fp32 compute in this plan: predicted ([\d.]+) ms per token "
+                     r"against ([\d.]+) with no plan; search with --objective decode", res.stdout)
+    assert note and float(note[1]) > float(note[2]), res.stdout
 
 
 def test_plan_cli_precision_preset_and_unknown(tmp_path, monkeypatch):
