@@ -1027,11 +1027,13 @@ def bench(
     json_path: Optional[str] = typer.Option(None, "--json", metavar="PATH", help="Write the records as JSON here"),
     concurrent: bool = typer.Option(False, "--concurrent", help="Also measure a short request arriving during "
                                     "a long prefill: interleaved vs queued (long = the largest --prompt-tokens)"),
-    short_tokens: int = typer.Option(32, help="--concurrent: prompt tokens of the short request"),
+    short_tokens: Optional[int] = typer.Option(None, help="--concurrent: prompt tokens of the short request "
+                                               "(default 32)"),
     shared_prefix: int = typer.Option(0, "--shared-prefix", help="Measure prompts that share an N-token system "
                                       "prefix: cold TTFT vs TTFT with the prefix cached (--prompt-tokens are then "
                                       "the lengths of the user message after it)"),
-    delay_ms: float = typer.Option(50.0, help="--concurrent: the short request arrives this long after the long one"),
+    delay_ms: Optional[float] = typer.Option(None, help="--concurrent: the short request arrives this long after "
+                                             "the long one (default 50)"),
     device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
@@ -1045,12 +1047,23 @@ def bench(
     from . import bench as b
     from .errors import ConfigError
 
-    try:
-        lengths = [int(x) for x in prompt_tokens.split(",") if x.strip()]
+    items = prompt_tokens.split(",")
+    if not prompt_tokens.strip():
+        raise ConfigError("--prompt-tokens names no length: give comma-separated token counts, e.g. 128,512")
+    try:   # (an empty item, "32,,64", was dropped without a word)
+        lengths = [int(x) for x in items]
     except ValueError:
-        raise ConfigError(f"--prompt-tokens must be comma-separated integers, got {prompt_tokens!r}")
-    if not lengths or min(lengths) < 1 or runs < 1 or gen_tokens < 1:
-        raise ConfigError("--prompt-tokens, --runs and --gen-tokens must be positive")
+        raise ConfigError(f"--prompt-tokens must be comma-separated integers, got {prompt_tokens!r}") from None
+    if min(lengths) < 1:
+        raise ConfigError(f"--prompt-tokens must be >= 1 each, got {prompt_tokens!r}")
+    for flag, value in (("--runs", runs), ("--gen-tokens", gen_tokens)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not concurrent and (short_tokens is not None or delay_ms is not None):
+        typer.echo("edgellm: warning: --short-tokens and --delay-ms shape the --concurrent run; without it they "
+                   "are ignored", err=True)
+    short_tokens = 32 if short_tokens is None else short_tokens
+    delay_ms = 50.0 if delay_ms is None else delay_ms
     if shared_prefix < 0:
         raise ConfigError("--shared-prefix must be >= 0")
     if concurrent and short_tokens < 1:

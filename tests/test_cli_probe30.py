@@ -58,3 +58,26 @@ def test_analyze_says_measuring_only_when_it_measures_and_counts_the_tokens_it_h
     assert said.endswith(f"forward passes of {n_tokens} tokens (cached afterwards)") and n_tokens < 100000
     again = runner.invoke(app, args + ["--max-tokens", "100000"])
     assert again.exit_code == 0 and "read from the cache" in again.stdout and "measuring" not in again.stderr
+
+
+@pytest.mark.parametrize("lengths,needle", [
+    ("32,,64", "--prompt-tokens must be comma-separated integers, got '32,,64'"),
+    ("", "--prompt-tokens names no length"),
+    (" ", "--prompt-tokens names no length"),
+    ("8,0", "--prompt-tokens must be >= 1 each, got '8,0'"),
+])
+def test_bench_prompt_lengths_are_taken_as_written(tiny, tmp_path, monkeypatch, lengths, needle):
+    """An empty item was dropped without a word, and an empty list was 'must be positive'."""
+    from tests.cli_checks import one_line_error
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    one_line_error(runner.invoke(app, ["bench", "-m", tiny, "--prompt-tokens", lengths]), needle)
+
+
+def test_bench_says_concurrent_options_without_concurrent_are_ignored(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    args = ["bench", "-m", tiny, "--prompt-tokens", "8", "--gen-tokens", "2", "--runs", "1", "--no-floor"]
+    r = runner.invoke(app, args + ["--short-tokens", "0"])
+    assert r.exit_code == 0 and "--short-tokens and --delay-ms shape the --concurrent run" in r.stderr, r.output
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "--short-tokens" not in r.stderr, r.output
