@@ -250,6 +250,9 @@ class Dispatcher:
                 raise ConfigError(f"units: {', '.join(self.override)} lists a unit twice")
         self.warnings: list[str] = []
         self._warned: set[str] = set()
+        # ops --units left to reference, by cause, said in one warning per cause at the plan's end:
+        # one per op repeated the same cause 14 times (`run --units opencl` without OpenCL)
+        self._to_reference: dict[str, list[str]] = {}
 
     def unit(self, name: str) -> Unit:
         return next(u for u in self.units if u.name == name)
@@ -328,10 +331,19 @@ class Dispatcher:
             raise ConfigError(f"op {op.name}: no unit can run it ({', '.join(self.override)} listed)")
         if op.name not in self._warned:
             self._warned.add(op.name)
-            msg = f"op {op.name} ({op.kind}): {self._not_listed_why(no or {})}; using reference"
+            self._to_reference.setdefault(self._not_listed_why(no or {}), []).append(op.name)
+        return "reference"
+
+    def _say_to_reference(self) -> None:
+        """One warning per cause for the ops --units left to reference (a plan's own list too)."""
+        for why, ops in self._to_reference.items():
+            if len(ops) == 1:
+                msg = f"op {ops[0]}: {why}; using reference"
+            else:
+                msg = f"ops {', '.join(ops)}: {why.replace(' runs it (', ' runs them (', 1)}; using reference"
             self.warnings.append(msg)
             log.warning(msg)
-        return "reference"
+        self._to_reference = {}
 
     def _logits_bytes(self, phase: str, tokens: int) -> float:
         """The head's output, which the sampler reads on the CPU: one row in a prefill chunk."""
@@ -636,6 +648,7 @@ class Dispatcher:
         for c0, c1 in zip(bounds, bounds[1:]):
             ttft += self.step_ms(phases[self.prompt_phase(c1 - c0, sm)], c1 - c0, c0, head=c1 >= prompt_tokens)
         tps = 1e3 / decode.step_ms if decode.step_ms > 0 else math.inf
+        self._say_to_reference()
         return Plan(self.profile.name, self.units, prefill, decode, choice, prompt_tokens, ttft, tps,
                     tuple(self.warnings), short, short_max, key)
 
