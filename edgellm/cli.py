@@ -94,7 +94,7 @@ def friendly(fn):
             return fn(*a, **k)
         except EdgeLLMError as e:
             _stop_probe_child()
-            _err(str(e))
+            _err(_in_flag_names(str(e)))
             raise typer.Exit(1)
         except BrokenPipeError:
             raise   # stdout closed by the reader (| head): click ends quietly
@@ -117,6 +117,22 @@ def friendly(fn):
         finally:
             _release_session_locks()
     return wrapper
+
+
+# the API's parameter names that start its messages, as the command line names them ("n_ctx must
+# be an integer >= 1" answered `--ctx 0`, "sampling.seed: expected None or ..." `--seed -1`)
+_FLAG_OF = {"n_ctx": "--ctx", "threads": "--threads", "max_tokens": "--max-tokens", "kv_precision": "--kv-precision",
+            "sampling.seed": "--seed", "sampling.temperature": "--temperature", "sampling.top_k": "--top-k",
+            "sampling.top_p": "--top-p", "sampling.min_p": "--min-p", "sampling.repeat_penalty": "--repeat-penalty",
+            "sampling.stop": "--stop"}
+
+
+def _in_flag_names(msg: str) -> str:
+    m = re.match(r"[a-z_.]+(?=[ :])", msg)
+    if m is None or m[0] not in _FLAG_OF:
+        return msg
+    msg = (_FLAG_OF[m[0]] + msg[m.end():]).replace("expected None or ", "expected ", 1)
+    return re.sub(r"for kv='(pool|ring)'", r"for --kv \1", msg, count=1)
 
 
 # commands that run no kernel: an EDGELLM_NEON_LIB for the device (set while building its bundle)

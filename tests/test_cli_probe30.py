@@ -81,3 +81,18 @@ def test_bench_says_concurrent_options_without_concurrent_are_ignored(tiny, tmp_
     assert r.exit_code == 0 and "--short-tokens and --delay-ms shape the --concurrent run" in r.stderr, r.output
     r = runner.invoke(app, args)
     assert r.exit_code == 0 and "--short-tokens" not in r.stderr, r.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--ctx", "0"], "--ctx must be an integer >= 1, got 0"),
+    (["-n", "0"], "--max-tokens must be an integer >= 1, got 0"),
+    (["--seed", "-1"], "--seed: expected an integer >= 0, found -1"),
+    (["--top-k", "-1"], "--top-k: expected an integer >= 0"),
+    (["--kv-precision", "q4"], "--kv-precision for --kv pool must be one of"),
+])
+def test_errors_name_the_flags_not_the_api_parameters(tiny, tmp_path, monkeypatch, args, needle):
+    """'n_ctx must be an integer >= 1' answered --ctx 0, 'sampling.seed: expected None or ...' --seed."""
+    from tests.cli_checks import one_line_error
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    one_line_error(runner.invoke(app, ["run", "hi", "-m", tiny] + args), needle)
