@@ -188,23 +188,24 @@ class Engine:
             self._close_pending = False
             self.close()
 
-    def end_generation(self, gen) -> None:
-        """Ends `gen` as cancelled in a turn of its own. Inside a turn of this thread (a garbage
-        collector finalising a dropped stream mid-step) it waits for the next turn instead: a
-        step must not see the KV store change under it."""
+    def end_generation(self, gen) -> str:
+        """Ends `gen` as cancelled in a turn of its own; returns the text its stop-string check
+        still held back ('' when there is none to give now). Inside a turn of this thread (a
+        garbage collector finalising a dropped stream mid-step) it waits for the next turn
+        instead: a step must not see the KV store change under it."""
         if not isinstance(gen, Generation):   # (None was an AttributeError, later, in a turn)
             raise ConfigError(f"end_generation: expected the Generation of a stream, found {type(gen).__name__}")
         if getattr(self._turn_depth, "n", 0):
             self._orphans.append(gen)
-            return
+            return ""
         with self.lock:
             if self._closed:
                 # its KV went with the engine: nothing to free, and a generator's close (an app's
                 # it.close(), the collector's) must not raise "the engine is closed"
                 gen._end_closed()
-                return
+                return ""
             with self.turn():
-                gen._end("cancelled")
+                return gen._end("cancelled")
 
     @property
     def last_stats(self) -> GenerationStats:

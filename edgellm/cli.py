@@ -256,7 +256,7 @@ def _calibration_engine(model, max_tokens: int, text: str):
     from .model.loader import open_model
     from .model.registry import resolve_model
 
-    path = resolve_model(model, progress=lambda d, t: Progress()("pull", d, t))
+    path = resolve_model(model, progress=_pull_progress())
     trained = open_model(path).config.context_length
     n_ctx = min(max(min(max_tokens, len(text.encode()) + 2) + 1, 256), trained)
     return edgellm.load(path, n_ctx=n_ctx, units=["reference"], progress=Progress())
@@ -320,6 +320,13 @@ def _stop_probe_child() -> None:
     from .backends import opencl_child
 
     opencl_child.discard()
+
+
+def _pull_progress():
+    """A download's progress(done, total), throttled by one Progress (a new one per call printed
+    every call without a terminal: 200 lines for 200 calls)."""
+    prog = Progress()
+    return lambda done, total: prog("pull", done, total)
 
 
 class Progress:
@@ -802,6 +809,10 @@ def chat(
             _err(f"that line is not valid {enc}; it was skipped")
             failed += 1
             continue
+        except LineTooLong as e:
+            _err(str(e))
+            failed += 1
+            continue
         command = line.strip()
         # a line that starts with a /word is a command, whatever its case or what follows it
         # ("/EXIT", "/exit now" went to the model as turns); " /word" (a space first) is a turn
@@ -886,19 +897,36 @@ def _note_raw(text: str) -> None:
         pass
 
 
+MAX_SKIP_BYTES = 64 * 2 ** 20   # what is read past a too long line to find its end, at most
+
+
+class LineTooLong(Exception):
+    """A line of stdin over MAX_LINE_BYTES, read to its end and dropped: the chat skips it."""
+
+
 def _readline_capped() -> bytes | str:
-    """stdin's next line, refused when it is longer than MAX_LINE_BYTES (the rest of it would be
-    read as the next turns, so the chat ends)."""
+    """stdin's next line. One longer than MAX_LINE_BYTES is read to its end and dropped
+    (LineTooLong: the chat goes on with the next line; it ended the chat, the lines after it
+    unanswered); one with no end within MAX_SKIP_BYTES more (`chat < /dev/zero`) ends the chat."""
     from .errors import ConfigError
 
     stream = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin
+    newline = b"\n" if stream is not sys.stdin else "\n"
     try:
         raw = stream.readline(MAX_LINE_BYTES + 1)
+        if len(raw) <= MAX_LINE_BYTES or raw.endswith(newline):
+            return raw
+        skipped = 0
+        while skipped < MAX_SKIP_BYTES:
+            rest = stream.readline(2 ** 20)
+            if not rest or rest.endswith(newline):
+                raise LineTooLong(f"a line of stdin is longer than {MAX_LINE_BYTES // 2**20} MiB, chat's limit "
+                                  f"for a turn; it was skipped")
+            skipped += len(rest)
     except OSError as e:   # (0>/dev/null: stdin open for writing only, "[Errno 9] Bad file descriptor")
         raise ConfigError(f"stdin cannot be read ({e.strerror or e}): chat reads its turns from stdin") from None
-    if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n" if isinstance(raw, bytes) else "\n"):
-        raise ConfigError(f"a line of stdin is longer than {MAX_LINE_BYTES // 2**20} MiB, chat's limit for a turn")
-    return raw
+    raise ConfigError(f"a line of stdin is longer than {MAX_LINE_BYTES // 2**20} MiB, chat's limit for a turn, and "
+                      f"has no end in the {MAX_SKIP_BYTES // 2**20} MiB after it: is stdin a text?")
 
 
 def _read_line() -> str:
@@ -1213,6 +1241,7 @@ def plan(
     if threads is not None and threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {threads}")
     host = device in (None, "host")
+    threads_given = threads
     if threads is None and host:   # as load() counts them, so the plan is the one `run` gets
         from .device.topology import detect_clusters, select_big
         threads = len(select_big(detect_clusters()))
@@ -1220,7 +1249,7 @@ def plan(
     pplan = load_plan(precision) if precision is not None else None
     kv_cfg = KVConfig(precision=kv_precision or (pplan.kv_precision if pplan else "f16"))  # validates it
     profile = device_profile(device)
-    mf = open_model(resolve_model(model, progress=lambda d, t: Progress()("pull", d, t)))
+    mf = open_model(resolve_model(model, progress=_pull_progress()))
     formats, compute = weight_formats(mf), None
     if pplan is not None:
         pplan.check_model(mf.config.n_layers)
@@ -1245,8 +1274,9 @@ def plan(
     from .costmodel import big_cpu
 
     n_big = sum(len(c.cores) for c in big_cpu(profile))
-    if threads is not None and threads > n_big:
-        # (the cost model uses at most the big cores: -t 1000 gave -t 2's figures without a word)
+    if threads_given is not None and threads_given > n_big:
+        # (the cost model uses at most the big cores: -t 1000 gave -t 2's figures without a word.
+        # Only a -t given is named: a profile made under taskset lists fewer cores than the host)
         typer.echo(f"edgellm: warning: -t {threads}: {profile.name} has {n_big} big core(s); the CPU units' "
                    f"figures are for {n_big} threads", err=True)
     disp = Dispatcher(profile, mf.config, formats, probe=host, override=unit_list, kv_bytes=kv_cfg.bytes_per_elem,
@@ -1395,7 +1425,7 @@ def quantize(
         p = load_plan(plan)
     except ConfigError as e:
         raise ConfigError(f"--plan {plan}: {e}") from None
-    src = resolve_model(model, progress=lambda d, t: Progress()("pull", d, t))
+    src = resolve_model(model, progress=_pull_progress())
     mf = open_model(src)
     n = mf.config.n_layers
     formats = plan_formats(mf, lambda layer, op: p.weight_format(layer, op, n))

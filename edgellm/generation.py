@@ -129,9 +129,9 @@ class Generation:
         if not self.done and not sys.is_finalizing():   # (at exit the interpreter is half torn down)
             self.engine.end_generation(self)
 
-    def _end(self, reason: str) -> None:
-        if not self.done:
-            self._finish(reason)
+    def _end(self, reason: str) -> str:
+        """Ends it (nothing when done); the text its stop-string check still held back."""
+        return self._finish(reason) if not self.done else ""
 
     def _end_closed(self) -> None:
         """Marks it ended as cancelled when its engine was closed under it: no runner, no KV store

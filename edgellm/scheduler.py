@@ -356,8 +356,8 @@ class _Worker:
         # priorities kept running (and its room in the pool) for as long as they came
         for req in [r for r in self._active if r.cancel_token.cancelled]:
             self._active.remove(req)
-            try:
-                req.gen.close()   # (as cancelled, its KV freed)
+            try:   # (as cancelled, its KV freed; the text its stop check held back given, as a step gives it)
+                req._put(self.engine.end_generation(req.gen))
             except BaseException as e:
                 req._finish(_as_error(req, e))
                 continue

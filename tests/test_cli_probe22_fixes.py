@@ -64,10 +64,25 @@ def test_a_cache_path_or_home_that_is_a_file_is_one_error(tmp_path, monkeypatch,
 
 
 def test_a_chat_line_is_capped(monkeypatch):
-    """`edgellm chat < /dev/zero` read one endless line until memory ran out."""
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"x" * (2**20 + 1))))
-    with pytest.raises(ConfigError, match="longer than 1 MiB"):
+    """`edgellm chat < /dev/zero` read one endless line until memory ran out. A line over the cap
+    is skipped, read to its end (it ended the chat, the lines after it unanswered: a later probe);
+    one with no end in sight ends the chat."""
+    class Zeros(io.RawIOBase):
+        def readable(self):
+            return True
+
+        def readinto(self, b):
+            b[:] = bytes(len(b))
+            return len(b)
+
+    monkeypatch.setattr(cli, "MAX_SKIP_BYTES", 8 * 2**20)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(Zeros())))
+    with pytest.raises(ConfigError, match="longer than 1 MiB, chat's limit for a turn, and has no end"):
         cli._read_line()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"x" * (3 * 2**20) + b"\nnext\n")))
+    with pytest.raises(cli.LineTooLong, match="longer than 1 MiB, chat's limit for a turn; it was skipped"):
+        cli._read_line()
+    assert cli._read_line() == "next"
     line = b"y" * 2**20   # (1 MiB and its newline: taken)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(line + b"\nnext\n")))
     assert cli._read_line() == line.decode() and cli._read_line() == "next"

@@ -96,3 +96,31 @@ def test_errors_name_the_flags_not_the_api_parameters(tiny, tmp_path, monkeypatc
 
     monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
     one_line_error(runner.invoke(app, ["run", "hi", "-m", tiny] + args), needle)
+
+
+def test_plan_names_no_thread_count_the_user_did_not_give(tiny, tmp_path, monkeypatch):
+    """A measured host profile listing fewer cores than the host has (made under taskset) made
+    every plain `plan` warn about a '-t 2' nobody passed (a review)."""
+    import shutil
+    from pathlib import Path
+
+    import edgellm
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("EDGELLM_HOME", str(home))
+    src = Path(edgellm.__file__).parent.parent / "device_profiles" / "raspberry-pi-5.yaml"
+    (home / "profiles").mkdir(parents=True)
+    shutil.copy(src, home / "profiles" / "host.yaml")
+    monkeypatch.setattr("edgellm.device.topology.select_big", lambda clusters: [0, 1, 2, 3, 4, 5, 6, 7])
+    r = runner.invoke(app, ["plan", "-m", tiny])
+    assert r.exit_code == 0 and "-t " not in r.stderr, r.output
+
+
+def test_a_pull_reports_its_progress_through_one_throttle(capsys):
+    from edgellm import cli
+
+    report = cli._pull_progress()
+    for i in range(1, 201):
+        report(i, 200)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "downloading" in ln]
+    assert 2 <= len(lines) <= 6, lines

@@ -280,22 +280,42 @@ def test_a_cancelled_prefill_ends_at_the_next_tick_even_when_higher_priorities_r
     priorities kept coming it ran on (5.8 s after cancel()), holding its room in the pool."""
     from edgellm.scheduler import _Worker
 
-    class _Closing(_FakeGen):
-        closed = False
+    class _Engine:
+        def end_generation(self, gen):
+            gen.closed, gen.done = True, True
+            return " held back"                               # what the stop-string check held
 
-        def close(self):
-            self.closed, self.done = True, True
-
-    w = _Worker(None, 8, "interleave")
+    w = _Worker(_Engine(), 8, "interleave")
     high, low = _FakeJob(1, 700, priority=5), _FakeJob(2, 700)
-    low.gen = _Closing(700)
-    finished = []
+    finished, put = [], []
     low._finish = lambda error=None: finished.append(error)
+    low._put = put.append
     w._active = [high, low]
     low.cancel()
     w._tick()
-    assert low.gen.closed and finished == [None] and w._active == [high]
+    assert low.gen.closed and put == [" held back"] and finished == [None] and w._active == [high]
     assert len(high.gen.pending) < 700                      # and the tick went on to the others
+
+
+def test_ending_a_generation_gives_the_text_its_stop_check_held_back(engine):
+    """The scheduler's sweep of cancelled requests lost it (a review): a step that sees the cancel
+    gives it, and Engine.stream does."""
+    from edgellm.generation import Generation
+
+    gen = Generation(engine, engine.tokenize("hello world"), edgellm.api.generation_config(**GREEDY),
+                     CancelToken(), time.perf_counter(), time.perf_counter())
+    gen.step()
+
+    class Holding:
+        def feed(self, text):
+            return False, ""
+
+        def flush(self):
+            return " United"
+
+    gen.stopper = Holding()
+    assert engine.end_generation(gen) == " United" and gen.stats.stop_reason == "cancelled"
+    assert engine.end_generation(gen) == ""                  # ended already
 
 
 def test_a_cancelled_request_waiting_for_chunks_ends_promptly(engine, monkeypatch):
