@@ -1359,7 +1359,7 @@ def profile(
         typer.echo(f"cluster {c.name}: peak per core " + ", ".join(
             f"{p} {f / 1e9:.0f} G{'OPS' if p.startswith('int') else 'FLOPS'}" for p, f in c.peak_per_core.items()))
     for name, u in m.units.items():
-        curve = ", ".join(f"{g.m}:{g.flops / 1e9:.0f}" for g in u.gemm)
+        curve = ", ".join(f"{g.m}:{g.flops / 1e9:.3g}" for g in u.gemm)   # (.0f showed a 1-row GEMV as 0)
         attn = "".join(f", attention GFLOPS by (tokens after cached) "
                        + ", ".join(f"{a.tokens}@{a.context}:{a.flops / 1e9:.1f}" for a in u.attention)
                        for _ in [0] if u.attention)

@@ -71,8 +71,9 @@ class Generation:
         if not ids:
             raise ConfigError("the prompt is empty (it tokenizes to no tokens)")
         if len(ids) >= engine.n_ctx:
-            raise ContextFull(f"the prompt has {len(ids)} tokens but the context holds {engine.n_ctx} "
-                              f"(raise n_ctx / --ctx)")
+            # (equal counts read as if nothing were wrong: "has 1 tokens but the context holds 1")
+            raise ContextFull(f"the prompt has {len(ids)} token(s) and the context holds {engine.n_ctx}: no "
+                              f"position is left for the answer (raise n_ctx / --ctx, or shorten the prompt)")
         self.chunk = chunk or engine.runner.prefill_chunk
         self.sampler = Sampler(cfg.sampling())
         # the chain decode runs pick with, and why they cannot pick as the sampler does (or None)

@@ -124,3 +124,12 @@ def test_a_pull_reports_its_progress_through_one_throttle(capsys):
         report(i, 200)
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "downloading" in ln]
     assert 2 <= len(lines) <= 6, lines
+
+
+def test_a_prompt_that_fills_the_context_says_what_is_wrong(tiny, tmp_path, monkeypatch):
+    """'the prompt has 1 tokens but the context holds 1' read as if nothing were wrong."""
+    from tests.cli_checks import one_line_error
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    one_line_error(runner.invoke(app, ["run", "hi", "-m", tiny, "--ctx", "1"]),
+                   "and the context holds 1: no position is left for the answer")
