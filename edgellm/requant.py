@@ -27,6 +27,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -605,7 +606,8 @@ def format_report(report: Report) -> str:
     if conv:
         w = max(len(t.name) for t in conv)
         lines.append(f"  {'tensor':<{w}}  {'from':>5} -> {'to':<5} {'bytes before':>12} {'after':>12} {'SQNR dB':>8}")
-        for t in conv:
+        # layer order (blk.2 before blk.10), not the file's text order
+        for t in sorted(conv, key=lambda t: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", t.name)]):
             sq = "exact" if math.isinf(t.sqnr_db) else f"{t.sqnr_db:.2f}"
             lines.append(f"  {t.name:<{w}}  {t.from_type:>5} -> {t.to_type:<5} {t.bytes_before:>12} "
                          f"{t.bytes_after:>12} {sq:>8}" + (f"  ({t.note})" if t.note else ""))

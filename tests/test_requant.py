@@ -503,3 +503,12 @@ def test_an_orphans_room_counts_as_free(tmp_path, monkeypatch):
     monkeypatch.setattr(rq, "_free_bytes", lambda d: 0 if orphan.exists() else 1 << 40)
     requantize_gguf(m.path, tmp_path / "dst.gguf", {})
     assert (tmp_path / "dst.gguf").is_file() and not orphan.exists()
+
+
+def test_the_report_lists_tensors_in_layer_order():
+    """The file's text order put blk.10 before blk.9 (a CLI probe)."""
+    names = ["blk.10.attn_q.weight", "blk.9.attn_q.weight", "blk.2.ffn_up.weight", "output.weight"]
+    rep = requant.Report("a.gguf", "b.gguf", tuple(requant.TensorReport(n, "Q4_1", "Q8_0", "int8", 10, 20, 30.0)
+                                                   for n in names), (), 100, 100)
+    lines = [ln.split()[0] for ln in requant.format_report(rep).splitlines()[2:6]]
+    assert lines == ["blk.2.ffn_up.weight", "blk.9.attn_q.weight", "blk.10.attn_q.weight", "output.weight"]
