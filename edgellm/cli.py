@@ -322,6 +322,16 @@ def _stop_probe_child() -> None:
     opencl_child.discard()
 
 
+def _model_given(arg: str | None, opt: str | None) -> str | None:
+    """MODEL or -m/--model (`info` and `quantize` take both: `info -m NAME` was 'No such option'),
+    not two different ones."""
+    from .errors import ConfigError
+
+    if arg is not None and opt is not None and arg != opt:
+        raise ConfigError(f"two models given: {arg} and --model {opt}; give one")
+    return opt if opt is not None else arg
+
+
 def _pull_progress():
     """A download's progress(done, total), throttled by one Progress (a new one per call printed
     every call without a terminal: 200 lines for 200 calls)."""
@@ -1017,13 +1027,16 @@ def _memory_text(mf, n_ctx: int) -> str:
 def info(model: Optional[str] = typer.Argument(None, help="GGUF file path or registry name (default: smollm2-135m; "
                                                "info never downloads: `edgellm pull` does)"),
          ctx: Optional[int] = typer.Option(None, "--ctx", help="Context size for the memory estimate (default "
-                                           "2048, or the model's trained context when shorter)")):
+                                           "2048, or the model's trained context when shorter)"),
+         model_opt: Optional[str] = typer.Option(None, "--model", "-m", help="The model, as the other commands "
+                                                 "name it (or give it as MODEL)")):
     """Architecture, hyperparameters, tensor types, file size and memory needed."""
     from .api import DEFAULT_CTX
     from .errors import ConfigError
     from .model.loader import open_model
     from .model.registry import resolve_model
 
+    model = _model_given(model, model_opt)
     if ctx is not None and ctx < 1:
         raise ConfigError(f"--ctx must be >= 1, got {ctx}")
     mf = open_model(resolve_model(model, pull_if_missing=False))
@@ -1407,6 +1420,8 @@ def quantize(
     out: str = typer.Option(..., "-o", "--out", metavar="PATH", help="The GGUF file to write (a new file, "
                             "unless --force)"),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists (never the source model)"),
+    model_opt: Optional[str] = typer.Option(None, "--model", "-m", help="The model, as the other commands name it "
+                                            "(or give it as MODEL)"),
 ):
     """Write a copy of MODEL whose weights are in the formats the precision PLAN names, as a GGUF
     that llama.cpp and the gguf package read. Formats GGUF has no type for are written as the
@@ -1415,9 +1430,11 @@ def quantize(
     from .errors import ConfigError
     from .model.loader import open_model
     from .model.registry import resolve_model
+
     from .precision import load_plan
     from .requant import format_report, plan_formats, requantize_gguf
 
+    model = _model_given(model, model_opt)
     # an existing file is someone's: a user's text or another model was replaced without a word
     out = check_out_path(out, "--out", replaces=None if force else (lambda head: False, "a file to replace "
                                                                     "(pass --force to replace it)"))

@@ -133,3 +133,16 @@ def test_a_prompt_that_fills_the_context_says_what_is_wrong(tiny, tmp_path, monk
     monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
     one_line_error(runner.invoke(app, ["run", "hi", "-m", tiny, "--ctx", "1"]),
                    "and the context holds 1: no position is left for the answer")
+
+
+def test_info_and_quantize_take_the_model_as_the_other_commands_do(tiny, tmp_path, monkeypatch):
+    """`info -m NAME` was 'No such option: -m': only these two took the model as an argument."""
+    from tests.cli_checks import one_line_error
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    by_arg, by_opt = runner.invoke(app, ["info", tiny]), runner.invoke(app, ["info", "-m", tiny])
+    assert by_arg.exit_code == by_opt.exit_code == 0 and by_arg.stdout == by_opt.stdout
+    out = tmp_path / "q.gguf"
+    r = runner.invoke(app, ["quantize", "-m", tiny, "--plan", "fast", "-o", str(out)])
+    assert r.exit_code == 0 and out.read_bytes()[:4] == b"GGUF", r.output
+    one_line_error(runner.invoke(app, ["info", tiny, "-m", "other"]), f"two models given: {tiny} and --model other")
