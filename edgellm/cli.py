@@ -1133,10 +1133,25 @@ def bench(
                           f"({max(lengths)}): --concurrent measures a short request arriving during a long prefill")
     json_path = check_out_path(json_path, "--json", replaces=BENCH_JSON)
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
-    eng = _load(model, max(2048, need), threads, device=device, units=units, precision=precision)
-    if need > eng.n_ctx:   # (it failed after the load and the first runs, advising a --ctx bench has not)
+    from .api import device_profile
+    from .model.loader import open_model
+    from .model.registry import resolve_model
+    from .precision import load_plan
+
+    # checked before the model is resolved (it may download), as load() checks them
+    _units(units)
+    device_profile(device)
+    if precision is not None:
+        load_plan(precision)
+    model = str(resolve_model(model, progress=_pull_progress()))
+    cfg = open_model(model).config
+    if need > cfg.context_length:
+        # (before the load: after it, a warning that n_ctx is above the trained context came first;
+        # after the first runs, it advised a --ctx bench has not)
         raise ConfigError(f"these runs need {need} tokens of context (prompt, generated tokens and margin) but "
-                          f"{eng.config.name} holds {eng.n_ctx}, its trained context: shorten --prompt-tokens")
+                          f"{cfg.name} holds {cfg.context_length}, its trained context: shorten --prompt-tokens")
+    eng = _load(model, min(max(2048, need), cfg.context_length), threads, device=device, units=units,
+                precision=precision)
     eng.wait_loaded()   # the weights' paging-in belongs to load: its RSS, not the first run's TTFT
     # the cold start an app sees: importing the runtime, the device profile, the model, its
     # weights paged in (load_ms, the engine's own figure, starts after the first two)

@@ -374,6 +374,7 @@ def test_bench_says_up_front_when_its_runs_do_not_fit_and_why_a_floor_is_missing
     (from a helper's probe of the run statistics)."""
     r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "300", "--runs", "1", "--no-floor"])
     assert r.exit_code == 1 and "these runs need" in r.stderr and "its trained context" in r.stderr, r.output
+    assert len(r.stderr.strip().splitlines()) == 1 and not r.stdout   # before the load: no n_ctx warning first
     r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--runs", "1", "--gen-tokens", "1"])
     assert r.exit_code == 0 and "no decode step to compare: --gen-tokens 1" in r.stdout, r.output
 
