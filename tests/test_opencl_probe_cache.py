@@ -153,3 +153,42 @@ def test_mutated_answer_files_are_answers_or_misses_never_errors(home):
         assert got is None or (isinstance(got, dict) and got["ok"] is True and isinstance(got["cached_at"], str))
 
     check()
+
+
+def test_a_changed_program_binary_is_probed_again(home, children):
+    """A cut-short binary whose header was made to match it passed the engine's checks, and with
+    the probe's answer kept no child loaded it first: the engine's own process died (SIGSEGV)."""
+    assert opencl.available()[0]
+    bins = sorted((home / "cache" / "opencl").glob("*.bin"))
+    assert bins and opencl_probe_cache.load() is not None
+    data = bins[0].read_bytes()
+    bins[0].write_bytes(data[: len(data) // 2])
+    assert opencl_probe_cache.load() is None           # a new identity: the child loads it first
+
+
+def test_a_probe_that_crashes_clears_the_binaries_and_probes_once_more(home, children, kernels, caplog):
+    """A binary the driver dies on crashed every probe: the binary cache is cleared and the
+    sources built again, once (a driver that dies anyway still falls back with its reason)."""
+    import logging
+
+    assert opencl.available()[0]
+    binary_dir = home / "cache" / "opencl"
+    assert list(binary_dir.glob("*.bin")) and len(children) == 1
+    p = kernels / "probe_kernels.cl"                    # now every probe dies (as test_opencl_faults)
+    p.write_text(p.read_text().replace("if (i < n) out[i] = value;",
+                                       "if (i < n) out[i] = value; ((__global float *)0x10)[i * 4096] = value;"))
+    opencl.reset()
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        ok, why = opencl.available()
+    assert not ok and "crashed" in why, why
+    assert len(children) == 3                           # the crash, then one probe more: not a loop
+    assert any("program-binary cache" in r.getMessage() and "cleared" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("value", ["2147484", "1e10", "86400000"])
+def test_a_probe_timeout_past_what_a_wait_can_take_is_invalid(home, monkeypatch, value):
+    """2147484 s and more raised an untyped OverflowError from the wait, probing again each call."""
+    monkeypatch.setenv("EDGELLM_OPENCL_PROBE_TIMEOUT", value)
+    for _ in range(2):
+        ok, why = opencl.available()
+        assert not ok and f"EDGELLM_OPENCL_PROBE_TIMEOUT={value!r} is invalid" in why, why

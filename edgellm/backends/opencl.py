@@ -27,7 +27,7 @@ from .. import quant
 from ..model import layout
 from ..model.config import ModelConfig
 from . import UnitFailed, opencl_child, opencl_probe_cache
-from .opencl_runtime import ClRuntime, KernelBuildError, OpenCLUnavailable
+from .opencl_runtime import ClRuntime, KernelBuildError, OpenCLUnavailable, cache_root
 # the embedding lookup dequantizes rows on the host, the same for every unit
 from .reference import embedding  # noqa: F401
 
@@ -38,6 +38,7 @@ log = logging.getLogger("edgellm")
 # A cold PoCL build of every probe kernel takes ~10 s on 2 cores; a GPU driver's first compile can
 # take as long. A probe that has not answered by then is hung. EDGELLM_OPENCL_PROBE_TIMEOUT overrides.
 PROBE_TIMEOUT_S = 180.0
+MAX_PROBE_TIMEOUT_S = 1e6   # (waits are whole milliseconds in a C int: 2147484 s raised OverflowError)
 _OPS = {"embedding", "rmsnorm", "matmul", "rope", "attention", "swiglu", "add", "lm_head"}
 _TYPES = {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"}
 
@@ -84,13 +85,25 @@ def probe_timeout_s() -> tuple[float | None, str]:
         seconds = float(raw)
     except ValueError:
         seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        return None, (f"EDGELLM_OPENCL_PROBE_TIMEOUT={raw!r} is invalid: expected a number of seconds > 0 "
-                      f"(unset, the probe waits {PROBE_TIMEOUT_S:.0f} s)")
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_PROBE_TIMEOUT_S):
+        return None, (f"EDGELLM_OPENCL_PROBE_TIMEOUT={raw!r} is invalid: expected a number of seconds in "
+                      f"(0, {MAX_PROBE_TIMEOUT_S:.0f}] (unset, the probe waits {PROBE_TIMEOUT_S:.0f} s)")
     return seconds, ""
 
 
-def _probe() -> tuple[bool, str]:
+def _clear_binaries() -> int:
+    """Removes the program-binary cache; the number of files removed."""
+    n = 0
+    for p in cache_root().glob("*.bin"):
+        try:
+            p.unlink()
+            n += 1
+        except OSError:
+            pass
+    return n
+
+
+def _probe(retried: bool = False) -> tuple[bool, str]:
     """The probe child's answer: the one start_probe() began (with what is left of its
     timeout), else a child started now; or, instead of either, the answer the probe gave on this
     driver and kernel set before (backends/opencl_probe_cache.py)."""
@@ -131,7 +144,14 @@ def _probe() -> tuple[bool, str]:
         except ValueError:
             sig = f"signal {-proc.returncode}"
         tail = err.strip().splitlines()[-1:] or [""]
-        return False, f"the OpenCL probe crashed ({sig}) while probing the driver; {tail[0]}".rstrip("; ")
+        why = f"the OpenCL probe crashed ({sig}) while probing the driver; {tail[0]}".rstrip("; ")
+        if not retried and _clear_binaries():
+            # a program binary the driver dies on (a damaged file whose header still matches it,
+            # another driver build's) crashed every probe, or the engine's own process once a
+            # passing answer was kept: the cache goes, and the sources are built once more
+            log.warning("%s; the program-binary cache in %s was cleared, probing again", why, cache_root())
+            return _probe(retried=True)
+        return False, why
     try:
         res = json.loads(out.strip().splitlines()[-1])
     except (IndexError, ValueError):

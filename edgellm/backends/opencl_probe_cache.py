@@ -7,8 +7,8 @@ whose profile lists a GPU. Its answer depends only on what `identity()` digests:
 edgellm running, the kernel (OS) release, every environment variable the OpenCL loader, PoCL,
 pyopencl or edgellm's OpenCL unit reads, the ICD files and the driver libraries they name (path,
 size, mtime, inode), pyopencl's own libraries, and the probe's inputs in edgellm (the kernel
-sources, the unit's Python files). A driver update, a new kernel or an edited probe is a new
-identity and so a new probe. Only passing answers are kept: a failure, a crash or a timeout is
+sources, the unit's Python files), and the program binaries in the cache. A driver update, a new
+kernel, an edited probe or a changed binary is a new identity and so a new probe. Only passing answers are kept: a failure, a crash or a timeout is
 probed again at the next load. EDGELLM_OPENCL_PROBE_CACHE=0 turns the cache off.
 
 Stdlib only, like opencl_child.py: it runs before the runtime is imported.
@@ -99,6 +99,9 @@ def identity() -> str:
         [_stat(str(p)) for p in sorted(kernel_dir().glob("*.cl"))],
         [_stat(str(p)) for p in sorted(_BACKENDS.glob("opencl*.py"))] + [_stat(str(_BACKENDS / "reference.py")),
                                                                           _stat(str(_BACKENDS.parent / "quant.py"))],
+        # the program binaries the child loaded: one changed since (damaged, replaced) is probed in
+        # the child again; kept answers skipped the child, and a bad binary crashed the engine itself
+        [_stat(str(p)) for p in sorted((edgellm_home() / "cache" / "opencl").glob("*.bin"))],
     ]
     return sha256(repr(parts).encode()).hexdigest()
 
