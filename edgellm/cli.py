@@ -128,7 +128,9 @@ _FLAG_OF = {"n_ctx": "--ctx", "threads": "--threads", "max_tokens": "--max-token
 
 
 def _in_flag_names(msg: str) -> str:
-    m = re.match(r"[a-z_.]+(?=[ :])", msg)
+    # the checks' own forms only: a model file named n_ctx had its errors ("n_ctx: version: ...")
+    # start with --ctx
+    m = re.match(r"[a-z_]+(?= must be | for kv=)|sampling\.[a-z_]+(?=: expected )", msg)
     if m is None or m[0] not in _FLAG_OF:
         return msg
     msg = (_FLAG_OF[m[0]] + msg[m.end():]).replace("expected None or ", "expected ", 1)
@@ -914,6 +916,14 @@ class LineTooLong(Exception):
     """A line of stdin over MAX_LINE_BYTES, read to its end and dropped: the chat skips it."""
 
 
+def _turn_length(raw: bytes | str) -> int:
+    """A line's length without its LF or CRLF."""
+    nl, cr = (b"\n", b"\r") if isinstance(raw, bytes) else ("\n", "\r")
+    if not raw.endswith(nl):
+        return len(raw)
+    return len(raw) - (2 if raw[:-1].endswith(cr) else 1)
+
+
 def _readline_capped() -> bytes | str:
     """stdin's next line. One longer than MAX_LINE_BYTES is read to its end and dropped
     (LineTooLong: the chat goes on with the next line; it ended the chat, the lines after it
@@ -922,16 +932,19 @@ def _readline_capped() -> bytes | str:
 
     stream = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin
     newline = b"\n" if stream is not sys.stdin else "\n"
+    too_long = LineTooLong(f"a line of stdin is longer than {MAX_LINE_BYTES // 2**20} MiB, chat's limit for a "
+                           f"turn; it was skipped")
     try:
-        raw = stream.readline(MAX_LINE_BYTES + 1)
-        if len(raw) <= MAX_LINE_BYTES or raw.endswith(newline):
+        raw = stream.readline(MAX_LINE_BYTES + 2)   # (the limit is the turn's: a CRLF line gets it too)
+        if raw.endswith(newline) or len(raw) < MAX_LINE_BYTES + 2:   # the whole line, or the last one
+            if _turn_length(raw) > MAX_LINE_BYTES:
+                raise too_long
             return raw
         skipped = 0
         while skipped < MAX_SKIP_BYTES:
             rest = stream.readline(2 ** 20)
             if not rest or rest.endswith(newline):
-                raise LineTooLong(f"a line of stdin is longer than {MAX_LINE_BYTES // 2**20} MiB, chat's limit "
-                                  f"for a turn; it was skipped")
+                raise too_long
             skipped += len(rest)
     except OSError as e:   # (0>/dev/null: stdin open for writing only, "[Errno 9] Bad file descriptor")
         raise ConfigError(f"stdin cannot be read ({e.strerror or e}): chat reads its turns from stdin") from None

@@ -83,9 +83,18 @@ def test_a_chat_line_is_capped(monkeypatch):
     with pytest.raises(cli.LineTooLong, match="longer than 1 MiB, chat's limit for a turn; it was skipped"):
         cli._read_line()
     assert cli._read_line() == "next"
-    line = b"y" * 2**20   # (1 MiB and its newline: taken)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(line + b"\nnext\n")))
-    assert cli._read_line() == line.decode() and cli._read_line() == "next"
+    line = b"y" * 2**20   # (1 MiB and its newline: taken; with CRLF too, and at the end without one)
+    for end in (b"\n", b"\r\n"):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(line + end + b"next\n")))
+        assert cli._read_line() == line.decode() and cli._read_line() == "next"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(line)))
+    assert cli._read_line() == line.decode()
+    for over in (line + b"z\n", line + b"z\r\n", line + b"z"):   # one byte more: skipped, and only it
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(over + b"next\n")))
+        with pytest.raises(cli.LineTooLong):
+            cli._read_line()
+        if over.endswith(b"\n"):
+            assert cli._read_line() == "next"
 
 
 def test_an_answer_cut_by_a_full_context_exits_1(tiny, tmp_path, monkeypatch):

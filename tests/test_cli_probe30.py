@@ -146,3 +146,14 @@ def test_info_and_quantize_take_the_model_as_the_other_commands_do(tiny, tmp_pat
     r = runner.invoke(app, ["quantize", "-m", tiny, "--plan", "fast", "-o", str(out)])
     assert r.exit_code == 0 and out.read_bytes()[:4] == b"GGUF", r.output
     one_line_error(runner.invoke(app, ["info", tiny, "-m", "other"]), f"two models given: {tiny} and --model other")
+
+
+def test_a_file_named_like_a_parameter_keeps_its_name_in_errors(tmp_path, monkeypatch):
+    from tests.cli_checks import one_line_error
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "n_ctx").write_bytes(b"GGUF")
+    r = runner.invoke(app, ["info", "n_ctx"])
+    one_line_error(r, "n_ctx")
+    assert "--ctx" not in r.stderr, r.stderr

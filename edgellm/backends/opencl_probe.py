@@ -2,7 +2,8 @@
 process by backends/opencl.py, so that a driver that crashes or hangs takes only the child down.
 
 It opens the device, builds the kernels (filling the binary cache the engine's process then
-reads), and runs a numeric self-check of each op family against backends/reference.py. It prints
+reads), runs a numeric self-check of each op family against backends/reference.py, and loads
+every binary in the cache (those the engine built for its own shapes too). It prints
 one JSON line: {"ok": bool, "reason": str, "device": str, "build_s": float, "int8_dot": bool}.
 """
 from __future__ import annotations
@@ -100,6 +101,8 @@ def main() -> int:
         out["int8_dot"] = bool(rt.int8_dot)
         err = self_check(rt)
         out["build_s"] = round(rt.stats.seconds, 3)
+        # the engine's own variants too: a binary the driver dies on dies here, not in the engine
+        out["binaries_loaded"] = rt.load_cached_binaries()
         out["ok"] = not err
         out["reason"] = f"numeric self-check failed on {rt.name}: {err}" if err else rt.why
     except KernelBuildError as e:

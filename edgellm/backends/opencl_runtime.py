@@ -235,6 +235,25 @@ class ClRuntime:
                 k = self._kernels[key] = cl.Kernel(prog, name)
         return k
 
+    def load_cached_binaries(self) -> int:
+        """Loads every program binary in the cache once, as the engine's builds would: the guarded
+        probe child's pass, so that a binary the driver dies on (PoCL asserts on a cut-short one
+        whose header was made to match it) kills the child, and the parent clears the cache,
+        rather than the engine's own process at every run. Unusable files are warned about and
+        skipped, as _build would; returns how many loaded."""
+        cl = _import_cl()
+        n = 0
+        for path in sorted((self.cache_dir or cache_root()).glob("*.bin")):
+            binary = _read_binary(path, path.stem.rsplit("-", 1)[-1])
+            if binary is None:
+                continue
+            try:
+                cl.Program(self.ctx, [self.device], [binary]).build()
+                n += 1
+            except cl.Error as e:
+                log.warning("OpenCL binary cache %s rejected by the driver (%s)", path, e)
+        return n
+
     def _build(self, family: str, opts: tuple[str, ...]):
         cl = _import_cl()
         src = kernel_source(family)

@@ -314,7 +314,8 @@ def _wordwrap_steps(s: Any, width: Any = 79, break_long_words: Any = True, *_: A
     width, break_long_words = kw.get("width", width), kw.get("break_long_words", break_long_words)
     if not isinstance(s, str) or not break_long_words:
         return 0
-    longest = max(map(len, s.split()), default=0)
+    # (textwrap's own whitespace: split() on any Unicode space charged 'x\u3000' * N as short words)
+    longest = max(map(len, re.split(r"[\t\n\x0b\x0c\r ]+", s)), default=0)
     return longest * longest // (2 * max(width, 1) if isinstance(width, int) else 2) // 5000
 
 
