@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 def load(*args, **kwargs):
     """edgellm.load(model=None, device=None, *, n_ctx=None, threads=None, prefill_chunk=None,
-    kv="pool", kv_precision=None, window=1024, sinks=4, units=None, precision=None,
+    kv="pool", kv_precision=None, window=None, sinks=None, units=None, precision=None,
     quality_guard=None, prefault=None, pin=True, progress=None) -> Engine. Every parameter is
     described at edgellm.api.load (help(edgellm.api.load))."""
     # the OpenCL probe child runs while the runtime is imported (api.load discards it if the device

@@ -443,7 +443,8 @@ class Engine:
 
     def load_session(self, path: str | os.PathLike) -> bool:
         """Restore a saved conversation; the next prompt that extends it continues in place. A
-        missing, stale or corrupt file is a cache miss (False, one warning line), never an error."""
+        missing file is a cache miss (False, nothing said); a stale or corrupt one is a miss with
+        one warning line; neither is an error."""
         self._check_open()
         path = _session_path(path, "load_session")
         # (n_ctx, not n_ctx - 1: a conversation that ran to the end of the context saved, then was

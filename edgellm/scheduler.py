@@ -1,14 +1,16 @@
 """Several requests on one engine: a worker thread owns the model and interleaves work.
 
-Each loop iteration gives every request that is decoding one step, then runs one prefill chunk
-of one request still in prefill: the highest priority first, then the one with the fewest prompt
-tokens left (shortest-remaining-first minimises mean time-to-first-token), then the oldest. So a
-short chat turn that arrives during a long prefill waits for at most one chunk, not the whole
-prompt. Within a priority a prefill passed over for STARVE_S goes next (the one passed over
-longest first): under a stream of short requests a long prompt got no chunk at all (a helper's
-probe: 14 s, until the stream stopped). Priorities are strict: lower ones wait while higher ones
-have work. policy="fifo" runs requests one after another instead (the baseline `bench
---concurrent` compares against).
+Priorities are strict: while a request of a higher priority runs (decoding or in prefill), the
+lower ones wait, holding their place; the decode steps of a background request had gone on
+beside a foreground one's and halved its speed (a probe of the docs). Among the requests of the
+highest priority running, each loop iteration gives every one that is decoding one step, then
+runs one prefill chunk of one still in prefill: the one with the fewest prompt tokens left
+(shortest-remaining-first minimises mean time-to-first-token), then the oldest. So a short chat
+turn that arrives during a long prefill of its priority waits for at most one chunk, not the
+whole prompt. A prefill passed over for STARVE_S goes next (the one passed over longest first):
+under a stream of short requests a long prompt got no chunk at all (a helper's probe: 14 s,
+until the stream stopped). policy="fifo" runs requests one after another instead (the baseline
+`bench --concurrent` compares against).
 
 Requests come from any thread; only the worker steps them. The engine's own calls from other
 threads (generate, stream, warm) take turns with the worker a step at a time (Engine.turn), outside
@@ -365,8 +367,10 @@ class _Worker:
         if self.policy == "fifo":
             todo = [min(self._active, key=lambda r: r.id)] if self._active else []
         else:
-            todo = [r for r in self._active if not r.gen.in_prefill]
-            waiting = [r for r in self._active if r.gen.in_prefill]
+            top = max((r.priority for r in self._active), default=None)
+            running = [r for r in self._active if r.priority == top]   # (strict: the lower ones wait)
+            todo = [r for r in running if not r.gen.in_prefill]
+            waiting = [r for r in running if r.gen.in_prefill]
             if waiting:
                 now = time.perf_counter()
 

@@ -364,3 +364,35 @@ def test_a_ring_engines_scheduler_takes_the_engines_chunk(model_path):
 def test_a_pool_engines_scheduler_chunk_defaults_to_128(engine):
     with Scheduler(engine) as s:
         assert s.chunk == 128
+
+
+class _Decoding(_FakeGen):
+    def __init__(self):
+        super().__init__(0)
+        self.in_prefill, self.steps = False, 0
+
+    def step(self):
+        self.steps += 1
+        return "x"
+
+
+def test_priorities_are_strict_for_decoding_requests_too():
+    """Only prefill chunks went by priority: a background request's decode steps went on beside a
+    foreground one's (56 of its 89 pieces while the higher one ran), though the docs said lower
+    priorities wait (a probe of the docs)."""
+    from edgellm.scheduler import _Worker
+
+    w = _Worker(None, 8, "interleave")
+    low, high = _FakeJob(1, 0), _FakeJob(2, 0, priority=3)
+    low.gen, high.gen = _Decoding(), _Decoding()
+    w._active = [low, high]
+    w._tick()
+    w._tick()
+    assert (low.gen.steps, high.gen.steps) == (0, 2)
+    prefill = _FakeJob(3, 700, priority=3)        # a higher one in prefill holds them too
+    w._active = [low, prefill]
+    w._tick()
+    assert low.gen.steps == 0 and len(prefill.gen.pending) < 700
+    w._active = [low]                             # and once it is done, they go on
+    w._tick()
+    assert low.gen.steps == 1
