@@ -748,7 +748,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     kv_lower = "lower window" if kv_cfg.kind == "ring" else "lower n_ctx"
     ring_cap = _ring_chunk_cap(kv_cfg, prefill_chunk)
     avail = available_bytes()
-    if not _FIRST_AFFINITY:
+    if pin and not _FIRST_AFFINITY:   # (a load that pins nothing leaves the app's choice, which may change)
         _FIRST_AFFINITY.append(current_affinity())
     big = select_big(detect_clusters())
     # (against the cores before edgellm pinned the process: a later load saw the big cores only)
