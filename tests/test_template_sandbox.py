@@ -30,7 +30,8 @@ ENDLESS = {
     "striptags, slower than linear": "{{ ('<a>x</a> ' * 400000)|striptags|length }}",
     # textwrap cuts a long word a line at a time, copying the rest each time: 46 s within the steps
     "wordwrap of one long word": "{{ ('x' * 1950000)|wordwrap(1, wrapstring='')|length }}",
-    "wordwrap of one long word with ideographic spaces": "{{ ('x\u3000' * 1000000)|wordwrap(1, wrapstring='')|length }}",
+    "wordwrap of one long word with ideographic spaces":
+        "{{ ('x\u3000' * 1000000)|wordwrap(1, wrapstring='')|length }}",
     "sum of one-item lists": "{% set l = 'a' * 3000000 %}{{ l|batch(1)|sum(start=[])|length }}",
     "a loop re-checking a big list": "{% set big = range(100000)|list %}{% for i in range(100000) %}"
                                      "{% set y = big|list %}{% endfor %}",

@@ -8,8 +8,8 @@ edgellm running, the kernel (OS) release, every environment variable the OpenCL 
 pyopencl or edgellm's OpenCL unit reads, the ICD files and the driver libraries they name (path,
 size, mtime, inode), pyopencl's own libraries, and the probe's inputs in edgellm (the kernel
 sources, the unit's Python files), and the program binaries in the cache. A driver update, a new
-kernel, an edited probe or a changed binary is a new identity and so a new probe. Only passing answers are kept: a failure, a crash or a timeout is
-probed again at the next load. EDGELLM_OPENCL_PROBE_CACHE=0 turns the cache off.
+kernel, an edited probe or a changed binary is a new identity and so a new probe. Only passing
+answers are kept: a failure, a crash or a timeout is probed again at the next load. EDGELLM_OPENCL_PROBE_CACHE=0 turns the cache off.
 
 Stdlib only, like opencl_child.py: it runs before the runtime is imported.
 """

@@ -4,9 +4,9 @@ Entry files are named `<first 16 hex digits of the model sha256>-<key>.edgesess`
 one model can be found without opening every file. Only files with that suffix (and the temp
 files a killed writer may leave, `.<name>.edgesess.*.tmp`, and the entries a run could not read
 and renamed aside, `<name>.edgesess.unreadable-<date>-<time>`) are ever listed or removed:
-anything else a user keeps in the directory is left alone. Listing reads each file's header only (at
-most MAX_HEADER_BYTES + 16 bytes), never the KV data, and reports unusable files with their
-reason instead of raising.
+anything else a user keeps in the directory is left alone. Listing reads each file's header
+only (at most MAX_HEADER_BYTES + 16 bytes), never the KV data, and reports unusable files with
+their reason instead of raising.
 """
 from __future__ import annotations
 

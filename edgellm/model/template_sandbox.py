@@ -316,7 +316,8 @@ def _wordwrap_steps(s: Any, width: Any = 79, break_long_words: Any = True, *_: A
         return 0
     # (textwrap's own whitespace: split() on any Unicode space charged 'x\u3000' * N as short words)
     longest = max(map(len, re.split(r"[\t\n\x0b\x0c\r ]+", s)), default=0)
-    return longest * longest // (2 * max(width, 1) if isinstance(width, int) else 2) // 5000
+    width = max(width, 1) if isinstance(width, int) else 1
+    return longest * longest // (2 * width) // 5000
 
 
 def _input_size(*values: Any) -> int:
