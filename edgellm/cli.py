@@ -255,11 +255,8 @@ def _calibration_engine(model, max_tokens: int, text: str):
     8192") for tokens the text does not have."""
     import edgellm
 
-    from .model.loader import open_model
-    from .model.registry import resolve_model
-
-    path = resolve_model(model, progress=_pull_progress())
-    trained = open_model(path).config.context_length
+    path, mf = _resolved(model)
+    trained = mf.config.context_length
     n_ctx = min(max(min(max_tokens, len(text.encode()) + 2) + 1, 256), trained)
     return edgellm.load(path, n_ctx=n_ctx, units=["reference"], progress=Progress())
 
@@ -332,6 +329,16 @@ def _model_given(arg: str | None, opt: str | None) -> str | None:
     if arg is not None and opt is not None and arg != opt:
         raise ConfigError(f"two models given: {arg} and --model {opt}; give one")
     return opt if opt is not None else arg
+
+
+def _resolved(model: str | None):
+    """(path, opened ModelFile) of MODEL, pulled with its progress shown if it is not here yet:
+    for the commands that read the model's header before (or instead of) loading it."""
+    from .model.loader import open_model
+    from .model.registry import resolve_model
+
+    path = str(resolve_model(model, progress=_pull_progress()))
+    return path, open_model(path)
 
 
 def _pull_progress():
@@ -1147,8 +1154,6 @@ def bench(
     json_path = check_out_path(json_path, "--json", replaces=BENCH_JSON)
     need = max(lengths) + shared_prefix + gen_tokens + 32 + (short_tokens + gen_tokens + 16 if concurrent else 0)
     from .api import device_profile
-    from .model.loader import open_model
-    from .model.registry import resolve_model
     from .precision import load_plan
 
     # checked before the model is resolved (it may download), as load() checks them
@@ -1156,8 +1161,8 @@ def bench(
     device_profile(device)
     if precision is not None:
         load_plan(precision)
-    model = str(resolve_model(model, progress=_pull_progress()))
-    cfg = open_model(model).config
+    model, mf = _resolved(model)
+    cfg = mf.config
     if need > cfg.context_length:
         # (before the load: after it, a warning that n_ctx is above the trained context came first;
         # after the first runs, it advised a --ctx bench has not)
@@ -1266,8 +1271,6 @@ def plan(
     from .dispatch import Dispatcher
     from .errors import ConfigError
     from .kv.store import KVConfig
-    from .model.loader import open_model
-    from .model.registry import resolve_model
     from .ops import layer_ops, model_ops, weight_formats
 
     from .precision import load_plan
@@ -1290,7 +1293,7 @@ def plan(
     pplan = load_plan(precision) if precision is not None else None
     kv_cfg = KVConfig(precision=kv_precision or (pplan.kv_precision if pplan else "f16"))  # validates it
     profile = device_profile(device)
-    mf = open_model(resolve_model(model, progress=_pull_progress()))
+    mf = _resolved(model)[1]
     formats, compute = weight_formats(mf), None
     if pplan is not None:
         pplan.check_model(mf.config.n_layers)
@@ -1456,8 +1459,6 @@ def quantize(
     nearest GGUF block type (int8 per channel -> Q8_0, int4 groups -> Q4_0), and said so. Prints
     each conversion's SQNR and the file size predicted from the plan beside the size written."""
     from .errors import ConfigError
-    from .model.loader import open_model
-    from .model.registry import resolve_model
 
     from .precision import load_plan
     from .requant import format_report, plan_formats, requantize_gguf
@@ -1470,8 +1471,7 @@ def quantize(
         p = load_plan(plan)
     except ConfigError as e:
         raise ConfigError(f"--plan {plan}: {e}") from None
-    src = resolve_model(model, progress=_pull_progress())
-    mf = open_model(src)
+    src, mf = _resolved(model)
     n = mf.config.n_layers
     formats = plan_formats(mf, lambda layer, op: p.weight_format(layer, op, n))
     prog = Progress()

@@ -252,7 +252,8 @@ class Dispatcher:
         self._warned: set[str] = set()
         # ops --units left to reference, by cause, said in one warning per cause at the plan's end:
         # one per op repeated the same cause 14 times (`run --units opencl` without OpenCL)
-        self._to_reference: dict[str, list[str]] = {}
+        # (cause -> the units' reasons, the ops)
+        self._to_reference: dict[str, tuple[Mapping[str, str], list[str]]] = {}
 
     def unit(self, name: str) -> Unit:
         return next(u for u in self.units if u.name == name)
@@ -311,7 +312,7 @@ class Dispatcher:
         est = max(parts, key=lambda p: p[1])[0]
         return replace(est, ms=sum(e.ms * c for e, c in parts) / n, precision=precs), ""
 
-    def _not_listed_why(self, no: Mapping[str, str]) -> str:
+    def _not_listed_why(self, no: Mapping[str, str], ops: str = "it") -> str:
         """Why no --units entry runs an op, with each listed unit's own cause ("opencl unavailable:
         no OpenCL platform", "npu: does not run rmsnorm ..."): "none of --units opencl runs it"
         alone left the cause on another line, and read as if opencl merely lacked the op."""
@@ -319,7 +320,7 @@ class Dispatcher:
         for n in self.override:
             why = no.get(n, "does not run it")
             parts.append(f"{n} {why}" if why.startswith("unavailable:") else f"{n}: {why}")
-        return f"none of --units {','.join(self.override)} runs it ({'; '.join(parts)})"
+        return f"none of --units {','.join(self.override)} runs {ops} ({'; '.join(parts)})"
 
     def _forced(self, op: OpSpec, ok: Mapping[str, Estimate], no: Mapping[str, str] | None = None) -> str:
         """--units: the first listed unit that can run op; else reference, with one warning
@@ -331,16 +332,16 @@ class Dispatcher:
             raise ConfigError(f"op {op.name}: no unit can run it ({', '.join(self.override)} listed)")
         if op.name not in self._warned:
             self._warned.add(op.name)
-            self._to_reference.setdefault(self._not_listed_why(no or {}), []).append(op.name)
+            self._to_reference.setdefault(self._not_listed_why(no or {}), (no or {}, []))[1].append(op.name)
         return "reference"
 
     def _say_to_reference(self) -> None:
         """One warning per cause for the ops --units left to reference (a plan's own list too)."""
-        for why, ops in self._to_reference.items():
+        for why, (no, ops) in self._to_reference.items():
             if len(ops) == 1:
                 msg = f"op {ops[0]}: {why}; using reference"
             else:
-                msg = f"ops {', '.join(ops)}: {why.replace(' runs it (', ' runs them (', 1)}; using reference"
+                msg = f"ops {', '.join(ops)}: {self._not_listed_why(no, 'them')}; using reference"
             self.warnings.append(msg)
             log.warning(msg)
         self._to_reference = {}

@@ -376,7 +376,7 @@ class _Worker:
 
                 def order(r):
                     starved = now - r.last_chunk > self.STARVE_S
-                    return -r.priority, not starved, r.last_chunk if starved else len(r.gen.pending), r.id
+                    return not starved, r.last_chunk if starved else len(r.gen.pending), r.id
 
                 todo.append(min(waiting, key=order))
         for req in todo:
