@@ -36,6 +36,9 @@ class KVConfig:
             for name, v in (("window", self.window), ("sinks", self.sinks)):
                 if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                     raise ConfigError(f"ring {name} must be an int, found {v!r}")
+                # a Python int: a numpy int32 window or sinks carried its fixed width into the
+                # memory figures (an untyped OverflowError at load, np.int32(2) sinks included)
+                object.__setattr__(self, name, int(v))
         if self.kind == "ring" and not 0 <= self.sinks < self.window:
             raise ConfigError(f"ring needs 0 <= sinks < window, got sinks={self.sinks}, window={self.window}")
 
@@ -254,7 +257,10 @@ class RingStore:
             seq.free()
             return
         self.ring_open = False
-        keep, self._forget = keep and not self._forget, False
+        # cache (a cancelled answer): the ring holds exactly the tokens it committed (a pending
+        # chunk was undone), so the next turn continues it; freeing it made that turn recompute
+        # the whole conversation through the window (1.5 s after 800 tokens, growing with the chat)
+        keep, self._forget = (keep or cache) and not self._forget, False
         self.history = np.asarray(token_ids[: seq.total_tokens] if keep else [], dtype=np.int32)
         if not keep:
             seq.free()

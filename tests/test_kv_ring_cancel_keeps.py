@@ -1,0 +1,64 @@
+"""A ring's conversation survives a cancelled answer (a stop button, a dropped stream, Ctrl-C in
+chat): freed, the next turn recomputed the whole conversation through the window (SmolLM2, 800
+tokens of chat on a 256-token ring: 1.5 s instead of 40 ms), where a block pool keeps the blocks."""
+import edgellm
+from tests.test_kv_engine import GREEDY, text_of, tiny_path  # noqa: F401 - the fixture
+
+
+def load(path, **kw):
+    return edgellm.load(path, threads=1, **kw)
+
+
+KW = dict(kv="ring", window=48, sinks=4)
+
+
+def test_a_cancelled_ring_answer_continues_as_one_cut_by_max_tokens(tiny_path):  # noqa: F811
+    a, b = load(tiny_path, **KW), load(tiny_path, **KW)
+    first = text_of(a, 70, seed=21)              # past the window: the ring has evicted
+    tok, got = edgellm.CancelToken(), ""
+    for i, piece in enumerate(a.stream(first, max_tokens=40, cancel=tok, **GREEDY)):
+        got += piece
+        if i == 3:
+            tok.cancel()
+    assert a.last_stats.stop_reason == "cancelled"
+    k = a.last_stats.generated_tokens
+    assert b.generate(first, max_tokens=k, **GREEDY) == got
+    assert a.kv.ring.total_tokens == b.kv.ring.total_tokens > a.kv.ring.window
+    nxt = first + got + text_of(a, 6, seed=22)
+    want = b.generate(nxt, max_tokens=8, **GREEDY)
+    assert a.generate(nxt, max_tokens=8, **GREEDY) == want
+    assert a.last_stats.cached_tokens == b.last_stats.cached_tokens
+
+
+def test_a_dropped_ring_stream_keeps_the_conversation(tiny_path):  # noqa: F811
+    a = load(tiny_path, **KW)
+    first = text_of(a, 70, seed=23)
+    it = a.stream(first, max_tokens=40, **GREEDY)
+    next(it), next(it)
+    it.close()
+    assert a.last_stats.stop_reason == "cancelled"
+    assert len(a.kv.history) == a.kv.ring.total_tokens > a.kv.ring.window
+
+
+def test_a_cancelled_ring_prefill_retried_gives_the_uncancelled_text(tiny_path):  # noqa: F811
+    """The chunks committed before the cancel stay (they evicted: they cannot be undone), and the
+    retry continues after them on the same chunk boundaries."""
+    from tests.cancel_after import CancelAfter
+    kw = dict(KW, prefill_chunk=8)
+    a, fresh = load(tiny_path, **kw), load(tiny_path, **kw)
+    p = text_of(a, 90, seed=24)
+    a.generate(p, max_tokens=4, cancel=CancelAfter(8), **GREEDY)
+    assert a.last_stats.stop_reason == "cancelled"
+    assert a.kv.ring.total_tokens > a.kv.ring.window     # it had slid before the cancel
+    assert a.generate(p, max_tokens=6, **GREEDY) == fresh.generate(p, max_tokens=6, **GREEDY)
+    assert a.last_stats.cached_tokens > 0
+
+
+def test_numpy_fixed_width_window_and_sinks_load(tiny_path):  # noqa: F811
+    """np.int32 sinks=2 raised an untyped OverflowError from the load's memory figures."""
+    import numpy as np
+    for window, sinks in ((64, np.int32(2)), (np.int32(64), 4), (np.uint8(64), np.uint8(2)), (np.int16(64), np.int16(0))):
+        e = load(tiny_path, kv="ring", window=window, sinks=sinks)
+        assert type(e.kv.kv.window) is int and type(e.kv.kv.sinks) is int
+        assert e.kv.kv.window == int(window) and e.kv.kv.sinks == int(sinks)
+        e.generate("alpha beta", max_tokens=2, **GREEDY)
