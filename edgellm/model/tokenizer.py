@@ -50,6 +50,11 @@ TOKEN_UNDEFINED, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 0, 1, 2, 3
 TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 4, 5, 6
 
 _SPM_SPACE = "\u2581"  # '▁': SentencePiece's visible space
+# llama_detokenize's clean-up (clean_spaces) drops, in this order, each pass over the previous
+# one's output: the one space right before ? ! . , ; the spaces around a lone apostrophe
+# (" ' " -> "'"); the space before the contractions 's 'm 're 've (not 't 'd 'll; lower case only)
+_SPACE_BEFORE_PUNCT = re.compile(r" (?=[?!.,])")
+_SPACE_BEFORE_CONTRACTION = re.compile(r" (?='(?:[sm]|re|ve))")
 _BYTE_TEXT = re.compile(r"<0x[0-9A-Fa-f]{2}>")   # the text of a BYTE token: the byte in hex
 _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
@@ -92,6 +97,12 @@ _PRE_ALIASES: dict[str, str] = {
     "falcon-h1": "llama3", "pixtral": "llama3",
     "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "megrez": "qwen2",
 }
+
+# Pre-tokenizers whose text llama_detokenize leaves as the pieces give it. llama.cpp sets
+# clean_spaces (HF's clean_up_tokenization_spaces) for every BPE vocabulary and clears it for the
+# names it lists (llama-vocab.cpp, llama_vocab::impl::load): keyed by name, not family, as
+# llama.cpp does ("megrez" splits as qwen2 but is cleaned). SPM vocabularies are never cleaned.
+_KEEP_SPACES_PRE = frozenset({"smollm", "command-r", "qwen2", "deepseek-r1-qwen"})
 
 # Token texts llama.cpp treats as end-of-generation (llama_vocab::impl::load, special_eog_ids).
 _EOG_TEXTS = frozenset({
@@ -147,7 +158,7 @@ class Tokenizer:
                  token_types: np.ndarray, encoder: Callable[[str], Sequence[int]], bos_id: int | None,
                  eos_id: int | None, add_bos: bool, add_space_prefix: bool,
                  special_ids: list[int], control_ids: frozenset[int], eot_ids: frozenset[int],
-                 add_eos: bool = False):
+                 add_eos: bool = False, clean_spaces: bool = False):
         self.source = source
         self.model = model                      # "gpt2" (byte-level BPE) or "llama" (SPM)
         self.pre = pre                          # tokenizer.ggml.pre as written in the file
@@ -156,6 +167,7 @@ class Tokenizer:
         self.add_bos = add_bos                  # encode()'s default for add_bos
         self.add_eos = add_eos                  # EOS appended where BOS is not refused (llama.cpp's add_special)
         self.add_space_prefix = add_space_prefix  # SPM: ' ' before text that starts a fragment
+        self.clean_spaces = clean_spaces        # decode() cleans spaces as llama_detokenize (clean_up_spaces)
         self.eot_ids = eot_ids                  # ids that end generation (llama.cpp's EOG set)
         self._tokens = tokens                   # GGUFStrings from a file: texts decoded per read
         self._types = token_types
@@ -211,10 +223,12 @@ class Tokenizer:
             encoder, token_id = _build_bpe(source, tokens, metadata, n, family)
             bos_default = eos_default = None
             add_bos_default, add_space_default = pre.add_bos, False
+            clean_spaces = (pre_name or "default") not in _KEEP_SPACES_PRE
         else:
             encoder, token_id = _build_spm(source, tokens, metadata, n, unk_id)
             bos_default, eos_default = 1, 2     # llama.cpp's SPM defaults
             add_bos_default, add_space_default = True, True
+            clean_spaces = False
 
         bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id", source, n, bos_default)
         eos_id = _token_id(metadata, "tokenizer.ggml.eos_token_id", source, n, eos_default)
@@ -273,7 +287,7 @@ class Tokenizer:
         return cls(source=source, model=model, pre=pre_name, tokens=tokens, token_types=types,
                    encoder=encoder, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, add_eos=add_eos,
                    add_space_prefix=add_space_prefix, special_ids=sorted(set(special)),
-                   control_ids=frozenset(control), eot_ids=frozenset(eog))
+                   control_ids=frozenset(control), eot_ids=frozenset(eog), clean_spaces=clean_spaces)
 
     # --- encoding -------------------------------------------------------------------------------
     @property
@@ -408,13 +422,20 @@ class Tokenizer:
         encode() adds (a BOS renders as its text, as in llama_detokenize; skip_special drops
         every special token): bytes that are not valid UTF-8 become U+FFFD, and for SPM
         vocabularies the space encode() put in front of the text is dropped again (HF's
-        behaviour; llama_detokenize keeps it after a BOS)."""
+        behaviour; llama_detokenize keeps it after a BOS). Where llama.cpp cleans spaces for the
+        vocabulary (clean_spaces: byte-level BPE but for a few pre-tokenizers), the text is
+        cleaned as llama_detokenize(remove_special=False, unparse_special=not skip_special)
+        cleans it, after the special tokens are rendered or dropped: "Hi !" is "Hi!"."""
         d = StreamDecoder(self, skip_special, strip_leading_space=True)
-        return "".join([d.push(i) for i in ids]) + d.flush()
+        text = "".join([d.push(i) for i in ids]) + d.flush()
+        return clean_up_spaces(text) if self.clean_spaces else text
 
     def decoder(self, skip_special: bool = False) -> "StreamDecoder":
         """A streaming detokenizer for generated tokens (see StreamDecoder). Generated text
-        continues the prompt, so every piece keeps its leading space, as in llama.cpp."""
+        continues the prompt, so every piece keeps its leading space, as in llama.cpp. Its
+        pieces are llama.cpp's token_to_piece, never space-cleaned, as llama.cpp's completions
+        (llama-server, the Python binding) give them: "Hi" " !" streams as "Hi !" where
+        decode() of the same ids gives "Hi!" on a vocabulary with clean_spaces."""
         return StreamDecoder(self, skip_special)
 
     def is_control(self, token_id: int) -> bool:
@@ -457,6 +478,16 @@ class StreamDecoder:
             self._utf8.reset()
             return ""
         return self._utf8.decode(b"", final=True)
+
+
+def clean_up_spaces(text: str) -> str:
+    """llama_detokenize's clean-up of a whole text (llama.cpp's clean_spaces, HF's
+    clean_up_tokenization_spaces as llama.cpp has it): three passes, each over the last one's
+    output. Only ASCII is looked at, so the str gives what llama.cpp's bytes give (U+FFFD from a
+    broken byte sequence never stands for an ASCII byte)."""
+    text = _SPACE_BEFORE_PUNCT.sub("", text)
+    text = text.replace(" ' ", "'")
+    return _SPACE_BEFORE_CONTRACTION.sub("", text)
 
 
 def check_text(text, what: str = "text") -> None:
