@@ -682,6 +682,11 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
         log.warning("window and sinks size kv='ring'; with kv=%r they are ignored", kv)
     kv_cfg = KVConfig(kind=kv, precision=kv_precision, window=1024 if window is None else window,
                       sinks=4 if sinks is None else sinks)
+    if kv_cfg.kind == "ring" and kv_cfg.sinks == 0:
+        # StreamingLLM's finding, seen on SmolLM2: with no sink tokens the text degrades once the
+        # window slides (a count ran "39, 39, 39" right after the wrap; with 4 sinks it went on)
+        log.warning("a ring with 0 sink tokens: text degrades once the window slides; keep a few (sinks, "
+                    "--sinks: 4 by default)")
     guard = QualityGuard.from_option(quality_guard)
     if not isinstance(pin, bool):
         raise ConfigError(f"pin must be True or False, got {pin!r}")

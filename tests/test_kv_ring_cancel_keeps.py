@@ -62,3 +62,15 @@ def test_numpy_fixed_width_window_and_sinks_load(tiny_path):  # noqa: F811
         assert type(e.kv.kv.window) is int and type(e.kv.kv.sinks) is int
         assert e.kv.kv.window == int(window) and e.kv.kv.sinks == int(sinks)
         e.generate("alpha beta", max_tokens=2, **GREEDY)
+
+
+def test_a_ring_without_sinks_warns_once(tiny_path, caplog):  # noqa: F811
+    """sinks=0 was taken without a word, though the count SmolLM2 gave ran "39, 39, 39" right after
+    the window slid (StreamingLLM's finding); with the default 4 sinks it counted on."""
+    import logging
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        load(tiny_path, kv="ring", window=64, sinks=0)
+        load(tiny_path, kv="ring", window=64, sinks=1)
+        load(tiny_path, kv="ring", window=64)
+    said = [r.getMessage() for r in caplog.records if "0 sink tokens" in r.getMessage()]
+    assert len(said) == 1 and "degrades" in said[0], said
