@@ -168,6 +168,41 @@ def test_int8s_slices_match_reference(tmp_path, kind, tokens):
 
 
 @needs_runtime
+@pytest.mark.parametrize("fmt", ["int8s", "int8", "int4", "fp16", "fp32"])
+@pytest.mark.parametrize("kind", ["linear", "ffn"])
+def test_one_interpreter_resized_per_bucket_gives_each_buckets_bits(tmp_path, kind, fmt):
+    """TfliteRows: the smallest bucket's interpreter resized to the others (the npu unit's CPU
+    path, one interpreter per graph instead of one per bucket: each held its own copy of the
+    weights) gives, bit for bit, what each bucket's own static-shape model gives, in any order
+    of buckets, on one interpreter."""
+    k = K8S if fmt == "int8s" else K
+    make = (lambda t: _ffn(fmt, k, FF8S, t)) if kind == "ffn" else (lambda t: _linear(fmt, k, N, t, True))
+    base = T.compile(make(BUCKETS[0]), cache_dir=tmp_path)
+    before = T.stats.interpreters
+    views = {b: base.rows(b) for b in BUCKETS}
+    assert T.stats.interpreters == before           # views, no interpreter each
+    for i, b in enumerate(BUCKETS + BUCKETS[::-1] + (BUCKETS[-1], BUCKETS[0])):
+        graph = make(b)
+        x = _x(graph, seed=i) * (1 + i) + 0.25 * i          # rows of other ranges and means
+        own = T.compile(graph, cache_dir=tmp_path).run(x)
+        got = views[b].run(x)
+        assert got.shape == views[b].output_shape == own.shape
+        assert np.array_equal(got.view(np.uint32), own.view(np.uint32)), f"{kind} {fmt} T={b}"
+        out = np.empty_like(own)
+        assert views[b].run(x, out) is out and np.array_equal(out.view(np.uint32), own.view(np.uint32))
+    with pytest.raises(G.NpuInputError, match=r"\(64, "):
+        views[64].run(np.zeros((32, k), np.float32))
+    assert np.array_equal(base.run(_x(make(32))), T.compile(make(32), cache_dir=tmp_path).run(_x(make(32))))
+
+
+@needs_runtime
+def test_a_delegates_subgraph_is_not_resized(tmp_path, noop_delegate):
+    sub = T.compile(_linear("int8", K, N, 32, bias=True), delegate=noop_delegate, cache_dir=tmp_path)
+    with pytest.raises(G.NpuGraphError, match="its own shape"):
+        sub.rows(64)
+
+
+@needs_runtime
 @pytest.mark.parametrize("fmt", ["fp32", "fp16", "int8", "int8s", "int4"])
 def test_smollm2_qkv_shape(tmp_path, fmt):
     graph = _linear(fmt, 576, 960, 32, bias=False, name="blk.0.attn_qkv")

@@ -3,7 +3,8 @@ bucket, run through ONNX Runtime execution providers (npu_onnx.py) or a LiteRT/T
 (npu_tflite.py). NPUs compile for fixed shapes and want int8 weights: each matrix the plan gives
 this unit is requantized at load to the runtime's int8 form (weight_format(): int8 blocks of 32
 on ONNX Runtime, int8 per output channel per 64-column slice on LiteRT; fp16 where the precision
-plan keeps a projection in a float format; npu_graphs.py) and compiled once per bucket; a chunk is split into bucket-sized pieces, the last one padded (its padded rows are
+plan keeps a projection in a float format; npu_graphs.py) and compiled once per bucket (LiteRT on
+its CPU kernels: once, resized per bucket, _shares_buckets); a chunk is split into bucket-sized pieces, the last one padded (its padded rows are
 computed and dropped: the cost model counts that waste).
 
 Runtime choice: EDGELLM_NPU_RUNTIME=onnx|tflite, else ONNX Runtime when one of the profile's
@@ -388,13 +389,32 @@ def _ffn(label: str, gu, down, compiled, d: int) -> NpuMatrix:
                     ops=("ffn_gate_up", "swiglu", "ffn_down"))
 
 
+def _shares_buckets() -> bool:
+    """LiteRT on its CPU kernels (no delegate): one interpreter per graph, built for the smallest
+    bucket and resized to the others when they run (npu_tflite.TfliteRows), instead of one per
+    bucket, each with its own copy of the weights (SmolLM2-135M: 2.4 GiB resident after load,
+    1.3 GiB of it the other buckets' copies). Built small, a graph's activations take a larger
+    bucket's room only once one runs (the head's 256-row buffers, ~100 MiB, never do in a
+    generation: it computes the last row's logits). A delegate keeps one static-shape graph per
+    bucket: an NPU compiles the shape it is given. ONNX Runtime: its sessions are static-shape
+    graphs too."""
+    mod = _state["runtime"]
+    return mod is not None and mod.__name__.endswith("npu_tflite") and not _delegate()
+
+
 def _graph(m: NpuMatrix, bucket: int):
     g = m.graphs.get(bucket)
     if g is None:
         if _state["runtime"] is None:
             raise UnitFailed(NAME, "the npu unit is not available")
         try:
-            g = m.graphs[bucket] = _compile(_state["runtime"], m.make(bucket))
+            low = min(buckets())
+            if bucket != low and _shares_buckets():
+                g = m.graphs[bucket] = _graph(m, low).rows(bucket)
+            else:
+                g = m.graphs[bucket] = _compile(_state["runtime"], m.make(bucket))
+        except UnitFailed:
+            raise
         except Exception as e:   # a rejected subgraph: the unit re-plans away, with the reason
             raise UnitFailed(NAME, f"subgraph {m.name} (bucket {bucket}) rejected: {type(e).__name__}: {e}",
                              m.ops) from e
@@ -415,6 +435,11 @@ def _graph(m: NpuMatrix, bucket: int):
 _RESIDENT = {"onnx": {"int8": 3.0, "int8b": 3.0, "int4": 3.0, "int8s": 3.0, "fp16": 4.75, "fp32": 2.5},
              "tflite": {"int8": 5.5, "int8b": 5.5, "int4": 5.5, "int8s": 5.5, "fp16": 4.0, "fp32": 3.0}}
 _GRAPH_BYTES = {"onnx": 0.25 * 2**20, "tflite": 0.6 * 2**20}
+# LiteRT without a delegate, one interpreter per graph (_shares_buckets): each keeps its largest
+# bucket's activations (the int8s slices' partial sums, the FFN's gate/up and SiLU), measured on
+# SmolLM2-135M after every graph ran at 256 rows: 659 MiB, 3.3 f32 values per output value of
+# each graph (the head's 49152 and each layer's 960 + 576 + 3072 + 576 outputs a row); rounded up
+_ACTIVATIONS = 4
 _FORMAT_BYTES = {"int8": 1, "int8s": 1, "int8b": 1, "int4": 1, "fp16": 2, "fp32": 4}   # a weight element
 
 
@@ -424,7 +449,8 @@ def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
     per row and 64-column slice (int8s) or 32-column block (int8b, int4)) once per bucket (each
     bucket's compiled subgraph holds its own copy: runtimes do not share constants across
     sessions), times the runtime's measured overhead (_RESIDENT), plus a fixed cost per subgraph.
-    Before the probe picked a runtime: LiteRT's figures, the larger."""
+    LiteRT without a delegate: once, plus the largest bucket's activations (_shares_buckets).
+    Before the probe picked a runtime: LiteRT's per-bucket figures, the larger."""
     try:
         fmt = weight_format()
     except UnitFailed:                    # a bad EDGELLM_NPU_FORMAT: load() reports it
@@ -451,7 +477,13 @@ def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
     weights = sum(r * c * width for r, c in shapes) * _RESIDENT[rt][fmt]
     scale = sum(r * scales(c) for r, c in shapes)
     per_bucket = weights + scale + graphs * _GRAPH_BYTES[rt]
-    return int(per_bucket * len(buckets())) + 4 * (2 * cfg.n_layers + 1) * d
+    norms = 4 * (2 * cfg.n_layers + 1) * d
+    if rt == "tflite" and mod is not None and not _delegate():
+        # one interpreter per graph, resized per bucket (_shares_buckets): the weights once, and
+        # the largest bucket's activations once it ran, _ACTIVATIONS f32 values per output value
+        rows = sum(r for r, _ in shapes)
+        return int(per_bucket + 4 * _ACTIVATIONS * max(buckets()) * rows) + norms
+    return int(per_bucket * len(buckets())) + norms
 
 
 # ---- ops ----------------------------------------------------------------------------------------------
