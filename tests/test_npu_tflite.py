@@ -808,3 +808,42 @@ def test_prepared_nbytes_counts_the_slice_scales(monkeypatch):
         sizes[fmt] = npu.prepared_nbytes(cfg, {"ffn_down"})
     # ffn_down (576, 1536): 24 slice scales a row instead of one, per bucket
     assert sizes["int8s"] - sizes["int8"] == 30 * 576 * 4 * 23 * len(npu.buckets())
+
+
+@pytest.mark.parametrize("fmt", G.FORMATS)
+def test_quantize_in_row_chunks_gives_the_whole_matrixs_bits(fmt, monkeypatch):
+    """quantize() works through a tall matrix _QUANT_ROWS rows at a time (the head's f32
+    temporaries made the load's peak RSS): the same q, scales and bias as all rows at once."""
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((301, 128)).astype(np.float32) * rng.uniform(0, 3, (301, 1)).astype(np.float32)
+    w[7] = 0.0                                     # a zero row: scale 0, q 0
+    b = rng.standard_normal(301).astype(np.float32)
+    whole = G.quantize(w, fmt, b)
+    monkeypatch.setattr(G, "_QUANT_ROWS", 64)
+    parts = G.quantize(w, fmt, b)
+    assert parts.q.dtype == whole.q.dtype and np.array_equal(parts.q, whole.q)
+    assert (parts.scale is None) == (whole.scale is None)
+    if whole.scale is not None:
+        assert np.array_equal(parts.scale.view(np.uint32), whole.scale.view(np.uint32))
+    assert np.array_equal(parts.bias, whole.bias) and parts.digest() == whole.digest()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
+def test_a_gguf_matrix_requantized_a_slice_at_a_time_gives_the_same_bits(qtype, monkeypatch):
+    """The npu unit requantizes a tall GGUF matrix (the head) from _GgufRows, dequantizing
+    _QUANT_ROWS rows at a time, not the whole f32 matrix first: the same QLinear."""
+    from gguf import GGMLQuantizationType as QT
+
+    from edgellm import quant
+    from edgellm.backends import npu
+
+    qt = QT[qtype]
+    w = np.random.default_rng(6).standard_normal((300, 128)).astype(np.float32)
+    raw = quant.quantize(w, qt)
+    monkeypatch.setattr(G, "_QUANT_ROWS", 64)
+    rows = npu._GgufRows(raw, qt, w.shape)
+    full = quant.dequantize(raw, qt, w.shape)
+    assert np.array_equal(rows[64:128].view(np.uint32), full[64:128].view(np.uint32))
+    for fmt in ("int8s", "int8", "fp16"):
+        a, b = G.quantize(rows, fmt), G.quantize(full, fmt)
+        assert a.digest() == b.digest(), fmt

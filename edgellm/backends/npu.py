@@ -322,7 +322,12 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
         return weight_format(mod)
 
     def qlin(*parts: tuple[str, int], k: int, bias=None, fmt: str | None = None, op: str = ""):
-        w = np.concatenate([f32(n, (r, k)) for n, r in parts]) if len(parts) > 1 else f32(parts[0][0], (parts[0][1], k))
+        if len(parts) > 1:
+            w = np.concatenate([f32(n, (r, k)) for n, r in parts])
+        elif parts[0][1] > npu_graphs._QUANT_ROWS:     # (the head) dequantized as quantize reads it
+            w = _GgufRows(model.raw(parts[0][0]), model.tensor_type(parts[0][0]), (parts[0][1], k))
+        else:
+            w = f32(parts[0][0], (parts[0][1], k))
         fmt = fmt or weight_format(mod)
         if fmt == "int8s" and k % npu_graphs.INT8S_SLICE:
             # a width the slices do not divide: one scale per output channel over the whole row
@@ -381,6 +386,18 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
     log.info("npu: %d subgraph models read from the graph cache, %d built", mod.stats.loaded - before[0],
              mod.stats.built - before[1])
     return prepared
+
+
+class _GgufRows:
+    """A GGUF matrix (rows, K) whose [r0:r1] dequantizes those rows alone (npu_graphs.quantize
+    reads a tall matrix so: SmolLM2's head as f32 was 108 MiB of the load's peak RSS)."""
+
+    def __init__(self, raw: np.ndarray, qtype, shape: tuple[int, int]):
+        self.raw, self.qtype, self.shape = raw, qtype, shape
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        idx = np.arange(self.shape[0])[rows]
+        return quant.dequantize_rows(self.raw, self.qtype, self.shape[1], idx)
 
 
 def _ffn(label: str, gu, down, compiled, d: int) -> NpuMatrix:

@@ -87,13 +87,38 @@ class QLinear:
         return h.hexdigest()[:24]
 
 
-def quantize(w: np.ndarray, fmt: str, bias: np.ndarray | None = None) -> QLinear:
-    """W (N, K) float32 -> QLinear in `fmt`. A row (or block) of zeros gets scale 0, q 0."""
+# Rows requantized at a time: each format's steps make three or four f32 temporaries the size of
+# their input, 324 MiB at once for SmolLM2-135M's head (49152 x 576), the load's peak RSS; every
+# step is per row, so the chunks give the same bits
+_QUANT_ROWS = 2048
+
+
+def quantize(w, fmt: str, bias: np.ndarray | None = None) -> QLinear:
+    """W (N, K) float32 -> QLinear in `fmt`. A row (or block) of zeros gets scale 0, q 0.
+    W: an array, or anything with .shape whose [r0:r1] gives those rows as float32 (a GGUF
+    matrix dequantized a slice at a time: the head's 108 MiB of f32 never exist at once)."""
     if fmt not in FORMATS:
         raise ValueError(f"weight format {fmt!r}: expected one of {FORMATS}")
-    w = np.asarray(w, dtype=np.float32)
+    if isinstance(w, np.ndarray) or not hasattr(w, "shape"):
+        w = np.asarray(w, dtype=np.float32)
     n, k = w.shape
     b = None if bias is None else np.asarray(bias, dtype=np.float32)
+    if n > _QUANT_ROWS or not isinstance(w, np.ndarray):
+        rows = (lambda r: np.asarray(w[r:r + _QUANT_ROWS], dtype=np.float32))
+        first = _quantize(rows(0), fmt, None)
+        q = np.empty((n, k), first.q.dtype)
+        scale = None if first.scale is None else np.empty((n,) + first.scale.shape[1:], np.float32)
+        for r in range(0, n, _QUANT_ROWS):
+            part = first if r == 0 else _quantize(rows(r), fmt, None)
+            q[r:r + _QUANT_ROWS] = part.q
+            if scale is not None:
+                scale[r:r + _QUANT_ROWS] = part.scale
+        return QLinear(fmt, n, k, q, scale, b)
+    return _quantize(w, fmt, b)
+
+
+def _quantize(w: np.ndarray, fmt: str, b: np.ndarray | None) -> QLinear:
+    n, k = w.shape
     if fmt == "int8":
         amax = np.abs(w).max(axis=1)
         scale = (amax / 127.0).astype(np.float32)
