@@ -10,6 +10,7 @@ import gc
 import os
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
@@ -82,8 +83,6 @@ def test_litert_keeps_one_interpreter_a_graph_and_the_estimate_covers_every_buck
     """LiteRT without a delegate: one interpreter per graph, resized to each bucket (each bucket's
     own interpreter held its own copy of the weights: SmolLM2-135M at 2.4 GiB after load, 0.7 GiB
     with one), giving each bucket's bits; the estimate covers the RSS once every bucket ran."""
-    import numpy as np
-
     from edgellm.backends import npu_tflite
 
     if runtime != "tflite":
@@ -108,3 +107,34 @@ def test_litert_keeps_one_interpreter_a_graph_and_the_estimate_covers_every_buck
     for (m, x), y in zip(runs, ys):
         own = npu_tflite.compile(m.make(x.shape[0]), num_threads=1).run(x)
         assert np.array_equal(y.view(np.uint32), own.view(np.uint32)), (m.name, x.shape[0])
+
+
+def test_requantized_weights_are_dropped_after_load_and_computed_again_to_the_same_bits(runtime, tmp_path,
+                                                                                        monkeypatch):
+    """prepare() held every projection's QLinear for the engine's life (SmolLM2-135M: 136 MiB) though
+    the compiled subgraphs hold their own copies; it drops them, and a graph built after load (a
+    fused FFN's projection alone) computes them again from the model: the same digests, so the
+    same cache files and bits."""
+    tm = write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.Q8_0, n_layers=2, d_model=128, d_ff=256,
+                          vocab_size=512)
+    model = open_model(tm.path)
+    dropped = []
+    drop = npu._Requantized.drop
+    monkeypatch.setattr(npu._Requantized, "drop", lambda self: (dropped.append(self), drop(self)))
+    w = npu.prepare(model)
+    assert dropped and all(q._q is None for q in dropped)
+    monkeypatch.setattr(npu._Requantized, "drop", lambda self: None)
+    kept = npu.prepare(model)
+
+    def digests(ws):
+        out = []
+        for L in ws.layers:
+            for m in (L.wqkv, L.wo, L.w_gate_up, L.w_down):
+                out.append(m.make(32).w.digest())
+            out += [L.ffn.make(32).gate_up.digest(), L.ffn.make(32).down.digest()]
+        return out + [ws.lm_head.make(32).w.digest()]
+
+    assert digests(w) == digests(kept)
+    assert not w.layers[0].w_gate_up.graphs
+    x = np.random.default_rng(2).standard_normal((40, 128)).astype(np.float32)
+    np.testing.assert_array_equal(npu._run(w.layers[0].w_gate_up, x), npu._run(kept.layers[0].w_gate_up, x))

@@ -347,15 +347,20 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
             _graph(m, b)
         return m
 
-    def linear(op: str, label: str, q, eager: bool = True) -> NpuMatrix:
-        return compiled(label, q.n, q.k, lambda b: npu_graphs.LinearGraph(label, q, b), eager, (op,))
+    def linear(op: str, label: str, q: "_Requantized", eager: bool = True) -> NpuMatrix:
+        return compiled(label, q.n, q.k, lambda b: npu_graphs.LinearGraph(label, q.get(), b), eager, (op,))
+
+    def requantized(*parts: tuple[str, int], k: int, bias=None, fmt: str, op: str) -> "_Requantized":
+        return _Requantized(lambda: qlin(*parts, k=k, bias=bias, fmt=fmt, op=op), held)
 
     def proj(i: int, op: str, bias=None):
         """The projection's requantized weights, or None when this unit does not run it."""
         if not need(op):
             return None
         parts, k = layout.projection(cfg, i, op)
-        return qlin(*parts, k=k, bias=bias, fmt=planned(i, op), op=op)
+        return requantized(*parts, k=k, bias=bias, fmt=planned(i, op), op=op)
+
+    held: list[_Requantized] = []
 
     layers = []
     for i in range(cfg.n_layers):
@@ -374,13 +379,15 @@ def prepare(model, precision: str = "int8", progress=None, ops=None) -> Prepared
             progress(i + 1, steps)
     lm = None
     if need("lm_head"):
-        lm = linear("lm_head", "lm_head", qlin((layout.head_tensor(cfg), cfg.vocab_size), k=d,
-                                               fmt=planned(None, "lm_head"), op="lm_head"))
+        lm = linear("lm_head", "lm_head", requantized((layout.head_tensor(cfg), cfg.vocab_size), k=d,
+                                                      fmt=planned(None, "lm_head"), op="lm_head"))
     if progress:
         progress(steps, steps)
     prepared = PreparedWeights(
         embedding=EmbeddingTable(model.raw("token_embd.weight"), model.tensor_type("token_embd.weight"), d),
         layers=tuple(layers), output_norm=f32("output_norm.weight", (d,)), lm_head=lm, nbytes=total[0])
+    for q in held:        # the compiled subgraphs hold the weights now
+        q.drop()
     _live[id(prepared)] = prepared
     # what a warm load saved is visible (only the time showed a cache hit)
     log.info("npu: %d subgraph models read from the graph cache, %d built", mod.stats.loaded - before[0],
@@ -400,9 +407,29 @@ class _GgufRows:
         return quant.dequantize_rows(self.raw, self.qtype, self.shape[1], idx)
 
 
-def _ffn(label: str, gu, down, compiled, d: int) -> NpuMatrix:
+class _Requantized:
+    """One projection's requantized weights (npu_graphs.QLinear): computed once when prepare()
+    asks, held while it compiles the subgraphs, then dropped (drop()): the subgraphs hold their
+    own copies, and this one (SmolLM2-135M: 136 MiB) stayed for a graph built after load (a fused
+    FFN's projection alone, compiled on first use) that get() now computes again from the model,
+    to the same bits (the format is fixed here, the model's bytes are mapped, the steps per row)."""
+
+    def __init__(self, make, held: list):
+        self._make = make
+        self._q = make()
+        self.n, self.k = self._q.n, self._q.k
+        held.append(self)
+
+    def get(self) -> npu_graphs.QLinear:
+        return self._q if self._q is not None else self._make()
+
+    def drop(self) -> None:
+        self._q = None
+
+
+def _ffn(label: str, gu: _Requantized, down: _Requantized, compiled, d: int) -> NpuMatrix:
     """gate/up, swiglu and down as one subgraph per bucket, on the projections' own weights."""
-    return compiled(label, d, d, lambda b: npu_graphs.FfnGraph(label, gu, down, b),
+    return compiled(label, d, d, lambda b: npu_graphs.FfnGraph(label, gu.get(), down.get(), b),
                     ops=("ffn_gate_up", "swiglu", "ffn_down"))
 
 

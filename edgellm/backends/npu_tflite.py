@@ -307,8 +307,7 @@ class TfliteSubgraph:
                                         or num_threads < 1):
             raise ConfigError(f"num_threads: {num_threads!r}, expected an int >= 1 or None "
                               "(None: the runtime's default, one thread for ai_edge_litert)")
-        self.graph = graph
-        self.name = graph.name
+        self.name = graph.name        # (not the graph: its weights are the interpreter's now)
         self.delegate = delegate
         self.num_threads = num_threads
         validate(model, source=f"<{graph.name}>")            # whoever built it: checked here
@@ -395,7 +394,7 @@ class TfliteRows:
 
     def __init__(self, sub: TfliteSubgraph, tokens: int):
         self.sub, self.tokens = sub, tokens
-        self.name, self.graph = sub.name, sub.graph
+        self.name = sub.name
         self.input_shape = (tokens, sub.input_shape[1])
         self.output_shape = (tokens, sub.output_shape[1])
 
