@@ -412,7 +412,17 @@ class Engine:
         with self.lock:           # (as above: save/load_session run these outside their turn)
             self._check_open()
             layout = self.kv.kv.layout
-        cfg_hash = sha256(repr((self.config, layout)).encode()).hexdigest()[:32]
+            plan = self.precision_plan
+        shape = (self.config, layout)
+        if plan is not None:
+            # what the plan computes in shapes the K/V as well: a `quality` engine continued, as a
+            # hit, a session whose K/V `balanced` had computed from int8 activations (its weight
+            # formats are in the model's sha256: a plan that requantizes reads another file)
+            from .precision_runtime import ComputeTable
+            table = ComputeTable(plan, self.config.n_layers)
+            shape += (tuple(tuple(sorted(table.at(phase, t).items())) for phase in ("prefill", "decode")
+                            for t in (0, *(p.min_tokens for p in plan.sequence))),)
+        cfg_hash = sha256(repr(shape).encode()).hexdigest()[:32]
         return dict(model_sha256=self.model_sha256(), config_hash=cfg_hash, kv_layout=layout)
 
     def _session_max_bytes(self) -> int:

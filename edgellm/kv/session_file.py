@@ -467,7 +467,10 @@ def _load(path: Path, model_sha256, config_hash, kv_layout, max_tokens, max_byte
                                 ("kv layout", hd.kv_layout, kv_layout),
                                 ("config hash", hd.config_hash, config_hash)):
             if got != want:
-                raise SessionFileError(path, f"{what} differs: file has {_short(got, 24)}, "
+                # (a precision plan that requantizes the weights runs another file: the same
+                # model under `fast` and `balanced` read as two models without a word of why)
+                why = " (another model file, or a precision plan that requantizes it)" if what == "model sha256" else ""
+                raise SessionFileError(path, f"{what} differs{why}: file has {_short(got, 24)}, "
                                              f"expected {_short(want, 24)}")
         if hd.n_tokens > max_tokens:
             raise SessionFileError(path, f"holds {hd.n_tokens} tokens, more than the capacity "
