@@ -30,6 +30,17 @@ SHORT_STEP = 32                      # the short prefill step planned for: a cha
 SHORT_STEPS = (8, 16, 32, 64, 128)   # step lengths the short placement is checked at
 
 
+def layer_spans(layers: list[int]) -> str:
+    """[0, 1, 28, 29] -> "0-1, 28-29"."""
+    spans: list[list[int]] = []
+    for i in layers:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 @dataclass(frozen=True)
 class Placement:
     scope: str              # "layer" (same in every layer) or "model"
@@ -47,6 +58,8 @@ class Placement:
     transfer_ms: float      # the handoff part
     reason: str
     alternatives: tuple[tuple[str, str], ...]   # (unit, "0.123 ms" or why it could not)
+    by_layer: str = ""      # where its layers differ (a plan's per-layer weights or compute):
+                            # which layers run what; "" when every layer runs as the row says
 
 
 @dataclass(frozen=True)
@@ -120,7 +133,7 @@ class Plan:
                      "weight_format": p.weight_format, "flops": p.flops, "bytes": p.bytes,
                      "intensity": round(p.intensity, 3), "bound": p.bound,
                      "predicted_ms": round(p.predicted_ms, 6), "reason": p.reason,
-                     "alternatives": dict(p.alternatives)}
+                     "alternatives": dict(p.alternatives), "by_layer": p.by_layer}
                     for key, ph in self.phases().items() for p in ph.placements],
         }
 
@@ -602,7 +615,27 @@ class Dispatcher:
                           f"{est.precision}, its nearest kernel at or above")
         return Placement("model" if op.scope == "model" else "layer", op.name, op.kind, phase, u, est.precision,
                          est.weight_format, est.cost.flops, est.cost.bytes, est.cost.intensity, est.bound,
-                         est.ms + moved, moved, reason.rstrip("; "), alts)
+                         est.ms + moved, moved, reason.rstrip("; "), alts, self._by_layer(op, phase, tokens, u))
+
+    def _by_layer(self, op: OpSpec, phase: str, tokens: int, u: str) -> str:
+        """Which layers run which weights and compute, where they differ: the row shows one name
+        (the most layers' format; compute as "int8+fp32"), and a plan keeping its first and last
+        layers in the file's format read as if every layer ran the majority's."""
+        if op.scope == "model":
+            return ""
+        n = self.cfg.n_layers
+        fmt = self.formats.get(op.name, "f32")
+        fmts = getattr(fmt, "layers", None) or (fmt,) * n
+        asks = self.compute.asked(phase, op.name, tokens) if self.compute is not None else (None,) * n
+        unit = self.unit(u)
+        runs = [unit.precision_for(op, f, a) for f, a in zip(fmts, asks)]
+        out = []
+        for what, values in (("weights", [r[1] for r in runs]), ("compute", [r[0] for r in runs])):
+            if len(set(values)) > 1:
+                at = {v: [i for i, x in enumerate(values) if x == v] for v in dict.fromkeys(values)}
+                out.append(f"{what} " + ", ".join(f"{v} (layer{'s' * (len(i) > 1)} {layer_spans(i)})"
+                                                  for v, i in at.items()))
+        return "; ".join(out)
 
     # -- the whole plan --------------------------------------------------------------------------
     def plan(self, *, prompt_tokens: int, n_ctx: int, memory_budget: float, chunk: int | None = None,

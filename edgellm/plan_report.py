@@ -44,9 +44,14 @@ def render(plan: Plan, *, model_name: str, soc: str, ops_by_name) -> str:
         out.append(f"{key}: {what}; layer ops run x{ph.n_layers}, predicted {ph.step_ms:.2f} ms per step")
         out.append(_HEAD)
         for p in ph.placements:
+            weights = p.weight_format + ("*" if p.by_layer.startswith("weights") else "")
             out.append(f"  {p.op:<12} {_shape(p, ph, ops_by_name):>16} {p.flops / 1e6:>9.2f} {p.bytes / 1e6:>8.3f} "
-                       f"{p.intensity:>7.1f} {p.unit:<10} {p.precision:<5} {p.weight_format:<7} {p.bound:<8} "
+                       f"{p.intensity:>7.1f} {p.unit:<10} {p.precision:<5} {weights:<7} {p.bound:<8} "
                        f"{p.predicted_ms:>8.4f}  {p.reason}")
+        mixed = [p for p in ph.placements if p.by_layer]
+        if mixed:   # (the row shows the most layers' weights, marked *, and compute as "int8+fp32")
+            out.append("  by layer:")
+            out += [f"    {p.op:<12} {p.by_layer}" for p in mixed]
     for w in plan.warnings:
         out.append(f"warning: {w}")
     out.append(f"predicted: TTFT {plan.predicted_ttft_ms:.1f} ms for {plan.prompt_tokens} prompt tokens "

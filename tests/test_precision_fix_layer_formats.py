@@ -108,3 +108,33 @@ def test_a_plan_on_a_mixed_file_keeps_the_files_own_layer_formats(wide, tmp_path
     requantize_gguf(wide.path, dst, {"blk.0.ffn_gate.weight": "q8_0", "blk.0.ffn_up.weight": "q8_0"})
     got = planned_formats(open_model(dst), _plan([N_LAYERS - 1]))["ffn_gate_up"]
     assert got.layers == ("q8_0",) + ("q4_1",) * (N_LAYERS - 2) + ("q8_0",)
+
+
+def test_the_plan_says_which_layers_run_what(wide, tmp_path):
+    """A plan's row shows one weight format (the most layers') and compute as "int8+fp32": the
+    `fast` preset's first and last layers, kept in the file's Q4_1, read as Q4_0 like the rest,
+    and a layer's own compute as no layer in particular (a probe). by_layer names them."""
+    from edgellm.plan_report import render
+
+    plan = parse_plan("schema: 1\nkv_cache: f16\ndefaults:\n  qkv: {compute: int8}\n  ffn_down: {compute: int8}\n"
+                      "layers:\n  0: {ffn_down: {weights: q8_0, compute: fp32}}\n"
+                      "  3: {qkv: {decode: {compute: fp32}}}\n", name="p")
+    d = Dispatcher(load_profile("rk3588"), wide.config, planned_formats(wide, plan), probe=False,
+                   compute=ComputeTable(plan, N_LAYERS))
+    p = d.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
+    pre, dec = ({x.op: x for x in ph.placements} for ph in (p.prefill, p.decode))
+    # (prefill on rk3588: ffn_down on opencl, which computes fp32 whatever is asked; qkv on the npu,
+    # which holds int8 weights of every layer: by_layer is what the unit runs, not what was asked)
+    assert (pre["ffn_down"].unit, pre["ffn_down"].by_layer) == ("opencl", "weights q8_0 (layer 0), q4_1 (layers 1-5)")
+    assert dec["ffn_down"].by_layer == "weights q8_0 (layer 0), q4_1 (layers 1-5); compute fp32 (layer 0), int8 (layers 1-5)"
+    assert pre["qkv"].by_layer == "" and dec["qkv"].by_layer == "compute int8 (layers 0-2, 4-5), fp32 (layer 3)"
+    assert all(not x.by_layer for x in p.prefill.placements if x.op != "ffn_down")
+    from edgellm.ops import layer_ops, model_ops
+    ops = {o.name: o for o in (*layer_ops(wide.config), *model_ops(wide.config))}
+    text = render(p, model_name="m", soc="s", ops_by_name=ops)
+    assert "q4_1*" in text and "    ffn_down     weights q8_0 (layer 0)" in text
+    assert {o["op"]: o["by_layer"] for o in p.to_json()["ops"] if o["phase"] == "decode"}["qkv"].startswith("compute")
+    plain = Dispatcher(load_profile("rk3588"), wide.config, planned_formats(wide, load_plan("quality")), probe=False)
+    q = plain.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
+    assert all(not x.by_layer for ph in (q.prefill, q.decode) for x in ph.placements)
+    assert "by layer" not in render(q, model_name="m", soc="s", ops_by_name=ops)
