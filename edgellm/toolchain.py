@@ -77,7 +77,15 @@ class BuildError(ToolchainError):
         self.cmd = list(cmd)
         self.output = output
         tail = "\n".join(output.strip().splitlines()[-30:])
-        super().__init__(f"{what} failed: {' '.join(self.cmd)}\n{tail}")
+        super().__init__(f"{what} failed: {' '.join(self.cmd)}\n{tail}{_hint(output)}")
+
+
+def _hint(output: str) -> str:
+    """What to install for the failures a fresh machine gives (the linker's own words name none)."""
+    if "cannot find -lc" in output or "cannot find crt1.o" in output:
+        return ("\nhint: the cross compiler's C library is missing (the static self-test links it): on "
+                "Debian/Ubuntu, apt install libc6-dev-arm64-cross")
+    return ""
 
 
 # ---- sources ---------------------------------------------------------------------------------

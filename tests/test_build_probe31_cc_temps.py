@@ -28,3 +28,12 @@ def test_stopped_build_leaves_no_compiler_temporaries(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".b.tmp-")] == []
     left = sorted(p.name for p in cctmp.iterdir() if p.name.startswith("cc"))
     assert left == [], f"the compilers' temporary files were left behind: {left}"
+
+
+def test_a_missing_cross_libc_says_what_to_install():
+    """gcc without libc6-dev-arm64-cross failed the static self-test's link with the linker's raw
+    'cannot find -lc' and no word of the package (a probe)."""
+    from edgellm.toolchain import BuildError
+    e = BuildError("link", ["aarch64-linux-gnu-gcc", "-static"], "ld: cannot find -lc: No such file or directory")
+    assert "apt install libc6-dev-arm64-cross" in str(e)
+    assert "hint" not in str(BuildError("compile", ["cc"], "attention.c:1: error: expected ';'"))
