@@ -13,10 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from edgellm import toolchain  # noqa: E402
+from edgellm.cli import check_out_folder  # noqa: E402
+from edgellm.errors import ConfigError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--target", default="aarch64-linux-gnu",
                     help="aarch64-linux-gnu (default) or aarch64-linux-android[API] (API default 28)")
     ap.add_argument("--cpu", help="build the dotprod variant for this core (-mcpu), tune base for it (-mtune)")
@@ -25,9 +27,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="build only this variant (repeatable; default both)")
     a = ap.parse_args(argv)
     try:
+        if a.out is not None:   # (as `edgellm build`: a missing parent is refused, not made)
+            check_out_folder(a.out.expanduser().parent, "--out", a.out)
         with toolchain.stop_on_sigterm():
             toolchain.build_bundle(a.target, a.cpu, a.out, a.variant or toolchain.VARIANTS)
-    except (toolchain.ToolchainError, OSError) as e:   # (OSError: an unwritable --out, a full disk)
+    except (toolchain.ToolchainError, ConfigError, OSError) as e:   # (OSError: an unwritable --out, a full disk)
         print(f"cross_build: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
