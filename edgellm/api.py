@@ -97,7 +97,10 @@ class Engine:
         self._load_rss_final = False
         self._stats_latest = GenerationStats()     # the last generation started, any thread's
         self._stats_mine = threading.local()      # the last one this thread started
-        self._cancel = CancelToken()
+        # the tokens of the engine's own requests still running (id -> weakref): engine.cancel()
+        # cancels them all. One shared token, reset by each new request, lost a cancel aimed at
+        # another thread's generation when a request started before that one's next step
+        self._own_cancels: dict = {}
         self.plan = None        # the dispatcher's Plan (set by load): units, placement, chunk, reasons
         self.profile = None     # the DeviceProfile it planned with
         self.pinning = None     # device.topology.PinResult of the compute threads
@@ -262,10 +265,13 @@ class Engine:
 
     # -- generation ----------------------------------------------------------------------------
     def cancel(self) -> None:
-        """Cancel the generation in progress (from another thread or a signal handler). Generations
-        of several threads share this one cancel: give each its own (cancel=CancelToken()) to
-        stop one alone."""
-        self._cancel.cancel()
+        """Cancel the generations in progress (from another thread or a signal handler): every
+        one made without a cancel= token, whichever thread runs it. To stop one alone, give each
+        its own (cancel=CancelToken())."""
+        for ref in list(self._own_cancels.values()):   # (list() of a dict: atomic, a handler may call this)
+            tok = ref()
+            if tok is not None:
+                tok.cancel()
 
     def stream(self, prompt: str, *, config: GenerationConfig | None = None, cancel: CancelToken | None = None,
                **kwargs) -> Iterator[str]:
@@ -289,11 +295,13 @@ class Engine:
 
     def _cancel_token(self, cancel: CancelToken | None) -> CancelToken:
         """The request's token: the caller's as it is (one cancelled before the request starts
-        cancels it), else the engine's own, reset now, when the request is made, so an
-        engine.cancel() from then on (before the first piece is asked for, too) stops it."""
+        cancels it), else a new one the engine keeps while the request lives, so an
+        engine.cancel() from now on (before the first piece is asked for, too) stops it, whatever
+        other requests start meanwhile."""
         if cancel is None:
-            cancel = self._cancel
-            cancel.reset()
+            cancel = CancelToken()
+            key, live = id(cancel), self._own_cancels
+            live[key] = weakref.ref(cancel, lambda _r, key=key: live.pop(key, None))
         elif not isinstance(cancel, CancelToken):
             raise ConfigError(f"cancel: expected an edgellm.engine.CancelToken, found {type(cancel).__name__}")
         return cancel
@@ -529,6 +537,11 @@ def _after_fork_in_child() -> None:
     for e in list(_engines):
         e.lock = threading.RLock()
         e._turn_depth = threading.local()
+    # and a fork while another thread was inside load() left the load lock held for good: the
+    # child's every load() waited forever (a probe forking beside a loading thread)
+    global _LOAD_LOCK, _LOADING
+    _LOAD_LOCK = threading.Lock()
+    _LOADING = threading.local()
 
 
 if hasattr(os, "register_at_fork"):

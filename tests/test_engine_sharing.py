@@ -298,3 +298,53 @@ def test_each_thread_reads_its_own_last_stats(engine):
     seen.append(engine.last_stats.prompt_tokens)      # this thread's own, after the other began
     t.join(60)
     assert seen == [len(engine.tokenize(PROMPTS[0]))] != [len(engine.tokenize(PROMPTS[1]))]
+
+
+def test_engine_cancel_is_not_lost_when_another_thread_starts_a_request(engine):
+    """engine.cancel() set one shared token that every new request reset: a cancel aimed at a
+    thread's generation was lost when another thread made a request before that generation's
+    next step, and it ran on to max_tokens (from a helper's concurrency probe)."""
+    engine.clear_cache()
+    it = engine.stream(PROMPTS[0], temperature=0, max_tokens=200, ignore_eos=True)
+    next(it)
+    engine.cancel()
+    other = engine.stream(PROMPTS[1], **GREEDY)   # another thread's request, made before ours steps again
+    list(it)
+    assert engine.last_stats.stop_reason == "cancelled"
+    assert "".join(other) == engine.generate(PROMPTS[1], **GREEDY)      # made after the cancel: runs
+
+
+_FORK_IN_LOAD_SCRIPT = """
+import os, signal, sys, threading, time, edgellm
+path = sys.argv[1]
+stop = threading.Event()
+def loader():
+    while not stop.is_set():
+        edgellm.load(path, n_ctx=64, threads=1, prefault=False).close()
+edgellm.load(path, n_ctx=64, threads=1, prefault=False).close()   # (imported: a fork mid-import is Python's hazard)
+t = threading.Thread(target=loader, daemon=True); t.start()
+codes = []
+for _ in range(8):
+    time.sleep(0.01)   # (the loader is in a load most of the time)
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(20)
+        edgellm.load(path, n_ctx=64, threads=1, prefault=False).generate("hi", max_tokens=2, temperature=0)
+        os._exit(0)
+    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+stop.set(); t.join()
+print("codes", codes)
+"""
+
+
+def test_a_child_forked_while_another_thread_loads_can_load(tmp_path_factory):
+    """A fork while another thread was inside load() left the load lock held in the child, by a
+    thread it does not have: every load() there waited forever."""
+    import subprocess
+    import sys
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    tm = write_tiny_model(tmp_path_factory.mktemp("forkload") / "m.gguf", tensor_type=QT.Q4_1, seed=3)
+    r = subprocess.run([sys.executable, "-c", _FORK_IN_LOAD_SCRIPT, tm.path], capture_output=True, text=True,
+                       timeout=200)
+    assert r.stdout.strip() == "codes [0, 0, 0, 0, 0, 0, 0, 0]", r.stdout + r.stderr[-2000:]

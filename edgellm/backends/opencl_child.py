@@ -10,6 +10,7 @@ kernels (backends/opencl_probe_cache.py), spawn() takes that answer instead and 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import threading
@@ -72,3 +73,16 @@ def discard() -> None:
     if child is not None:
         child[0].kill()
         child[0].communicate()
+
+
+def _after_fork_in_child() -> None:
+    # every load() spawns under _lock: a fork while another thread held it left it held for good
+    # in the child, whose every load() then waited forever (a probe forking beside a loading
+    # thread). A running probe child is the parent's to reap.
+    global _lock
+    _lock = threading.Lock()
+    _child.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
