@@ -242,9 +242,10 @@ class Engine:
 
     def detokenize(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """Text of ids. The BOS tokenize() adds renders as its text, as in llama.cpp;
-        skip_special=True drops every special token (tokenize's inverse for plain text). Spaces
-        are cleaned where llama_detokenize cleans them for the model's vocabulary ("Hi !" is
-        "Hi!" on most byte-level BPE models): generated text, the pieces, is not."""
+        skip_special=True drops every special token (tokenize's inverse for plain text, but for
+        the spaces it cleans). Spaces are cleaned where llama_detokenize cleans them for the
+        model's vocabulary ("Hi !" is "Hi!" on most byte-level BPE models): generated text, the
+        pieces, is not."""
         if not isinstance(skip_special, bool):
             raise ConfigError(f"skip_special: expected True or False, found {skip_special!r}")
         return self.tokenizer.decode(check_token_ids(ids, self.config.vocab_size), skip_special=skip_special)

@@ -203,7 +203,14 @@ class Generation:
         except BaseException:
             self._finish("error")
             raise
-        return self._emit(logits)
+        try:
+            return self._emit(logits)
+        except BaseException:
+            # (the sampler's non-finite logits, a stop check or the guard failing): ended by the
+            # stream's close, it read "cancelled", and a ring kept the step's K/V as a cancel's
+            if not self.done:
+                self._finish("error")
+            raise
 
     # Decode runs several tokens in one native call when the runner can (DecodeStep.run_tokens):
     # ~100 us of Python per token stay out of the loop, and a sampled token's draw runs in C.

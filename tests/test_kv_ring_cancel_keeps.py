@@ -74,3 +74,25 @@ def test_a_ring_without_sinks_warns_once(tiny_path, caplog):  # noqa: F811
         load(tiny_path, kv="ring", window=64)
     said = [r.getMessage() for r in caplog.records if "0 sink tokens" in r.getMessage()]
     assert len(said) == 1 and "degrades" in said[0], said
+
+
+def test_an_error_after_the_forward_ends_as_error_and_the_ring_is_not_kept(tiny_path):  # noqa: F811
+    """Non-finite logits at a decode token (the sampler's error, raised after the forward) ended
+    the generation through the stream's close: stop_reason "cancelled", and a ring kept the K/V
+    of the step that made them as a cancel's (a review)."""
+    import numpy as np
+    import pytest
+    a = load(tiny_path, **KW, prefill_chunk=8)
+    first = text_of(a, 70, seed=25)
+    forward, n = a.runner.forward, [0]
+
+    def nan_at_third_decode(seq, ids, **kw):
+        out = forward(seq, ids, **kw)
+        n[0] += len(ids) == 1
+        return np.full_like(out, np.nan) if len(ids) == 1 and n[0] == 3 else out
+
+    a.runner.forward = nan_at_third_decode
+    with pytest.raises(edgellm.EdgeLLMError, match="finite"):
+        a.generate(first, max_tokens=20, **GREEDY)
+    assert a.last_stats.stop_reason == "error"
+    assert len(a.kv.history) == 0 and a.kv.ring.total_tokens == 0

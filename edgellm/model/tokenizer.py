@@ -419,7 +419,7 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text for ``ids`` as a whole text, the inverse of encode() but for the special tokens
-        encode() adds (a BOS renders as its text, as in llama_detokenize; skip_special drops
+        encode() adds and the spaces clean_spaces removes (a BOS renders as its text, as in llama_detokenize; skip_special drops
         every special token): bytes that are not valid UTF-8 become U+FFFD, and for SPM
         vocabularies the space encode() put in front of the text is dropped again (HF's
         behaviour; llama_detokenize keeps it after a BOS). Where llama.cpp cleans spaces for the
