@@ -267,8 +267,8 @@ class Engine:
     # -- generation ----------------------------------------------------------------------------
     def cancel(self) -> None:
         """Cancel the generations in progress (from another thread or a signal handler): every
-        one made without a cancel= token, whichever thread runs it. To stop one alone, give each
-        its own (cancel=CancelToken())."""
+        one made without a cancel= token, whichever thread runs it; not a Scheduler's requests
+        (request.cancel()). To stop one alone, give each its own (cancel=CancelToken())."""
         for ref in list(self._own_cancels.values()):   # (list() of a dict: atomic, a handler may call this)
             tok = ref()
             if tok is not None:

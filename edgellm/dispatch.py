@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 
 from . import backends
 from .chunking import ChunkChoice, choose_chunk, chunk_bounds
-from .precision_runtime import ComputeTable
+from .precision_runtime import ENGINE_TO_PLAN, ComputeTable
 from .costmodel import FFN_INNER_KINDS, FUSED_OP_S, Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
 from .device.profile import DeviceProfile
 from .errors import ConfigError, shown
@@ -628,7 +628,19 @@ class Dispatcher:
         fmts = getattr(fmt, "layers", None) or (fmt,) * n
         asks = self.compute.asked(phase, op.name, tokens) if self.compute is not None else (None,) * n
         unit = self.unit(u)
-        runs = [unit.precision_for(op, f, a) for f, a in zip(fmts, asks)]
+        runs = []
+        for i, (f, a) in enumerate(zip(fmts, asks)):
+            prec, held = unit.precision_for(op, f, a)
+            if prec is None:   # (no kernel at or above the ask: the layer runs at the unit's own)
+                prec = f"{unit.precision_for(op, f)[0]} below the asked {a}"
+            if unit.kind == "npu" and op.kind in MATMUL_KINDS:
+                # npu.prepare: fp16 where the plan keeps the projection's weights in a float
+                # format, else its int8 form (a float file alone is requantized too)
+                plan = getattr(self.compute, "plan", None)
+                pop = ENGINE_TO_PLAN.get(op.name)
+                asked_fmt = plan.weight_format(i, pop, n) if plan is not None and pop else None
+                held = "f16" if asked_fmt in ("f16", "f32") else "int8"
+            runs.append((prec, held))
         out = []
         for what, values in (("weights", [r[1] for r in runs]), ("compute", [r[0] for r in runs])):
             if len(set(values)) > 1:

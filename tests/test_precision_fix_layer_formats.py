@@ -138,3 +138,23 @@ def test_the_plan_says_which_layers_run_what(wide, tmp_path):
     q = plain.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
     assert all(not x.by_layer for ph in (q.prefill, q.decode) for x in ph.placements)
     assert "by layer" not in render(q, model_name="m", soc="s", ops_by_name=ops)
+
+
+def test_by_layer_for_a_layer_no_kernel_computes_as_asked_and_on_the_npu(wide):
+    """by_layer said "compute None" for a layer whose f16 weights no kernel computes at the asked
+    fp32, and on the npu the file's f32 / plan's f16 names, where npu.prepare holds fp16 for a
+    plan's float weights and int8 for the rest (a review)."""
+    plan = parse_plan("schema: 1\nkv_cache: f16\ndefaults:\n  qkv: {compute: int8}\n  attn_out: {compute: int8}\n"
+                      "layers:\n  0: {qkv: {weights: f32}, attn_out: {weights: f16}}\n", name="p")
+    table = ComputeTable(plan, N_LAYERS)
+    npu = Dispatcher(load_profile("rk3588"), wide.config, planned_formats(wide, plan), probe=False,
+                     compute=table, override=["npu", "neon"])
+    p = npu.plan(prompt_tokens=256, n_ctx=512, memory_budget=1 << 30)
+    pre = {x.op: x for x in p.prefill.placements}
+    assert pre["qkv"].unit == "npu" and pre["qkv"].by_layer.startswith("weights f16 (layer 0), int8 (layers 1-5)")
+    plain = parse_plan("schema: 1\nkv_cache: f16\nlayers:\n  0: {attn_out: {weights: f16}}\n", name="q")
+    d = Dispatcher(load_profile("rk3588"), wide.config, planned_formats(wide, plain), probe=False,
+                   compute=ComputeTable(plain, N_LAYERS))
+    q = d.plan(prompt_tokens=256, n_ctx=512, memory_budget=1 << 30)
+    said = [x.by_layer for ph in (q.prefill, q.decode) for x in ph.placements]
+    assert not any("None" in s for s in said) and any("fp16 below the asked fp32 (layer 0)" in s for s in said), said
