@@ -819,7 +819,18 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                     "every parallel op", threads, len(big), sorted(big))
     if pin and not pinning.ok:
         log.warning("threads not pinned to the big cores: %s", pinning.reason)
-    _limit_blas_threads(threads)
+    # numpy's BLAS on one thread where reference runs attention: its matmuls are small (a kv
+    # head's block of queries against the keys), and OpenBLAS's caller spin-waits for its
+    # workers at each. With one CPU-bound process beside it, a 400-token prompt on units
+    # npu,reference took 0.9-1.3 s at 2 BLAS threads and 0.45 s at 1 (0.445 against 0.47 s
+    # without it). Large GEMMs (the quality preset's fp32 prefill) keep `threads`: 1.66x faster
+    # at 2 on an idle host, 0.9x beside one busy process.
+    ref_attention = any(p.op == "attention" and p.unit == "reference"
+                        for ph in plan.phases().values() for p in ph.placements)
+    if ref_attention and threads > 1:
+        log.info("numpy's BLAS on 1 thread: the reference unit runs attention, whose small matmuls "
+                 "spin-wait for BLAS workers when another process takes a core")
+    _limit_blas_threads(1 if ref_attention else threads)
     # the allocations: a MemoryError or ENOMEM (a limit the estimate above missed) is the same
     # typed refusal, not a traceback
     # what the tokenizer's build and the planning freed goes back to the OS before the KV pool's
