@@ -819,18 +819,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                     "every parallel op", threads, len(big), sorted(big))
     if pin and not pinning.ok:
         log.warning("threads not pinned to the big cores: %s", pinning.reason)
-    # numpy's BLAS on one thread where reference runs attention: its matmuls are small (a kv
-    # head's block of queries against the keys), and OpenBLAS's caller spin-waits for its
-    # workers at each. With one CPU-bound process beside it, a 400-token prompt on units
-    # npu,reference took 0.9-1.3 s at 2 BLAS threads and 0.45 s at 1 (0.445 against 0.47 s
-    # without it). Large GEMMs (the quality preset's fp32 prefill) keep `threads`: 1.66x faster
-    # at 2 on an idle host, 0.9x beside one busy process.
-    ref_attention = any(p.op == "attention" and p.unit == "reference"
-                        for ph in plan.phases().values() for p in ph.placements)
-    if ref_attention and threads > 1:
-        log.info("numpy's BLAS on 1 thread: the reference unit runs attention, whose small matmuls "
-                 "spin-wait for BLAS workers when another process takes a core")
-    _limit_blas_threads(1 if ref_attention else threads)
+    _limit_blas_threads(threads)   # (the final plan's count: _blas_threads_for, after the runner's build)
     # the allocations: a MemoryError or ENOMEM (a limit the estimate above missed) is the same
     # typed refusal, not a traceback
     # what the tokenizer's build and the planning freed goes back to the OS before the KV pool's
@@ -889,6 +878,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                                        chunk_why=chunk_why, memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
                 plan = replace(plan, warnings=warnings + tuple(w for w in plan.warnings if w not in warnings))
                 placement = plan.placement()
+    _limit_blas_threads(_blas_threads_for(plan, threads))   # (a UnitFailed re-plan may have moved ops)
     release_free_pages()
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.load_rss_mb = peak_rss_mb()
@@ -969,6 +959,24 @@ def device_profile(device: str | os.PathLike | None):
 
 _BLAS_LIMIT = None
 
+
+
+def _blas_threads_for(plan, threads: int) -> int:
+    """numpy's BLAS threads for a plan: 1 where the reference unit runs attention but none of the
+    large GEMMs. Attention's matmuls are small (a kv head's block of queries against the keys),
+    and OpenBLAS's caller spin-waits for its workers at each: beside one CPU-bound process, a
+    400-token prompt on units npu,reference took 0.9-1.3 s at 2 BLAS threads and 0.44 s at 1 (0.42
+    idle). Where reference runs the projections too (units=["reference"], the quality preset's
+    fp32 prefill), 2 threads were 1.7x faster idle and ~1.9x slower beside a busy process: they
+    keep `threads`, the speed a plan prices."""
+    from .ops import MATMUL_KINDS
+
+    on_ref = [p for ph in plan.phases().values() for p in ph.placements if p.unit == "reference"]
+    if threads > 1 and any(p.op == "attention" for p in on_ref) and not any(p.kind in MATMUL_KINDS for p in on_ref):
+        log.info("numpy's BLAS on 1 thread: the reference unit runs attention, whose small matmuls "
+                 "spin-wait for BLAS workers when another process takes a core")
+        return 1
+    return threads
 
 def _limit_blas_threads(n: int) -> None:
     # numpy's BLAS spawns one thread per core by default; the engine's thread count is its cap.
