@@ -463,7 +463,7 @@ class Dispatcher:
             prev = start
             for op, u, (ok, no) in zip(ops, path, opts):
                 self._warn_mixed(op, u, no)
-                p = self._placement(op, phase, tokens, u, prev, ok, no)
+                p = self._placement(op, phase, tokens, u, prev, ok, no, context)
                 if note:
                     p = replace(p, reason=f"{note}; alone: {p.reason}")
                 if op.name == "swiglu" and swiglu_note:
@@ -581,7 +581,10 @@ class Dispatcher:
     def _cpu_home(self) -> str:
         return next(u.name for u in self.units if u.available and u.kind == "cpu")
 
-    def _placement(self, op, phase, tokens, u, prev, ok, no) -> Placement:
+    def _placement(self, op, phase, tokens, u, prev, ok, no, context: int = 0) -> Placement:
+        # (a plan's sequence policies are asked at the step's end, context + tokens, as _estimate
+        # and the runner ask them: at `tokens`, a decode step's 1, the reason and by_layer named
+        # the short-sequence asks where the row and the runner had the long one's)
         est = ok[u]
         moved = handoff_ms(self.unit(prev), self.unit(u), self._in_bytes(op, tokens, phase))
         alts = tuple((n, f"{e.ms:.4f} ms ({e.bound}-bound)") for n, e in ok.items()) + tuple(no.items())
@@ -609,13 +612,13 @@ class Dispatcher:
             if passed:
                 reason = f"{reason.rstrip('; ')}; {'; '.join(passed)}"
         if self.compute is not None:
-            asked = "+".join(a for a, _ in self._asks(op, phase, tokens))
+            asked = "+".join(a for a, _ in self._asks(op, phase, context + tokens))
             if asked != est.precision:
                 reason = (f"{reason.rstrip('; ')}; the precision plan asks {asked}: {u} computes it in "
                           f"{est.precision}, its nearest kernel at or above")
         return Placement("model" if op.scope == "model" else "layer", op.name, op.kind, phase, u, est.precision,
                          est.weight_format, est.cost.flops, est.cost.bytes, est.cost.intensity, est.bound,
-                         est.ms + moved, moved, reason.rstrip("; "), alts, self._by_layer(op, phase, tokens, u))
+                         est.ms + moved, moved, reason.rstrip("; "), alts, self._by_layer(op, phase, context + tokens, u))
 
     def _by_layer(self, op: OpSpec, phase: str, tokens: int, u: str) -> str:
         """Which layers run which weights and compute, where they differ: the row shows one name

@@ -158,3 +158,17 @@ def test_by_layer_for_a_layer_no_kernel_computes_as_asked_and_on_the_npu(wide):
     q = d.plan(prompt_tokens=256, n_ctx=512, memory_budget=1 << 30)
     said = [x.by_layer for ph in (q.prefill, q.decode) for x in ph.placements]
     assert not any("None" in s for s in said) and any("fp16 below the asked fp32 (layer 0)" in s for s in said), said
+
+
+def test_by_layer_and_the_asks_follow_sequence_policies_at_the_steps_length(wide):
+    """A decode step at context 2048 under "qkv fp32 from 1024 tokens" runs fp32 in every layer
+    (the row, the runner): by_layer and the reason resolved the plan at the step's 1 token and
+    said "int8 (layers 1-5)" and "asks fp32+int8" (a review)."""
+    plan = parse_plan("schema: 1\nkv_cache: f16\ndefaults:\n  qkv: {compute: int8}\n"
+                      "sequence:\n  - min_tokens: 1024\n    with:\n      qkv: {compute: fp32}\n"
+                      "layers:\n  0: {qkv: {compute: fp32}}\n", name="seq")
+    d = Dispatcher(load_profile("rk3588"), wide.config, planned_formats(wide, plan), probe=False,
+                   compute=ComputeTable(plan, N_LAYERS))
+    p = d.plan(prompt_tokens=2048, n_ctx=4096, memory_budget=1 << 30)
+    dec = {x.op: x for x in p.decode.placements}["qkv"]
+    assert dec.precision == "fp32" and dec.by_layer == "" and "fp32+int8" not in dec.reason, dec
