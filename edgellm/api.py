@@ -23,7 +23,7 @@ from .ops import weight_formats
 from .engine import CancelToken, ModelRunner
 from .hashing import file_sha256, sha256
 from .heap import release_free_pages
-from .procmem import available_bytes
+from .procmem import available_bytes, resident_mb
 from .generation import Generation, GenerationStats, peak_rss_mb  # noqa: F401 (GenerationStats: part of the API)
 from .errors import ConfigError, ContextFull, shown
 from .kv.pool import KVPool
@@ -94,6 +94,9 @@ class Engine:
                                     # wait_loaded() to the end of the weights' background paging-in
         self.prefault = None        # model.prefault.Prefault: the weights' background paging-in, or None
                                     # (the KV pool's background commit is self.kv.commit)
+        self.rss_after_load_mb = 0.0  # resident memory (MB) once loaded: at load()'s return, taken again
+                                      # by wait_loaded() once the background paging-in ended (not a peak:
+                                      # an NPU load's passing requantization peak was reported as it)
         self._load_rss_final = False
         self._stats_latest = GenerationStats()     # the last generation started, any thread's
         self._stats_mine = threading.local()      # the last one this thread started
@@ -163,6 +166,7 @@ class Engine:
         done = all(j.wait(None if t_end is None else max(0.0, t_end - time.perf_counter())) for j in jobs)
         if done and not self._load_rss_final:
             self.load_rss_mb = max(self.load_rss_mb, peak_rss_mb())
+            self.rss_after_load_mb = resident_mb()
             self._load_rss_final = True
         return done
 
@@ -881,7 +885,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     _limit_blas_threads(_blas_threads_for(plan, threads))   # (a UnitFailed re-plan may have moved ops)
     release_free_pages()
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
-    eng.load_rss_mb = peak_rss_mb()
+    eng.load_rss_mb, eng.rss_after_load_mb = peak_rss_mb(), resident_mb()
     eng.prefault = paging
     eng.plan, eng.profile, eng.pinning = plan, profile, pinning
     if guard is not None and not _guard_can_switch(runner):

@@ -1203,7 +1203,7 @@ def bench(
                    f"{m['first_request_ttft_ms']:.0f} ms ({m['first_request_tokens']} tokens)")
     parts = (f" (model file {m['rss_model_mapped_mb']:.1f} MiB mapped, KV cache {m['kv_cache_mb']:.1f} MiB, "
              f"the rest {m['rss_runtime_mb']:.1f} MiB)" if "rss_model_mapped_mb" in m else "")
-    peak = max(m["rss_after_load_mb"], *(r["peak_rss_mb"] for r in recs))   # (each length's own, and load's)
+    peak = max(m["rss_load_peak_mb"], *(r["peak_rss_mb"] for r in recs))   # (each length's own, and load's)
     over = f"; the peak is {peak - m['rss_bound_mb']:.1f} MiB OVER the bound" if peak > m["rss_bound_mb"] else ""
     typer.echo(f"memory: peak RSS {peak:.1f} MiB, {m['rss_after_load_mb']:.0f} MiB "
                f"right after load{parts}; bound 1.5 x {m['model_file_mb']:.1f} MiB file + {m['kv_cache_mb']:.1f} MiB "

@@ -110,3 +110,18 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def resident_mb() -> float:
+    """This process's resident memory now, MB (2^20 bytes, as peak_rss_mb). Linux: VmRSS (load
+    imports no psutil: its import footprint is checked); elsewhere psutil's."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmRSS:"):
+                    return int(line.split()[1]) / 1024.0                  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20

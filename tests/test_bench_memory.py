@@ -41,6 +41,9 @@ def test_bench_records_rss_after_load_and_its_bound(tiny, tmp_path, extra):
     assert rec["rss_bound_mb"] == round(1.5 * file_mb + kv_mb, 1)
     # (a length's peak is its own, since the mark is reset before its runs: it may be below load's)
     assert rec["rss_after_load_mb"] > 0 and rec["peak_rss_mb"] >= rec["rss_model_mapped_mb"]
+    # resident after load, not the load's peak (an NPU load's requantization passed ~90 MiB above
+    # what stayed, and "right after load" read above the run's own peak: a probe)
+    assert rec["rss_load_peak_mb"] >= rec["rss_after_load_mb"] - 0.5
     # the breakdown: the file's pages mapped in (the bench waits for the weights to page in)
     assert 0 < rec["rss_model_mapped_mb"] <= file_mb + 0.01
     rest = rec["rss_after_load_mb"] - rec["rss_model_mapped_mb"] - kv_mb
@@ -95,3 +98,21 @@ def test_a_peak_over_the_bound_is_said(tiny, monkeypatch):
 
     assert "MiB OVER the bound" in bench_with_bound(1.0)
     assert "OVER the bound" not in bench_with_bound(1e6)
+
+
+def test_rss_after_load_is_resident_memory_not_the_loads_peak(tmp_path):
+    """A load whose passing work peaks above what stays: rss_after_load_mb is what stays."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
+    import edgellm
+    from edgellm.bench import memory_fields
+    from tests.synthetic import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "t.gguf", tensor_type=QT.F16, seed=3).path
+    big = np.ones(64 * 2**20 // 8)          # 64 MiB raises the peak, then goes: a load's temporaries
+    del big
+    e = edgellm.load(path, n_ctx=64)
+    e.wait_loaded()
+    m = memory_fields(e)
+    assert m["rss_load_peak_mb"] >= m["rss_after_load_mb"] + 50, m
