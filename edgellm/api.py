@@ -917,6 +917,14 @@ def _warn_if_measured_elsewhere(profile, usable: frozenset[int]) -> None:
     process's threads from another core count's figures: said, not silent."""
     if profile.measured is None:
         return
+    from .device.probes import BUSY_SHARE
+
+    share = getattr(profile.measured, "others_cpu_share", None)
+    if share is not None and share > BUSY_SHARE:
+        # (a profile made beside a busy process predicted decode at half the quiet machine's
+        # speed, and load() planned from it without a word: a probe)
+        log.warning("profile %s was measured while other processes used %.0f%% of the CPUs: its figures are "
+                    "probably low (run `edgellm profile` again on an idle machine)", profile.name, 100 * share)
     measured_on = frozenset(c for cl in profile.clusters for c in cl.cores)
     if measured_on and measured_on != usable:
         log.warning("profile %s was measured on cores %s, but this process may run on %s: its figures may not fit "

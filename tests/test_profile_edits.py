@@ -77,3 +77,41 @@ def test_a_profile_measured_on_other_cores_is_said(caplog):
     said = [r.getMessage() for r in caplog.records]
     assert said == ["profile host was measured on cores [0], but this process may run on [0, 1]: its figures "
                     "may not fit (run `edgellm profile` again under this process's cores)"]
+
+
+def test_a_profile_measured_beside_busy_processes_says_so_at_every_load(tmp_path, caplog):
+    """`edgellm profile` said "other processes used 81% of the CPUs" but wrote nothing of it: the
+    profile then predicted decode at about half the quiet machine's speed, and load() planned
+    from it without a word (a probe). The share is kept in the file, and a load warns."""
+    import logging
+    from dataclasses import replace
+
+    from edgellm.api import _warn_if_measured_elsewhere
+    from edgellm.device.host import estimate_host_profile
+    from edgellm.device.profile import Measured
+    from edgellm.device.profile_yaml import load_profile, write_profile
+
+    est = estimate_host_profile()
+    m = Measured(date="2026-11-28", tool="edgellm profile (test)", memory_read_bandwidth=20e9, clusters={},
+                 others_cpu_share=0.81)
+    busy = load_profile(write_profile(replace(est, name="host", measured=m), tmp_path / "busy.yaml"))
+    assert busy.measured.others_cpu_share == 0.81
+    quiet = load_profile(write_profile(replace(est, name="host", measured=replace(m, others_cpu_share=0.02)),
+                                       tmp_path / "quiet.yaml"))
+    old = load_profile(write_profile(replace(est, name="host", measured=replace(m, others_cpu_share=None)),
+                                     tmp_path / "old.yaml"))
+    assert old.measured.others_cpu_share is None and "others_cpu_share" not in (tmp_path / "old.yaml").read_text()
+    usable = frozenset(c for cl in est.clusters for c in cl.cores)
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        for p in (busy, quiet, old):
+            _warn_if_measured_elsewhere(p, usable)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["profile busy was measured while other processes used 81% of the CPUs: its figures are "
+                    "probably low (run `edgellm profile` again on an idle machine)"], said
+    text = (tmp_path / "busy.yaml").read_text().replace("others_cpu_share: 0.81", "others_cpu_share: 3")
+    (tmp_path / "bad.yaml").write_text(text)
+    import pytest
+
+    from edgellm.errors import ConfigError
+    with pytest.raises(ConfigError, match="others_cpu_share"):
+        load_profile(tmp_path / "bad.yaml")

@@ -225,14 +225,19 @@ def _cpu_seconds() -> tuple[float, float]:
     return busy, own.user + own.system
 
 
+def busy_share(start: tuple[float, float], end: tuple[float, float], wall_s: float, cpus: int) -> float:
+    """The share of the CPUs other processes used between start and end (_cpu_seconds)."""
+    others = (end[0] - start[0]) - (end[1] - start[1])
+    return max(others / max(wall_s * cpus, 1e-9), 0.0)
+
+
 def busy_note(start: tuple[float, float], end: tuple[float, float], wall_s: float,
               cpus: int) -> str | None:
     """A note when other processes used more than BUSY_SHARE of the CPUs while we measured.
     BLAS splits each call across all big cores and waits for the slowest thread, so one foreign
     busy process can stretch a 0.1 ms call to a whole scheduler slice (4-8 ms): such figures
     are a measure of the neighbours, not of the machine."""
-    others = (end[0] - start[0]) - (end[1] - start[1])
-    share = others / max(wall_s * cpus, 1e-9)
+    share = busy_share(start, end, wall_s, cpus)
     if share <= BUSY_SHARE:
         return None
     return (f"other processes used {share:.0%} of the {cpus} CPUs during the measurement: the "
@@ -576,7 +581,9 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
 
     i = next(step)
     report(i)
-    busy = busy_note(cpu_start, _cpu_seconds(), time.perf_counter() - started, psutil.cpu_count() or 1)
+    cpu_end, wall = _cpu_seconds(), time.perf_counter() - started
+    share = busy_share(cpu_start, cpu_end, wall, psutil.cpu_count() or 1)
+    busy = busy_note(cpu_start, cpu_end, wall, psutil.cpu_count() or 1)
     if busy:
         notes.append(busy)
     tool = f"edgellm profile {__version__}" + (" --quick" if quick else "")
@@ -589,7 +596,8 @@ def measure_host(out_path: str | os.PathLike | None = None, quick: bool = False,
         # a measured figure stands in for the datasheet one: it is what this machine reaches
         memory_bandwidth=bandwidth, gpu=gpu,
         measured=Measured(date=datetime.date.today().isoformat(), tool=tool,
-                          memory_read_bandwidth=bandwidth, clusters=clusters, units=units),
+                          memory_read_bandwidth=bandwidth, clusters=clusters, units=units,
+                          others_cpu_share=round(min(share, 1.0), 3)),
         source="")
     try:
         path = write_profile(profile, path)

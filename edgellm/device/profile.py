@@ -100,6 +100,9 @@ class Measured:
     memory_read_bandwidth: float                   # bytes/s, large-array reads, all big cores
     clusters: Mapping[str, Mapping[str, float]]    # cluster name -> precision -> FLOP/s (pinned)
     units: Mapping[str, UnitMeasurement] = field(default_factory=dict)  # backend name -> figures
+    others_cpu_share: float | None = None          # share of the CPUs other processes used while it
+                                                   # measured (None: not recorded); load() warns above
+                                                   # probes.BUSY_SHARE: the figures are then the neighbours'
 
 
 @dataclass(frozen=True)

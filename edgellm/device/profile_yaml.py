@@ -428,7 +428,7 @@ def _overheads(r: _Reader, v: dict, p: str) -> dict[str, float]:
 
 def _measured(r: _Reader, v: Any, clusters: tuple[CpuCluster, ...]) -> Measured:
     p = "measured"
-    r.mapping(v, p, ("date", "tool", "memory_read_bandwidth", "clusters"), ("units",))
+    r.mapping(v, p, ("date", "tool", "memory_read_bandwidth", "clusters"), ("units", "others_cpu_share"))
     names = [c.name for c in clusters]
     per_cluster = r.mapping(v["clusters"], f"{p}.clusters", (), tuple(names))
     units = v.get("units", {})
@@ -443,7 +443,15 @@ def _measured(r: _Reader, v: Any, clusters: tuple[CpuCluster, ...]) -> Measured:
                                     "bandwidth"),
         clusters={n: r.precisions(f, f"{p}.clusters.{n}") for n, f in per_cluster.items()},
         units={_unit_name(r, n, f"{p}.units"): _unit(r, u, f"{p}.units.{n}") for n, u in units.items()},
+        others_cpu_share=None if v.get("others_cpu_share") is None else _share(r, v["others_cpu_share"],
+                                                                              f"{p}.others_cpu_share"),
     )
+
+
+def _share(r: _Reader, v: Any, p: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+        r.fail(p, f"expected a share of the CPUs from 0 to 1, got {_describe(v)}")
+    return float(v)
 
 
 def _unit_name(r: _Reader, n: Any, p: str) -> str:
@@ -630,6 +638,7 @@ def _to_dict(p: DeviceProfile) -> dict:
                              **({"gemm_fp32act": [{"m": g.m, "k": g.k, "n": g.n, "flops": q(g.flops, "compute")}
                                                   for g in u.gemm_fp32act]} if u.gemm_fp32act else {})}
                       for name, u in m.units.items()},
+            **({"others_cpu_share": m.others_cpu_share} if m.others_cpu_share is not None else {}),
         }
     return d
 
