@@ -1236,6 +1236,13 @@ def bench(
         typer.echo(f"concurrent: {c['short_prompt_tokens']}-token request {c['delay_ms']:.0f} ms after a "
                    f"{c['long_prompt_tokens']}-token prefill: TTFT {c['short_ttft_ms_p50_interleaved']:.0f} ms "
                    f"interleaved vs {c['short_ttft_ms_p50_queued']:.0f} ms queued (ratio {c['short_ttft_ratio']:.2f})")
+        if c["long_ttft_ms_p50_queued"] <= c["delay_ms"]:
+            # (the long prefill ended before the short request came: the ratio measured no
+            # interleaving, and read as if it had, 1.02 for a 64-token "long" prompt: a probe)
+            typer.echo(f"edgellm: warning: the {c['long_prompt_tokens']}-token prefill took "
+                       f"{c['long_ttft_ms_p50_queued']:.0f} ms, no longer than the {c['delay_ms']:.0f} ms delay: the "
+                       f"requests did not overlap and the ratio measures no interleaving (a longer --prompt-tokens, "
+                       f"or a shorter --delay-ms)", err=True)
         recs.append(c)
     if json_path:
         write_output(json_path, "--json", (json.dumps(recs, indent=2) + "\n").encode())
