@@ -48,13 +48,11 @@ def peak_rss_mb() -> float:
     program's address space; getrusage's ru_maxrss would also count the memory of the process it
     was forked from (it survives fork and exec), so a bench started by a large parent reported
     the parent's peak."""
-    try:
-        with open("/proc/self/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) / 1024.0                  # kB
-    except (OSError, ValueError, IndexError):
-        pass
+    from .procmem import status_mb
+
+    peak = status_mb(b"VmHWM")
+    if peak is not None:
+        return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux and BSD report KiB
 
 

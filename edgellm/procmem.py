@@ -112,16 +112,24 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def resident_mb() -> float:
-    """This process's resident memory now, MB (2^20 bytes, as peak_rss_mb). Linux: VmRSS (load
-    imports no psutil: its import footprint is checked); elsewhere psutil's."""
+def status_mb(field: bytes) -> float | None:
+    """A kB figure of /proc/self/status (b"VmRSS", b"VmHWM") in MB; None where it cannot be read."""
     try:
         with open("/proc/self/status", "rb") as f:
             for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) / 1024.0                  # kB
+                if line.startswith(field + b":"):
+                    return int(line.split()[1]) / 1024.0
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def resident_mb() -> float:
+    """This process's resident memory now, MB (2^20 bytes, as peak_rss_mb). Linux: VmRSS (load
+    imports no psutil: its import footprint is checked); elsewhere psutil's."""
+    now = status_mb(b"VmRSS")
+    if now is not None:
+        return now
     import psutil
 
     return psutil.Process().memory_info().rss / 2**20

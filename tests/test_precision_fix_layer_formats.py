@@ -110,6 +110,13 @@ def test_a_plan_on_a_mixed_file_keeps_the_files_own_layer_formats(wide, tmp_path
     assert got.layers == ("q8_0",) + ("q4_1",) * (N_LAYERS - 2) + ("q8_0",)
 
 
+def _rk3588_plan(mf, plan, prompt_tokens=64, n_ctx=256, **kw):
+    """The rk3588 plan of `mf` under `plan` (per-layer formats and compute as the engine takes them)."""
+    d = Dispatcher(load_profile("rk3588"), mf.config, planned_formats(mf, plan), probe=False,
+                   compute=ComputeTable(plan, N_LAYERS), **kw)
+    return d.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=1 << 30)
+
+
 def test_the_plan_says_which_layers_run_what(wide, tmp_path):
     """A plan's row shows one weight format (the most layers') and compute as "int8+fp32": the
     `fast` preset's first and last layers, kept in the file's Q4_1, read as Q4_0 like the rest,
@@ -119,9 +126,7 @@ def test_the_plan_says_which_layers_run_what(wide, tmp_path):
     plan = parse_plan("schema: 1\nkv_cache: f16\ndefaults:\n  qkv: {compute: int8}\n  ffn_down: {compute: int8}\n"
                       "layers:\n  0: {ffn_down: {weights: q8_0, compute: fp32}}\n"
                       "  3: {qkv: {decode: {compute: fp32}}}\n", name="p")
-    d = Dispatcher(load_profile("rk3588"), wide.config, planned_formats(wide, plan), probe=False,
-                   compute=ComputeTable(plan, N_LAYERS))
-    p = d.plan(prompt_tokens=64, n_ctx=256, memory_budget=1 << 30)
+    p = _rk3588_plan(wide, plan)
     pre, dec = ({x.op: x for x in ph.placements} for ph in (p.prefill, p.decode))
     # (prefill on rk3588: ffn_down on opencl, which computes fp32 whatever is asked; qkv on the npu,
     # which holds int8 weights of every layer: by_layer is what the unit runs, not what was asked)
@@ -167,8 +172,6 @@ def test_by_layer_and_the_asks_follow_sequence_policies_at_the_steps_length(wide
     plan = parse_plan("schema: 1\nkv_cache: f16\ndefaults:\n  qkv: {compute: int8}\n"
                       "sequence:\n  - min_tokens: 1024\n    with:\n      qkv: {compute: fp32}\n"
                       "layers:\n  0: {qkv: {compute: fp32}}\n", name="seq")
-    d = Dispatcher(load_profile("rk3588"), wide.config, planned_formats(wide, plan), probe=False,
-                   compute=ComputeTable(plan, N_LAYERS))
-    p = d.plan(prompt_tokens=2048, n_ctx=4096, memory_budget=1 << 30)
+    p = _rk3588_plan(wide, plan, prompt_tokens=2048, n_ctx=4096)
     dec = {x.op: x for x in p.decode.placements}["qkv"]
     assert dec.precision == "fp32" and dec.by_layer == "" and "fp32+int8" not in dec.reason, dec
