@@ -115,3 +115,26 @@ def test_a_profile_measured_beside_busy_processes_says_so_at_every_load(tmp_path
     from edgellm.errors import ConfigError
     with pytest.raises(ConfigError, match="others_cpu_share"):
         load_profile(tmp_path / "bad.yaml")
+
+
+def test_a_host_profile_of_another_machine_is_said(tmp_path, monkeypatch, caplog):
+    """rk3588.yaml saved as host.yaml (and a phone's Cortex-X1 profile) planned this x86 host as
+    that device without a word (a probe). The host profile's CPU is compared with this one's."""
+    import logging
+    import shutil
+    from dataclasses import replace
+
+    from edgellm.device.host import estimate_host_profile, host_profile
+    from edgellm.device.profile_yaml import shipped_profiles_dir, write_profile
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
+    host_yaml = tmp_path / "profiles" / "host.yaml"
+    host_yaml.parent.mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        write_profile(replace(estimate_host_profile(), name="host"), host_yaml)
+        host_profile()
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        shutil.copy(shipped_profiles_dir() / "rk3588.yaml", host_yaml)
+        host_profile()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "describes another CPU" in said[0] and "run `edgellm profile`" in said[0], said

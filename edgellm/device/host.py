@@ -35,9 +35,26 @@ def host_profile() -> DeviceProfile:
     # decided by the file's presence, not by an error's text: a host.yaml that is a folder, a
     # dangling link, or holds a value mentioning "edgellm profile" fell back to the estimate unsaid
     if os.path.lexists(path):
-        return load_profile(path)   # a host profile that exists but is broken is an error
+        prof = load_profile(path)   # a host profile that exists but is broken is an error
+        _warn_if_another_machine(prof)
+        return prof
     log.info("no measured host profile; using estimated figures (run `edgellm profile` to measure)")
     return estimate_host_profile()
+
+
+def _warn_if_another_machine(prof: DeviceProfile) -> None:
+    """The host profile describes this machine's CPU, as `edgellm profile` wrote it (the model name
+    and the instruction-set features it read here). A copy of another device's (rk3588.yaml saved
+    as host.yaml, a phone's Cortex-X1 profile on an x86 host) was planned from without a word."""
+    info = _cpuinfo()
+    here_model, here_feats = _model_name(info), _features(info)
+    theirs = [c for c in prof.clusters if c.microarch != here_model or (c.features and c.features != here_feats)]
+    if info and theirs:
+        c = theirs[0]
+        log.warning("the host profile %s describes another CPU (%s, features %s), not this machine's (%s, "
+                    "features %s): its figures do not fit (run `edgellm profile` to measure this one)",
+                    prof.source or prof.name, c.microarch, ",".join(sorted(c.features)) or "none", here_model,
+                    ",".join(sorted(here_feats)) or "none")
 
 
 def _cpuinfo() -> str:
