@@ -1,5 +1,6 @@
-"""This process's memory facts: the resident pages of one file's mappings (/proc/self/smaps), and
-the memory the system has available (/proc/meminfo)."""
+"""This process's memory facts: the resident pages of one file's mappings (/proc/self/smaps), its
+resident and peak memory (/proc/self/status), and the memory the system has available
+(/proc/meminfo)."""
 from __future__ import annotations
 
 import os

@@ -522,9 +522,9 @@ def prepared_nbytes(cfg: ModelConfig, ops=None) -> int:
     scale = sum(r * scales(c) for r, c in shapes)
     per_bucket = weights + scale + graphs * _GRAPH_BYTES[rt]
     norms = 4 * (2 * cfg.n_layers + 1) * d
-    if rt == "tflite" and mod is not None and not _delegate():
-        # one interpreter per graph, resized per bucket (_shares_buckets): the weights once, and
-        # the largest bucket's activations once it ran, _ACTIVATIONS f32 values per output value
+    if _shares_buckets():
+        # one interpreter per graph, resized per bucket: the weights once, and the largest
+        # bucket's activations once it ran, _ACTIVATIONS f32 values per output value
         rows = sum(r for r, _ in shapes)
         return int(per_bucket + 4 * _ACTIVATIONS * max(buckets()) * rows) + norms
     return int(per_bucket * len(buckets())) + norms
