@@ -280,7 +280,7 @@ def cpu_peak(clusters: tuple[CpuCluster, ...], precision: str) -> float:
 
 # neon's fp32-activation GEMM time over its int8 path's, by rows, where no profile measured it
 # (see cpu_unit)
-NEON_FP32ACT_SLOWDOWN = ((1, 2.7), (4, 3.2), (16, 6.4), (64, 7.4), (256, 7.7))
+NEON_FP32ACT_SLOWDOWN = ((1, 2.3), (4, 4.2), (16, 3.7), (64, 3.3), (256, 3.1))
 
 
 def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -> Unit:
@@ -321,13 +321,14 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     qprec = "int8" if name == "neon" else "fp32"
     return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, curve_precision=qprec, cache_bytes=llc,
                 quant_precision=qprec, stores_quantized=(name != "reference"),
-                # neon also keeps activations fp32 against quantized weights (el_matmul_f32act),
-                # which dequantizes each weight block per row of x. `edgellm profile` measures it
-                # (gemm_fp32act); without that, its time against the int8 path's as measured on
-                # this project's x86 host (2 threads, SmolLM2's 120 layer GEMMs, 2026-11-28): 2.7x
-                # at 1 row, 3.2x at 4, 6.4x at 16, 7.4x at 64, 7.7x at 256 (a flat 2x, measured
-                # before the int8 path's AVX-512 tiles, priced fp32 layers 4x too cheap in prefill).
-                # Q8_0 needs no nibble unpacking: its fp32 head GEMV measured no slower than int8
+                # neon also keeps activations fp32 against quantized weights (el_matmul_f32act).
+                # `edgellm profile` measures it (gemm_fp32act); without that, its time against the
+                # int8 path's as measured on this project's x86 host (Zen 5, 2 threads, SmolLM2's
+                # four layer GEMM shapes, 2026-11-28): 2.3x at 1 row, 4.2x at 4, 3.7x at 16, 3.3x
+                # at 64, 3.1x at 256 (the GEMM form of matmul_bqpanel.c from 2 rows; the 4 x 4
+                # tile before it, which widened each weight again per 4 rows of x, took 3.5x at 4
+                # rows but 8-12x from 16). Q8_0 needs no nibble unpacking: its fp32 head GEMV
+                # measured no slower than int8
                 quant_precisions=("int8", "fp32") if name == "neon" else (),
                 quant_fp32_slowdown=NEON_FP32ACT_SLOWDOWN if name == "neon" else (),
                 quant_fp32_curve=fp32act_curve if name == "neon" else (),

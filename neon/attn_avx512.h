@@ -12,6 +12,8 @@
 #ifndef EL_ATTN_AVX512_H
 #define EL_ATTN_AVX512_H
 
+#include "el_avx512.h"
+
 static inline __attribute__((always_inline)) void
 el_scores_block_avx512(const int NR, const float *const *q, const float *kt, int ld, int nk, int hd,
                        float *const *s) {
@@ -105,32 +107,6 @@ el_pv_block_avx512(const int NR, float *const *acc, const float *alpha, const fl
  * through el_fetch_rows, whose conversion is 16-lane on x86. The same values land in the same
  * places (conversion is exact, keys past c are zeros): the tile's results are bit-identical. */
 #define EL_ATTN_X5_KV 1
-
-/* r[i] lane j -> r[j] lane i, for 16 registers of 16 floats */
-static inline __attribute__((always_inline)) void el_x5_transpose16(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {            /* lane k: [a4k, b4k, a4k+1, b4k+1] | [a4k+2, ...] */
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int g = 0; g < 16; g += 4) {            /* u[g + m] lane k: rows g..g+3 at dim 4k + m */
-        const __m512d a = _mm512_castps_pd(t[g]), b = _mm512_castps_pd(t[g + 1]);
-        const __m512d c = _mm512_castps_pd(t[g + 2]), d = _mm512_castps_pd(t[g + 3]);
-        u[g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        u[g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        u[g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        u[g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-    }
-    for (int m = 0; m < 4; m++) {                /* 128-bit lanes: 4 x 4 transpose across groups */
-        const __m512 v0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
-        const __m512 v2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
-        const __m512 v3 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
-        r[m] = _mm512_shuffle_f32x4(v0, v2, 0x88);         /* dim m */
-        r[4 + m] = _mm512_shuffle_f32x4(v0, v2, 0xDD);     /* dim 4 + m */
-        r[8 + m] = _mm512_shuffle_f32x4(v1, v3, 0x88);     /* dim 8 + m */
-        r[12 + m] = _mm512_shuffle_f32x4(v1, v3, 0xDD);    /* dim 12 + m */
-    }
-}
 
 /* kt[d * cp + j] = key j's dim d (keys at element offsets off[j], j < c; zeros for c <= j < cp),
  * cp a multiple of 16, hd a multiple of 16; prefetches the next chunk's rows (pf[i], i < npf) */

@@ -132,6 +132,9 @@ static inline __attribute__((always_inline)) void el_prefetch_ahead(const void *
 #endif
 }
 
+/* k per slice of matmul_bqpanel.c's fp32-x GEMM: its panel buffer is (panel width) x 256 fp32,
+ * 32 KiB on AVX-512, 16 KiB on NEON, and a task's x rows are read 256 k at a time */
+#define EL_BQP_KC 256
 #define EL_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define EL_MAX(a, b) ((a) > (b) ? (a) : (b))
 

@@ -35,6 +35,12 @@ void el_matmul_float_rows(int wtype, int generic, const uint8_t *w, int rows, co
  * fp32 x (el_matmul_f32act). */
 void el_matmul_f32act_rows(int wtype, int generic, const uint8_t *w, size_t rb, int rows, const float *x, int nx,
                            int K, float *y, size_t ldy, const float *bias);
+/* matmul_bqpanel.c: the same product in GEMM form, for every call of 2 or more x rows. Below ~6
+ * rows the 4 x 4 tile here would be faster (the panel's dequantization is shared by too few rows:
+ * SmolLM2's layer GEMMs, Q4_1, Zen 5, 2 threads, at 2 and 4 rows took 4.3-5.3x the int8 path's time
+ * in GEMM form against 2.5-4.1x in the tile's), but the two forms sum in different orders: a
+ * row's logits would then depend on how its prompt was cut into calls (prefill_chunk=2 against
+ * the default chunks, tests/test_chunk_bounds.py). One row stays a GEMV. */
 
 #define QK 32
 /* GEMV prefetch distance. The 4 rows of a tile are 4 interleaved streams a row apart; each
@@ -541,6 +547,7 @@ static void el_f32act_q8_gemv_avx2(const uint8_t *w, size_t rb, int rows, const 
 typedef struct {
     int wtype, generic;
     int f32act;                    /* block types: x stays fp32 (el_matmul_f32act) */
+    int panel;                     /* f32act in GEMM form (matmul_bqpanel.c): M >= 2 */
     const void *const *seg_ptr;
     const int *seg_rows;
     int n_seg;
@@ -595,6 +602,8 @@ static void el_mm_chunk(const el_mm_ctx *c, int task, int after) {
     } else if (c->f32act && !c->generic && c->wtype == EL_Q8_0 && nx == 1) {
         el_f32act_q8_gemv_avx2(w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, c->K, y, bias, after);
 #endif
+    } else if (c->panel) {
+        el_bqpanel_rows(c->wtype, w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, nx, c->K, y, ldy, bias);
     } else if (c->f32act) {
         el_matmul_f32act_rows(c->wtype, c->generic, w, c->row_bytes, rows, c->x + (size_t)x0 * c->K, nx, c->K, y,
                               ldy, bias);
@@ -676,6 +685,7 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
     c.wtype = wtype;
     c.generic = el_generic_flag;
     c.f32act = f32act;
+    c.panel = f32act && blocks && !c.generic && M >= 2;
     c.seg_ptr = seg_ptr;
     c.seg_rows = seg_rows;
     c.n_seg = n_seg;
@@ -727,7 +737,9 @@ static int el_matmul_run(el_pool *pool, int wtype, const void *const *seg_ptr, c
     } else {
         /* GEMM: a task's x rows (cx x K int8 or fp32) and W rows should stay in L2 while its
          * tiles sweep them: ~128 KiB of x per task, 64 W rows. */
-        const size_t x_row_bytes = quantized ? (size_t)K : (size_t)K * 4;
+        /* (fp32 x against block weights, matmul_bqpanel.c: a task's x is read a slice of
+         * EL_BQP_KC k at a time, so its rows take that much of L2 each, not K) */
+        const size_t x_row_bytes = quantized ? (size_t)K : c.panel ? (size_t)EL_MIN(K, EL_BQP_KC) * 4 : (size_t)K * 4;
         size_t x_bytes = 131072;
 #if EL_SIMDE && defined(__AVX2__)
         /* the x86 GEMM tile repacks each 16 W rows once per task: at large K, 128 KiB left it

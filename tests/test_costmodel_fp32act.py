@@ -1,7 +1,8 @@
 """neon's 4-bit matmuls with fp32 activations (a precision plan's ask for a sensitive layer) are
 costed by rows: from the profile's measured curve (gemm_fp32act) where `edgellm profile` took
-one, else by the slowdown against the int8 path measured on this project's host (2.7x at one
-row, 7.7x at 256). A flat 2x had priced an fp32 layer's prefill about 4x too cheap."""
+one, else by the slowdown against the int8 path measured on this project's host
+(NEON_FP32ACT_SLOWDOWN: 2.3x at one row, 3.0x at 256). A flat 2x had once priced an fp32 layer's
+prefill about 4x too cheap."""
 import dataclasses
 
 import pytest
@@ -39,7 +40,7 @@ def test_without_a_measurement_the_slowdown_follows_the_rows(cfg, rows):
     neon = cpu_unit("neon", _host(), threads=4)
     factor = dict(NEON_FP32ACT_SLOWDOWN)[rows]
     assert _peak(neon, cfg, rows, "fp32") == pytest.approx(_peak(neon, cfg, rows, "int8") / factor, rel=1e-6)
-    assert factor > 2.5   # (the flat 2x it replaces)
+    assert factor > 2.0   # (above the flat 2x it replaced, at every row count)
 
 
 def test_a_measured_curve_wins(cfg):

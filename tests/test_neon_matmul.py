@@ -356,7 +356,8 @@ def test_bad_arguments_return_negative_codes(lib):
 # x is not rounded and each weight is its exact dequantization, so only the summation order differs
 # from reference.matmul: the float bounds (NMSE_FLOAT, GROSS_FLOAT) apply to the block types too.
 
-F32ACT_MS = (1, 2, 3, 17)
+F32ACT_MS = (1, 2, 3, 6, 17, 45)   # from 2 rows the GEMM form (matmul_bqpanel.c): 17 and 45 end
+                                   # mid register block, K 576 and 1536 take several k slices
 F32ACT_KS = (32, 576, 1536)
 
 
