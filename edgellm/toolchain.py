@@ -377,6 +377,34 @@ def _is_bundle(out: Path) -> bool:
             and all(p.name == "bundle.json" or p.name in meta["files"] for p in entries))
 
 
+def _read_only(path: Path) -> str:
+    try:
+        return " (a read-only file system)" if os.statvfs(path).f_flag & os.ST_RDONLY else ""
+    except OSError:
+        return ""
+
+
+def check_out_writable(out: Path) -> None:
+    """What the build's last step needs, checked before anything compiles: the folder `out` goes
+    in (its parent, or the nearest one there is, since missing ones are made) must be writable,
+    and an `out` that exists is renamed away, so it must be writable itself and no mount point.
+    A read-only mount given as --out compiled for minutes, then failed "Device or resource busy"
+    (a probe)."""
+    file_above = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if file_above is not None:
+        raise ToolchainError(f"cannot write the bundle at {out}: {file_above} is a file, not a folder")
+    if out.exists():
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise ToolchainError(f"cannot write the bundle at {out}: the folder is not writable{_read_only(out)}")
+        if os.path.ismount(out):
+            raise ToolchainError(f"cannot write the bundle at {out}: it is a mount point, and a build replaces "
+                                 f"its --out folder whole; give a folder inside it, e.g. {out / 'edgellm-bundle'}")
+    folder = next((p for p in out.parents if p.exists()), out.parent)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ToolchainError(f"cannot write the bundle at {out}: the folder {folder} is not "
+                             f"writable{_read_only(folder)}")
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -411,6 +439,7 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
     if out.exists() and not _is_bundle(out):
         raise ToolchainError(f"{out} exists and is not an edgellm bundle (no edgellm bundle.json, or it holds "
                              f"folders or files the bundle does not list): choose another --out")
+    check_out_writable(out)
     if cpu is not None and "dotprod" in variants:
         # a core without dot products or fp16 arithmetic (Cortex-A53, A72: Armv8.0) cannot run
         # the dotprod variant: gcc fails on it after the whole build, and such a library would
