@@ -74,6 +74,7 @@ class BuildError(ToolchainError):
     """The compiler ran and failed; carries its command and output."""
 
     def __init__(self, what: str, cmd: Sequence[str], output: str):
+        self.what = what
         self.cmd = list(cmd)
         self.output = output
         tail = "\n".join(output.strip().splitlines()[-30:])
@@ -405,6 +406,18 @@ def check_out_writable(out: Path) -> None:
                              f"writable{_read_only(folder)}")
 
 
+def _in_user_terms(e: ToolchainError, temps: Mapping[Path, Path]) -> ToolchainError:
+    """`e` with each temporary folder in its text replaced by what it stands for."""
+    def named(text: str) -> str:
+        for temp, real in temps.items():
+            text = text.replace(str(temp), str(real))
+        return text
+
+    if isinstance(e, BuildError):
+        return BuildError(named(e.what), [named(c) for c in e.cmd], named(e.output))
+    return type(e)(named(str(e)))
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -466,9 +479,13 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
     try:
         # the sources as they are now, compiled and hashed from one copy: an edit during the
         # build would otherwise give a hash of sources other than those compiled
-        snap = Path(tempfile.mkdtemp(prefix="edgellm-src-"))
-        for f in source_files(src):
-            shutil.copy2(f, snap / f.name)
+        try:
+            snap = Path(tempfile.mkdtemp(prefix="edgellm-src-"))
+            for f in source_files(src):
+                shutil.copy2(f, snap / f.name)
+        except OSError as e:
+            raise ToolchainError(f"cannot copy the NEON sources {src} to a temporary folder in "
+                                 f"{tempfile.gettempdir()} (set TMPDIR to use another): {e.strerror or e}") from None
         lib_srcs = [str(p) for p in library_sources(snap)]
         meta_variants = {}
         jobs = []          # (what, command), run concurrently: each is one compiler process
@@ -538,10 +555,17 @@ def build_bundle(target: str = "aarch64-linux-gnu", cpu: str | None = None, out:
             raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old is not None and out.exists():   # (stopped after the new bundle went in)
             shutil.rmtree(old, ignore_errors=True)
+        # the temporary folders are gone and a user cannot act on them: an error names the
+        # sources and --out they stand for (a compile error named /tmp/edgellm-src-XXXX/one.c)
+        temps = {tmp: out, **({snap: src} if snap is not None else {})}
+        if isinstance(e, ToolchainError):
+            raise _in_user_terms(e, temps) from None
+        if isinstance(e, OSError):      # (a full disk said "[Errno 28] No space left on device", no path)
+            raise ToolchainError(f"cannot write the bundle at {out}: {e.strerror or e}") from None
         raise
     finally:
         if snap is not None:
