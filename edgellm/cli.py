@@ -248,6 +248,19 @@ def _check_analysis_args(formats: tuple[str, ...], ops: tuple[str, ...], max_tok
         raise ConfigError(f"--max-tokens must be >= 2, got {max_tokens}")
 
 
+def _context_short(cfg, need: int, parts: dict[str, int]) -> str:
+    """bench's runs need more context than the model has: the message names the flags that ask
+    for it, the largest first (an 8000-token --shared-prefix was blamed on --prompt-tokens)."""
+    asked = {f: v for f, v in parts.items() if v}
+    rest = need - sum(asked.values())    # (with --concurrent, the short request's generated tokens too)
+    terms = " + ".join([*(f"{f} {v}" for f, v in asked.items()), f"{rest} of margin"])
+    flag = max(asked, key=asked.get)
+    room = cfg.context_length - (need - asked[flag])
+    advice = f"shorten {flag} (at most {room} here)" if room >= 1 else f"shorten {' and '.join(asked)}"
+    return (f"these runs need {need} tokens of context ({terms}) but {cfg.name} holds "
+            f"{cfg.context_length}, its trained context: {advice}")
+
+
 def _calibration_engine(model, max_tokens: int, text: str):
     """The reference engine a sensitivity analysis runs on. Its context is sized to the tokens the
     text can give (at most one per byte, and a BOS) within the model's trained context:
@@ -1166,8 +1179,9 @@ def bench(
     if need > cfg.context_length:
         # (before the load: after it, a warning that n_ctx is above the trained context came first;
         # after the first runs, it advised a --ctx bench has not)
-        raise ConfigError(f"these runs need {need} tokens of context (prompt, generated tokens and margin) but "
-                          f"{cfg.name} holds {cfg.context_length}, its trained context: shorten --prompt-tokens")
+        raise ConfigError(_context_short(cfg, need, {"--shared-prefix": shared_prefix, "--prompt-tokens": max(lengths),
+                                                     "--gen-tokens": gen_tokens,
+                                                     "--short-tokens": short_tokens if concurrent else 0}))
     eng = _load(model, min(max(2048, need), cfg.context_length), threads, device=device, units=units,
                 precision=precision)
     eng.wait_loaded()   # the weights' paging-in belongs to load: its RSS, not the first run's TTFT
