@@ -1189,9 +1189,17 @@ def bench(
     # weights paged in (load_ms, the engine's own figure, starts after the first two)
     load_wall_ms = (time.perf_counter() - t_start) * 1e3
     plan_name = eng.precision_plan.name if eng.precision_plan is not None else "none"
+    from .device.host import another_machine, machine_name
+    # a profile of another device plans this machine as if it were that one: the figures are
+    # still this machine's (--device rk3588 printed "profile rk3588" and an x86 host's timings)
+    other = another_machine(eng.profile)
     typer.echo(f"model {eng.config.name}, threads {eng.threads}, load {eng.load_ms:.0f} ms, profile "
-               f"{eng.profile.name}, units {','.join(eng.plan.units_used())}, chunk {eng.plan.chunk.tokens}, "
-               f"precision plan {plan_name}", err=True)
+               f"{eng.profile.name}{' (ANOTHER DEVICE)' if other else ''}, units {','.join(eng.plan.units_used())}, "
+               f"chunk {eng.plan.chunk.tokens}, precision plan {plan_name}", err=True)
+    if other:
+        typer.echo(f"  the profile {eng.profile.name} describes {eng.profile.soc}, not this machine ({other}): the "
+                   f"figures below are this machine's ({machine_name()}), run on the plan made for that device, "
+                   f"not a measure of it", err=True)
     if shared_prefix:
         recs = b.run_shared_prefix(
             eng, shared_prefix, lengths, gen_tokens, runs,
@@ -1210,6 +1218,7 @@ def bench(
                    f"{r['prefill_tps']:>5.0f}t/s {r['decode_tps']:>5.1f}t/s {r['peak_rss_mb']:>6.0f} MiB")
     for r in recs:
         r["load_wall_ms"] = round(load_wall_ms, 1)
+        r["profile"], r["profile_of_this_machine"] = eng.profile.name, other is None
     m = recs[0]
     if "first_request_ttft_ms" in m:
         typer.echo(f"cold start: load {load_wall_ms:.0f} ms (runtime import, profile, model, weights paged in; "
@@ -1257,6 +1266,7 @@ def bench(
                        f"{c['long_ttft_ms_p50_queued']:.0f} ms, no longer than the {c['delay_ms']:.0f} ms delay: the "
                        f"requests did not overlap and the ratio measures no interleaving (a longer --prompt-tokens, "
                        f"or a shorter --delay-ms)", err=True)
+        c["profile"], c["profile_of_this_machine"] = eng.profile.name, other is None
         recs.append(c)
     if json_path:
         write_output(json_path, "--json", (json.dumps(recs, indent=2) + "\n").encode())

@@ -57,6 +57,29 @@ def _warn_if_another_machine(prof: DeviceProfile) -> None:
                     ",".join(sorted(here_feats)) or "none")
 
 
+def another_machine(prof: DeviceProfile) -> str | None:
+    """How `prof` differs from this machine when it cannot describe it: it names instruction-set
+    features this CPU lacks (a phone's neon and dotprod on an x86 host), or a different number of
+    cores. None when it may describe it (this machine's own profile, or a shipped one run on that
+    very board), or when /proc/cpuinfo cannot say. Looser than _warn_if_another_machine's rule:
+    a shipped profile names the core (cortex-a76), not the model name this machine reports."""
+    info = _cpuinfo()
+    if not info:
+        return None
+    lacks = sorted({f for c in prof.clusters for f in c.features} - _features(info))
+    n_prof, n_here = len({i for c in prof.clusters for i in c.cores}), os.cpu_count() or 0
+    if lacks:
+        return f"it names {', '.join(lacks)}, which this CPU lacks"
+    if n_prof != n_here:
+        return f"it has {n_prof} cores, this machine {n_here}"
+    return None
+
+
+def machine_name() -> str:
+    """This machine's CPU in a few words: "AMD EPYC, 2 cores"."""
+    return f"{_model_name(_cpuinfo())}, {os.cpu_count() or '?'} cores"
+
+
 def _cpuinfo() -> str:
     try:
         return Path("/proc/cpuinfo").read_text(errors="replace")
