@@ -1119,12 +1119,15 @@ def bench(
                                     "a long prefill: interleaved vs queued (long = the largest --prompt-tokens)"),
     short_tokens: Optional[int] = typer.Option(None, help="--concurrent: prompt tokens of the short request "
                                                "(default 32)"),
-    shared_prefix: int = typer.Option(0, "--shared-prefix", help="Measure prompts that share an N-token system "
-                                      "prefix: cold TTFT vs TTFT with the prefix cached (--prompt-tokens are then "
-                                      "the lengths of the user message after it)"),
+    shared_prefix: int = typer.Option(0, "--shared-prefix", metavar="N", help="Measure prompts that share an "
+                                      "N-token system prefix: cold TTFT vs TTFT with the prefix cached "
+                                      "(--prompt-tokens are then the lengths of the user message after it; the "
+                                      "prefix, the longest message and --gen-tokens must fit the model's context). "
+                                      "0: no shared prefix"),
     delay_ms: Optional[float] = typer.Option(None, help="--concurrent: the short request arrives this long after "
                                              "the long one (default 50)"),
-    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP),
+    device: Optional[str] = typer.Option(None, "--device", help=DEVICE_HELP + ". The runs are timed on this "
+                                         "machine, whichever profile plans them: another device's is said to be one"),
     units: Optional[str] = typer.Option(None, "--units", help=UNITS_HELP),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
     floor: bool = typer.Option(True, "--floor/--no-floor", help="Report decode time against the memory floor: "
@@ -1456,7 +1459,9 @@ def build(
                                "else zig cc from the ziglang package) or aarch64-linux-android (ANDROID_NDK_HOME)"),
     cpu: Optional[str] = typer.Option(None, "--cpu", help="Tune for this core, e.g. cortex-a78 (the dotprod "
                                       "variant is built for it; the base variant stays plain Armv8.0)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="Bundle folder (default ./edgellm-bundle-TARGET)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="Bundle folder (default ./edgellm-bundle-TARGET): a new "
+                                       "or empty folder, or an earlier bundle, which is replaced whole; the folder "
+                                       "it goes in must exist and be writable (checked before compiling)"),
     api: Optional[int] = typer.Option(None, "--api", help="Android API level for the NDK compiler (default 28)"),
 ):
     """Cross-compile the NEON kernel library and its self-test for a device: a bundle with

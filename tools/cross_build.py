@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="aarch64-linux-gnu",
                     help="aarch64-linux-gnu (default) or aarch64-linux-android[API] (API default 28)")
     ap.add_argument("--cpu", help="build the dotprod variant for this core (-mcpu), tune base for it (-mtune)")
-    ap.add_argument("--out", type=Path, help="bundle folder (default ./edgellm-bundle-<target>)")
+    ap.add_argument("--out", type=Path, help="bundle folder (default ./edgellm-bundle-<target>): a new or empty "
+                    "folder, or an earlier bundle, which is replaced whole; the folder it goes in must exist and be "
+                    "writable (checked before compiling)")
     ap.add_argument("--variant", action="append", choices=toolchain.VARIANTS,
                     help="build only this variant (repeatable; default both)")
     a = ap.parse_args(argv)
