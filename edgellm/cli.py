@@ -1177,8 +1177,12 @@ def bench(
     device_profile(device)
     if precision is not None:
         load_plan(precision)
+    # only the header's config is kept: the opened ModelFile (its tokenizer and metadata, ~3.3
+    # MiB) held for the whole bench sat in the RSS after load and every run's peak beside the
+    # engine's own copy
     model, mf = _resolved(model)
     cfg = mf.config
+    del mf
     if need > cfg.context_length:
         # (before the load: after it, a warning that n_ctx is above the trained context came first;
         # after the first runs, it advised a --ctx bench has not)

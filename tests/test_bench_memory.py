@@ -116,3 +116,27 @@ def test_rss_after_load_is_resident_memory_not_the_loads_peak(tmp_path):
     e.wait_loaded()
     m = memory_fields(e)
     assert m["rss_load_peak_mb"] >= m["rss_after_load_mb"] + 50, m
+
+
+def test_bench_keeps_one_opened_model_file(tiny, monkeypatch):
+    """bench reads the model's header before the load (its trained context); that ModelFile (its
+    tokenizer and metadata, ~3.3 MiB on SmolLM2) stayed alive beside the engine's own for the whole
+    bench, in the RSS after load and every run's peak."""
+    import gc
+
+    import edgellm.bench as b
+    from edgellm.model.loader import ModelFile
+
+    seen = []
+    orig = b.memory_fields
+
+    def counting(engine):
+        gc.collect()
+        seen.append(sum(1 for o in gc.get_objects() if isinstance(o, ModelFile) and o.path == engine.model.path))
+        return orig(engine)
+
+    monkeypatch.setattr(b, "memory_fields", counting)
+    r = runner.invoke(app, ["bench", "--model", tiny, "--prompt-tokens", "8", "--gen-tokens", "2", "--runs", "1",
+                            "--no-floor"])
+    assert r.exit_code == 0, r.output
+    assert seen == [1]
