@@ -917,7 +917,7 @@ def _warn_if_measured_elsewhere(profile, usable: frozenset[int]) -> None:
     process's threads from another core count's figures: said, not silent."""
     if profile.measured is None:
         return
-    from .device.probes import BUSY_SHARE
+    from .device.profile import BUSY_SHARE
 
     share = getattr(profile.measured, "others_cpu_share", None)
     if share is not None and share > BUSY_SHARE:

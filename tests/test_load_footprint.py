@@ -35,11 +35,23 @@ print(sorted(m for m in ("pydantic", "_hashlib", "jinja2") if m in sys.modules))
 
 
 
-def _modules_left(tmp_path, child: str) -> str:
+def _modules_left(tmp_path, child: str, measured: bool = False) -> str:
     """The last line the child prints: the modules on its list that it imported, given a tiny
     model and an empty EDGELLM_HOME (no measured host profile: the load estimates one, as on a
-    fresh device)."""
+    fresh device), or with `measured` a measured host.yaml there, as `edgellm profile` leaves."""
     m = write_tiny_model(tmp_path / "m.gguf", n_layers=1)
+    if measured:
+        from dataclasses import replace
+
+        from edgellm.device.host import estimate_host_profile
+        from edgellm.device.profile import Measured
+        from edgellm.device.profile_yaml import write_profile
+
+        est = estimate_host_profile()
+        mm = Measured(date="2026-11-28", tool="edgellm profile (test)", memory_read_bandwidth=20e9, clusters={},
+                      others_cpu_share=0.02)
+        (tmp_path / "home" / "profiles").mkdir(parents=True)
+        write_profile(replace(est, name="host", measured=mm), tmp_path / "home" / "profiles" / "host.yaml")
     env = dict(os.environ, EDGELLM_HOME=str(tmp_path / "home"))
     out = subprocess.run([sys.executable, "-c", child, str(m.path)], capture_output=True, text=True,
                          timeout=300, env=env)
@@ -49,6 +61,12 @@ def _modules_left(tmp_path, child: str) -> str:
 
 def test_load_and_generate_do_not_import_modules_they_do_not_need(tmp_path):
     assert _modules_left(tmp_path, _CHILD) == "[]"
+
+
+def test_a_load_from_a_measured_profile_imports_no_more(tmp_path):
+    """A measured profile's checks at load (others_cpu_share against BUSY_SHARE) imported the
+    profiling probes, and psutil with them: ~1.6 MiB of the RSS after load (bench 'the rest')."""
+    assert _modules_left(tmp_path, _CHILD, measured=True) == "[]"
 
 
 def test_a_cli_command_does_not_import_pydantic(tmp_path):

@@ -35,7 +35,7 @@ import psutil
 from ..errors import ConfigError, EdgeLLMError
 from ..procmem import available_bytes
 from .host import estimate_host_profile
-from .profile import CpuCluster, DeviceProfile, GemmFigure, Measured, UnitMeasurement
+from .profile import BUSY_SHARE, CpuCluster, DeviceProfile, GemmFigure, Measured, UnitMeasurement
 from .topology import PinResult, current_affinity, pin_threads, select_big
 
 __all__ = ["ProbeSizes", "FULL", "QUICK", "HostMeasurement", "Progress", "ProbeFn", "register_probe",
@@ -212,8 +212,6 @@ def _on_cores(cores: tuple[int, ...], what: str, notes: list[str], *,
 
 
 # ---- a busy machine ---------------------------------------------------------------------------
-
-BUSY_SHARE = 0.1        # others' share of the CPUs above which the figures are flagged
 
 
 def _cpu_seconds() -> tuple[float, float]:

@@ -93,6 +93,10 @@ class UnitMeasurement:
                                                   # (el_matmul_f32act, a precision plan's ask)
 
 
+BUSY_SHARE = 0.1   # others' share of the CPUs above which a profile's figures are flagged (here, not in
+                   # probes, whose psutil import load() would carry: ~1.6 MiB resident)
+
+
 @dataclass(frozen=True)
 class Measured:
     date: str                                      # ISO date of the measurement
@@ -102,7 +106,7 @@ class Measured:
     units: Mapping[str, UnitMeasurement] = field(default_factory=dict)  # backend name -> figures
     others_cpu_share: float | None = None          # share of the CPUs other processes used while it
                                                    # measured (None: not recorded); load() warns above
-                                                   # probes.BUSY_SHARE: the figures are then the neighbours'
+                                                   # BUSY_SHARE: the figures are then the neighbours'
 
 
 @dataclass(frozen=True)
