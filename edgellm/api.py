@@ -802,6 +802,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                      f"take, window {kv_cfg.window} less {kv_cfg.sinks} sinks, so a chunk's first tokens keep context)")
         plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk, chunk_why=chunk_why,
                                memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
+    plan_notes += _opencl_on_a_cpu_device(plan, profile)
     plan = replace(plan, warnings=plan.warnings + tuple(plan_notes))
     for note in plan_notes:
         log.warning("%s", note)
@@ -897,6 +898,27 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
         guard = None
     eng.precision_plan, eng.quality_guard = pplan, guard
     return eng
+
+
+def _opencl_on_a_cpu_device(plan, profile) -> list[str]:
+    """The note for a plan that puts ops on the opencl unit costed at the profile's GPU figures
+    (a shipped profile's Mali) while the only OpenCL device here is a CPU one (PoCL): the NPU
+    says the same of CPU kernels (npu._probe); this unit said nothing, and `bench --device
+    tensor-g1` on an x86 host took 15 s for a 512-token prompt predicted at 137 ms. A profile
+    whose opencl figures were measured (`edgellm profile` on that device) costs it as it is."""
+    if "opencl" not in plan.units_used() or profile.gpu is None:
+        return []
+    if profile.measured is not None and "opencl" in profile.measured.units:
+        return []
+    mod, _ = backends.get("opencl")
+    report = mod.probe_report() if hasattr(mod, "probe_report") else {}
+    if report.get("gpu", True):
+        return []
+    peaks = ", ".join(f"{p} {v / 1e9:g} {'GOPS' if p.startswith('int') else 'GFLOPS'}"
+                      for p, v in profile.gpu.peak.items())
+    return [f"opencl: no OpenCL GPU here: its ops run on {report.get('device') or 'a CPU device'}, a CPU "
+            f"device, while the plan costs them at the {profile.name} profile's {profile.gpu.name} figures "
+            f"({peaks}); `--units` without opencl plans without it"]
 
 
 def _warn_if_fewer_threads(profile, threads: int, device) -> None:

@@ -167,3 +167,43 @@ def test_profile_notes_say_why_the_opencl_unit_was_skipped(home, monkeypatch):
     monkeypatch.delenv("EDGELLM_OPENCL_PLATFORM")
     opencl.reset()
     assert _unavailable_reason("opencl") is None
+
+
+def test_a_profile_gpu_reached_only_as_a_cpu_device_is_said_once(home, tiny, caplog):
+    """A profile that describes a GPU (tensor-g1's Mali, or this home's 'test gpu') on a machine
+    whose only OpenCL device is a CPU (PoCL): the unit works, but the plan costs its ops at the
+    GPU's figures. The NPU says the same of CPU kernels; the opencl unit said nothing, and on
+    this host `bench --device tensor-g1` placed the whole prefill layer there: TTFT 15 s for 512
+    tokens against a predicted 137 ms (0.66 s with --units neon), without a word (a probe)."""
+    path, _ = tiny
+    ok, why = opencl.available()
+    assert ok, why
+    import pyopencl as cl
+
+    if opencl_runtime.select_device(None, None)[1].type & cl.device_type.GPU:
+        pytest.skip("an OpenCL GPU is here: nothing to say")
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        eng = edgellm.load(path, n_ctx=128, units=["opencl"])
+    assert "opencl" in eng.plan.units_used()
+    lines = [r.getMessage() for r in caplog.records if "no OpenCL GPU here" in r.getMessage()]
+    assert len(lines) == 1, caplog.text
+    assert "test gpu" in lines[0] and "50 GFLOPS" in lines[0] and "--units" in lines[0], lines[0]
+    assert any("no OpenCL GPU here" in w for w in eng.plan.warnings), eng.plan.warnings
+
+
+def test_a_cpu_opencl_device_the_profile_measured_is_not_warned_about(home, tiny, caplog):
+    """`edgellm profile` on a machine with PoCL measures that device into the host profile: the
+    plan then costs it at its own figures, and there is nothing to warn about."""
+    from edgellm.device.profile import GemmFigure, Measured, UnitMeasurement
+    from edgellm.device.profile_yaml import load_profile
+
+    path, _ = tiny
+    prof_path = home / "home" / "profiles" / "host.yaml"
+    prof = load_profile(prof_path)
+    um = UnitMeasurement({"fp32": 50e9}, (GemmFigure(64, 64, 64, 50e9),), 20e-6, 2)
+    write_profile(replace(prof, measured=Measured("2026-11-28", "test", 10e9, {}, {"opencl": um})), prof_path)
+    assert opencl.available()[0]
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        eng = edgellm.load(path, n_ctx=128, units=["opencl"])
+    assert "opencl" in eng.plan.units_used()
+    assert "no OpenCL GPU here" not in caplog.text

@@ -4,7 +4,8 @@ process by backends/opencl.py, so that a driver that crashes or hangs takes only
 It opens the device, builds the kernels (filling the binary cache the engine's process then
 reads), runs a numeric self-check of each op family against backends/reference.py, and loads
 every binary in the cache (those the engine built for its own shapes too). It prints
-one JSON line: {"ok": bool, "reason": str, "device": str, "build_s": float, "int8_dot": bool}.
+one JSON line: {"ok": bool, "reason": str, "device": str, "build_s": float, "int8_dot": bool,
+"gpu": bool}.
 """
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ def main() -> int:
         rt = ClRuntime.create()
         out["device"] = rt.name
         out["int8_dot"] = bool(rt.int8_dot)
+        out["gpu"] = rt.is_gpu
         err = self_check(rt)
         out["build_s"] = round(rt.stats.seconds, 3)
         # the engine's own variants too: a binary the driver dies on dies here, not in the engine

@@ -187,6 +187,11 @@ class ClRuntime:
         return self.device.name.strip()
 
     @property
+    def is_gpu(self) -> bool:
+        """A GPU device (PoCL's CPU device is not one: its kernels run on the host's cores)."""
+        return bool(self.device.type & _import_cl().device_type.GPU)
+
+    @property
     def unified_memory(self) -> bool:
         """Host and device share memory (Mali, PoCL): buffers are host-visible, no copies."""
         try:
