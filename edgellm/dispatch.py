@@ -429,7 +429,14 @@ class Dispatcher:
             if best is None or ms < best[0] - 1e-12:
                 best = (ms, path, opts, home)
         layer_ms, lpath, lopts, home = best
-        fused = self._fused_step(lops, phase, tokens, context) if not self.override else None
+        if self.override:
+            # --units chose the layer's units; where that is one unit with a native layer step,
+            # the engine runs it fused (ModelRunner fuses by placement alone), so it is priced so:
+            # op by op, `plan --units neon` predicted decode ~1.5x slower than the same run without
+            one = set(lpath)
+            fused = self._fused_step(lops, phase, tokens, context, only=one.pop()) if len(one) == 1 else None
+        else:
+            fused = self._fused_step(lops, phase, tokens, context)
         fused_note = ""
         if fused is not None and fused[0] < layer_ms:
             what, per = ("decode step", "token") if phase == "decode" else ("prefill chunk", "chunk")
@@ -444,14 +451,15 @@ class Dispatcher:
         lead_note = tail_note = ""
         if fused_note:
             lead = self._fused_tail([emb], phase, tokens, context, home, dispatch=False)
-            if lead is not None and lead[0] < e_ms:
+            # (under --units, only where its order put them on the fused unit already)
+            if lead is not None and lead[0] < e_ms and (not self.override or e_path == [home]):
                 lead_note = (f"in the fused {what}'s native call on {home} (the step's token ids looked up there, "
                              f"serially: no call or pool dispatch of its own): {lead[0]:.4f} ms vs {e_ms:.4f} ms "
                              f"as a separate call")
                 e_ms, e_path, e_opts = lead
                 e_home = home
             tail = self._fused_tail([onorm, head], phase, tokens, context, home)
-            if tail is not None and tail[0] < h_ms:
+            if tail is not None and tail[0] < h_ms and (not self.override or h_path == [home, home]):
                 tail_note = (f"in the fused {what}'s native call on {home} (the output norm and head on the "
                              f"last row, no call of their own): {tail[0]:.4f} ms vs {h_ms:.4f} ms as separate calls")
                 h_ms, h_path, h_opts = tail
@@ -519,13 +527,13 @@ class Dispatcher:
             return listed[0] if listed else ("reference" if "reference" in off else None)
         return min(off, key=lambda n: ok[n].ms, default=None)
 
-    def _fused_step(self, lops, phase, tokens, context):
+    def _fused_step(self, lops, phase, tokens, context, only: str | None = None):
         """A unit with a native layer step (a decode token or a prefill chunk) runs every layer
         of the step in one call: its ops pay no per-op call overhead, the step one call.
-        (ms per layer, path, opts, unit) of the best such unit, or None."""
+        (ms per layer, path, opts, unit) of the best such unit (only: that unit), or None."""
         best = None
         for u in self.units:
-            if not u.available or u.fused_decode_s is None:
+            if not u.available or u.fused_decode_s is None or (only is not None and u.name != only):
                 continue
             if self.kv_bytes not in u.fused_kv_bytes:
                 # a unit whose fused step reads only some KV element sizes runs the others op by op
