@@ -85,3 +85,16 @@ def test_a_row_count_given_twice_is_refused(tmp_path, monkeypatch):
                                              "{m: 1, k: 576, n: 1536, flops: 900 GFLOPS}"))
     with pytest.raises(ConfigError, match=r"gemm_fp32act: expected one figure per row count m, found m \[1\]"):
         load_profile("host")
+
+
+def test_a_row_count_given_twice_in_the_int8_curve_is_refused_too(tmp_path, monkeypatch):
+    """The int8 GEMM curve (`gemm`) took a hand-edited row count twice without a word: the cost
+    model read the first of the two (by flops), so a host.yaml with m 32 at 1 TFLOPS and at 1
+    GFLOPS planned neon at 1 GFLOPS, its matmuls on reference and the chunk at 32 (a probe)."""
+    from edgellm.errors import ConfigError
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
+    path = write_profile(_host(), tmp_path / "profiles" / "host.yaml")
+    path.write_text(path.read_text().replace("{m: 256, k: 576, n: 1536, flops: 200 GFLOPS}",
+                                             "{m: 1, k: 576, n: 1536, flops: 900 GFLOPS}"))
+    with pytest.raises(ConfigError, match=r"units\.neon\.gemm: expected one figure per row count m, found m \[1\]"):
+        load_profile("host")

@@ -486,7 +486,7 @@ def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
 
     return UnitMeasurement(
         precision_flops=r.precisions(v["precision_flops"], f"{p}.precision_flops"),
-        gemm=tuple(r.items(v["gemm"], f"{p}.gemm", gemm, nonempty=False)),
+        gemm=_by_rows(r, tuple(r.items(v["gemm"], f"{p}.gemm", gemm, nonempty=False)), f"{p}.gemm"),
         call_overhead_s=r.qty(v["call_overhead"], f"{p}.call_overhead", "time", allow_zero=True),
         threads=r.integer(v["threads"], f"{p}.threads", hi=4096),
         attention=tuple(r.items(v.get("attention", []), f"{p}.attention", attention, nonempty=False)),
