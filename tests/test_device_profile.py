@@ -292,6 +292,13 @@ BAD = [
                                                                       "gemm": []}}}),
      "measured.units.neonn", "expected a unit name (neon, opencl, npu, reference)"),
     (lambda d: d["npu"].update(supported_ops=["matmull"]), "npu.supported_ops[0]", "expected an op kind"),
+    # more threads than the profile has cores: neon's figures were scaled by cores / threads (2/64
+    # on the 2-core host) and every op went to reference, without a word (a probe)
+    (lambda d: d.update(measured={"date": "2026-11-21", "tool": "t", "memory_read_bandwidth": "10 GB/s",
+                                  "clusters": {}, "units": {"neon": {"threads": 9, "call_overhead": "1 us",
+                                                                     "precision_flops": {"int8": "1 TOPS"},
+                                                                     "gemm": []}}}),
+     "measured.units.neon.threads", "expected at most the 8 core(s) cpu.clusters lists, got 9"),
 ]
 
 

@@ -443,7 +443,7 @@ def _measured(r: _Reader, v: Any, clusters: tuple[CpuCluster, ...]) -> Measured:
         memory_read_bandwidth=r.qty(v["memory_read_bandwidth"], f"{p}.memory_read_bandwidth",
                                     "bandwidth"),
         clusters={n: r.precisions(f, f"{p}.clusters.{n}") for n, f in per_cluster.items()},
-        units={_unit_name(r, n, f"{p}.units"): _unit(r, u, f"{p}.units.{n}") for n, u in units.items()},
+        units={_unit_name(r, n, f"{p}.units"): _unit(r, u, f"{p}.units.{n}", clusters) for n, u in units.items()},
         others_cpu_share=None if v.get("others_cpu_share") is None else _share(r, v["others_cpu_share"],
                                                                               f"{p}.others_cpu_share"),
     )
@@ -463,8 +463,15 @@ def _unit_name(r: _Reader, n: Any, p: str) -> str:
     return name
 
 
-def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
+def _unit(r: _Reader, v: Any, p: str, clusters: tuple[CpuCluster, ...]) -> UnitMeasurement:
     r.mapping(v, p, ("threads", "call_overhead", "precision_flops", "gemm"), ("attention", "elementwise", "gemm_fp32act"))
+    # the threads a unit ran with ran on the profile's cores (`edgellm profile` uses one per big
+    # core): more than it lists is a figure from elsewhere, and the cost model scales the unit's
+    # figures by cores / threads (neon's by 2/64 on a 2-core host: every op went to reference)
+    n_cores = sum(len(c.cores) for c in clusters)
+    threads = r.integer(v["threads"], f"{p}.threads", hi=4096)
+    if threads > n_cores:
+        r.fail(f"{p}.threads", f"expected at most the {n_cores} core(s) cpu.clusters lists, got {threads}")
 
     def gemm(g: Any, q: str) -> GemmFigure:
         r.mapping(g, q, ("m", "k", "n", "flops"))
@@ -488,7 +495,7 @@ def _unit(r: _Reader, v: Any, p: str) -> UnitMeasurement:
         precision_flops=r.precisions(v["precision_flops"], f"{p}.precision_flops"),
         gemm=_by_rows(r, tuple(r.items(v["gemm"], f"{p}.gemm", gemm, nonempty=False)), f"{p}.gemm"),
         call_overhead_s=r.qty(v["call_overhead"], f"{p}.call_overhead", "time", allow_zero=True),
-        threads=r.integer(v["threads"], f"{p}.threads", hi=4096),
+        threads=threads,
         attention=tuple(r.items(v.get("attention", []), f"{p}.attention", attention, nonempty=False)),
         elementwise=tuple(r.items(v.get("elementwise", []), f"{p}.elementwise", elementwise, nonempty=False)),
         gemm_fp32act=_by_rows(r, tuple(r.items(v.get("gemm_fp32act", []), f"{p}.gemm_fp32act", gemm,
