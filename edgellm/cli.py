@@ -1331,6 +1331,10 @@ def plan(
     pplan = load_plan(precision) if precision is not None else None
     kv_cfg = KVConfig(precision=kv_precision or (pplan.kv_precision if pplan else "f16"))  # validates it
     profile = device_profile(device)
+    if host:   # the figures this process's threads are planned from, said as `run` says it
+        from .api import _warn_if_measured_elsewhere
+        from .device.topology import current_affinity
+        _warn_if_measured_elsewhere(profile, current_affinity())
     mf = _resolved(model)[1]
     formats, compute = weight_formats(mf), None
     if pplan is not None:

@@ -142,3 +142,33 @@ def test_plan_warns_when_the_model_does_not_fit_the_devices_memory(tiny, tmp_pat
     assert "more than half of" in r.stderr and "may not load there" in r.stderr
     r = runner.invoke(app, ["plan", "--device", "rk3588", "--model", tiny, "--prompt-tokens", "32"])
     assert "may not load there" not in r.stderr
+
+
+def test_plan_says_what_run_says_of_a_profile_measured_on_other_cores(tiny, tmp_path, monkeypatch, caplog):
+    """`run` warned that host.yaml was measured on cores [0, 1, 2, 3] while this process may run
+    on [0, 1]; `plan`, which plans the same threads from the same figures, said nothing (a probe)."""
+    import logging
+    from dataclasses import replace
+
+    from edgellm.device.host import estimate_host_profile
+    from edgellm.device.profile import Measured
+    from edgellm.device.profile_yaml import write_profile
+    from edgellm.device.topology import current_affinity
+
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    est = estimate_host_profile()
+    usable = sorted(current_affinity())
+    other = [*usable, max(c for cl in est.clusters for c in cl.cores) + 1]   # one core more than here
+    clusters = (replace(est.clusters[0], cores=tuple(other)),)
+    m = Measured(date="2026-11-28", tool="edgellm profile (test)", memory_read_bandwidth=20e9, clusters={})
+    write_profile(replace(est, name="host", clusters=clusters, measured=m), tmp_path / "home" / "profiles" / "host.yaml")
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        r = runner.invoke(app, ["plan", "--model", tiny, "--json"])
+    assert r.exit_code == 0, r.output
+    said = [x.getMessage() for x in caplog.records]
+    assert f"profile host was measured on cores {other}, but this process may run on {usable}: its figures may " \
+           f"not fit (run `edgellm profile` again under this process's cores)" in said, said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="edgellm"):   # another device's plan is that device's
+        assert runner.invoke(app, ["plan", "--device", "rk3588", "--model", tiny, "--json"]).exit_code == 0
+    assert not [x for x in caplog.records if "measured on cores" in x.getMessage()]
