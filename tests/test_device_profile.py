@@ -644,3 +644,41 @@ def test_review_of_the_profile_checks(tmp_path):
     crlf.write_bytes(cut[: cut.rindex("\n") + 1].replace("\n", "\r\n").encode())
     with pytest.raises(ConfigError, match="cut short"):
         load_profile(crlf)
+
+
+def test_implausible_bandwidth_and_peaks_are_warned_once_naming_file_field_and_value(tmp_path, caplog):
+    """memory.bandwidth: 1 B/s (schema-valid) planned TTFT 1615483392000.8 ms and decode 0.0 tok/s
+    without a word (a probe). Such figures load (a user may experiment), with one warning each."""
+    import logging
+
+    d = _shipped_dict()
+    d["memory"]["bandwidth"] = "1 B/s"
+    _gpu(d)["peak"]["fp32"] = "1e290 TFLOPS"
+    _cl(d)["peak_per_core"]["fp32"] = "1 FLOPS"
+    d["npu"]["peak"]["int8"] = "1e6 TOPS"
+    d["measured"] = {"date": "2026-11-21", "tool": "t", "memory_read_bandwidth": "1e15 GB/s", "clusters": {},
+                     "units": {"neon": {"threads": 4, "call_overhead": "1 us", "gemm": [],
+                                        "precision_flops": {"int8": "1 MOPS"}}}}
+    path = tmp_path / "odd.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        p = load_profile(path)
+        load_profile(path)                               # once, not at every load
+    assert p.memory_bandwidth == 1.0
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 6, said
+    for field, value in (("memory.bandwidth", "'1 B/s'"), ("gpu.peak.fp32", "'1e290 TFLOPS'"),
+                         ("cpu.clusters[0].peak_per_core.fp32", "'1 FLOPS'"), ("npu.peak.int8", "'1e6 TOPS'"),
+                         ("measured.memory_read_bandwidth", "'1e15 GB/s'"),
+                         ("measured.units.neon.precision_flops.int8", "'1 MOPS'")):
+        assert any(s.startswith(f"odd.yaml: {field}: {value} is outside ") for s in said), (field, said)
+    assert "0.1 GB/s to 10 TB/s" in " ".join(said) and "0.1 GFLOPS (GOPS) to 100000 TFLOPS (TOPS)" in " ".join(said)
+    caplog.clear()
+    d = _shipped_dict()
+    d["memory"]["bandwidth"], _gpu(d)["peak"]["fp32"] = "0.1 GB/s", "100000 TFLOPS"   # the bounds: plausible
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        load_profile(path)
+        for name in SHIPPED:
+            load_profile(name)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]

@@ -7,6 +7,7 @@ device_profiles/README.md documents the schema.
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import re
@@ -24,6 +25,8 @@ from edgellm.errors import ConfigError
 from edgellm.backends import KNOWN as UNIT_NAMES
 from edgellm.ops import ELEMENTWISE_FLOPS, OP_KINDS
 from edgellm.fileio import write_atomic
+
+log = logging.getLogger("edgellm")
 
 __all__ = ["parse_quantity", "format_quantity", "load_profile", "list_profiles", "dump_profile",
            "write_profile", "shipped_profiles_dir", "user_profiles_dir", "SCHEMA_VERSION"]
@@ -51,6 +54,17 @@ _EXAMPLE = {"size": "a size such as '64 KiB'", "bandwidth": "a bandwidth such as
 # ('1e-999 GB/s') or a whole-byte size does ('0.4 B'), or the roofline's times overflow to inf
 _SMALLEST = {"size": ("1 B", 1.0), "bandwidth": ("1 B/s", 1.0), "frequency": ("1 Hz", 1.0),
              "time": ("0.001 ns", 1e-12), "compute": ("1 FLOPS", 1.0)}
+# Figures a real machine can have; one outside loads (a user may be experimenting) with a warning
+# naming it, as the plan made from it is nonsense ('memory.bandwidth: 1 B/s' predicted a TTFT of
+# 1.6e12 ms and decode at 0.0 tok/s without a word). Bandwidth: the slowest board (a Pi Zero's
+# single ARM11 core on 32-bit LPDDR2, 3.2 GB/s peak) is well above 0.1 GB/s, and the fastest memory
+# on any chip (HBM3e, 8 TB/s on NVIDIA's B200) below 10 TB/s; a phone's or desktop's figure
+# (10-800 GB/s) written in MB/s or TB/s by mistake falls outside. Peaks: one scalar FPU at 100 MHz
+# does 0.1 GFLOPS, below any core edgellm runs on; the fastest single accelerator's figure (B200:
+# 20 PFLOPS fp4, sparse) is a fifth of 100000 TFLOPS.
+_PLAUSIBLE = {"bandwidth": (0.1e9, 10e12, "0.1 GB/s to 10 TB/s"),
+              "compute": (0.1e9, 1e17, "0.1 GFLOPS (GOPS) to 100000 TFLOPS (TOPS)")}
+_warned: set[tuple[str, str, float]] = set()   # (file, field, value) said already: once per process
 # ASCII digits only: \d took full-width ones ('３４ GB/s' read as 34e9); the spaces stay Unicode
 # (a figure copied from a datasheet brings a no-break space before its unit)
 _QUANTITY = re.compile(r"\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?)\s*(\S+)\s*")
@@ -154,6 +168,16 @@ class _Reader:
     def qty(self, v: Any, path: str, kind: str, allow_zero: bool = False) -> float:
         return parse_quantity(v, kind, f"{self.file}: {path}", allow_zero=allow_zero)
 
+    def plausible(self, v: Any, path: str, kind: str) -> float:
+        """qty() of a bandwidth or peak, warned about (once) outside _PLAUSIBLE."""
+        value = self.qty(v, path, kind)
+        lo, hi, span = _PLAUSIBLE[kind]
+        if not lo <= value <= hi and (self.file, path, value) not in _warned:
+            _warned.add((self.file, path, value))
+            log.warning("%s: %s: %r is outside the range any real device has (%s): plans from this profile "
+                        "will be far off; check the figure and its unit", self.file, path, v, span)
+        return value
+
     # a name or a date, shown in plans and reports: a 900 KB soc was printed whole, and control
     # characters (BEL, NUL) raw to the terminal
     MAX_STRING = 200
@@ -193,13 +217,15 @@ class _Reader:
                             f"{'an empty list' if v == [] else _describe(v)}")
         return [each(x, f"{path}[{i}]") for i, x in enumerate(v)]
 
-    def precisions(self, v: Any, path: str) -> dict[str, float]:
-        """{fp32: '38.4 GFLOPS', int8: '153.6 GOPS'} -> {precision: op/s}."""
+    def precisions(self, v: Any, path: str, peaks: bool = True) -> dict[str, float]:
+        """{fp32: '38.4 GFLOPS', int8: '153.6 GOPS'} -> {precision: op/s}. peaks: each is a peak
+        the cost model plans with, warned about outside _PLAUSIBLE."""
         if not isinstance(v, dict) or not v:
             self.fail(path, f"expected a non-empty mapping of precision to rate such as "
                             f"{{fp32: 38.4 GFLOPS}}, got {_describe(v)}")
         self.mapping(v, path, (), PRECISIONS)
-        return {p: self.qty(r, _join(path, p), "compute") for p, r in v.items()}
+        read = self.plausible if peaks else self.qty
+        return {p: read(r, _join(path, p), "compute") for p, r in v.items()}
 
 
 def _join(path: str, key: Any) -> str:
@@ -337,7 +363,7 @@ def _profile_from_text(text: str, name: str, source: str) -> DeviceProfile:
         name=name,
         soc=r.string(doc["soc"], "soc"),
         memory_total_bytes=round(r.qty(mem["total"], "memory.total", "size")),
-        memory_bandwidth=r.qty(mem["bandwidth"], "memory.bandwidth", "bandwidth"),
+        memory_bandwidth=r.plausible(mem["bandwidth"], "memory.bandwidth", "bandwidth"),
         clusters=clusters,
         gpu=None if doc.get("gpu") is None else _gpu(r, doc["gpu"], "gpu"),
         npu=None if doc.get("npu") is None else _npu(r, doc["npu"], "npu"),
@@ -440,9 +466,11 @@ def _measured(r: _Reader, v: Any, clusters: tuple[CpuCluster, ...]) -> Measured:
     return Measured(
         date=r.string(v["date"], f"{p}.date"),
         tool=r.string(v["tool"], f"{p}.tool"),
-        memory_read_bandwidth=r.qty(v["memory_read_bandwidth"], f"{p}.memory_read_bandwidth",
-                                    "bandwidth"),
-        clusters={n: r.precisions(f, f"{p}.clusters.{n}") for n, f in per_cluster.items()},
+        memory_read_bandwidth=r.plausible(v["memory_read_bandwidth"], f"{p}.memory_read_bandwidth",
+                                          "bandwidth"),
+        # (not peaks: numpy's fp16 is emulated, 0.68 GFLOPS on the 2.6 GHz x86 host, and nothing
+        # plans with these)
+        clusters={n: r.precisions(f, f"{p}.clusters.{n}", peaks=False) for n, f in per_cluster.items()},
         units={_unit_name(r, n, f"{p}.units"): _unit(r, u, f"{p}.units.{n}", clusters) for n, u in units.items()},
         others_cpu_share=None if v.get("others_cpu_share") is None else _share(r, v["others_cpu_share"],
                                                                               f"{p}.others_cpu_share"),
