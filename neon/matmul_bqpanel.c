@@ -203,8 +203,6 @@ static void el_bqp_rows_of_panel(const float *wp, int kc, const float *x, int nx
         const float *xs = x + (size_t)r0 * K;
         float *yr = y + (size_t)r0 * ldy;
         switch (EL_MIN(EL_BQP_R, nx - r0)) {
-        case 6: EL_BQP_BLOCK(6); break;
-        case 5: EL_BQP_BLOCK(5); break;
         case 4: EL_BQP_BLOCK(4); break;
         case 3: EL_BQP_BLOCK(3); break;
         case 2: EL_BQP_BLOCK(2); break;

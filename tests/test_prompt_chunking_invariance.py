@@ -125,13 +125,18 @@ def test_a_repeated_request_gives_the_same_text(eng):
     assert again == first
 
 
-@pytest.mark.parametrize("type_name, K, M", [
-    ("Q4_1", 16384, 33),     # x86 quantized: x chunks of 32 rows at K = 16384 (512 KiB of int8 x)
-    ("Q4_1", 576, 129),      # ... of 128
-    ("F32", 1024, 33),       # fp32 x: chunks of 32 rows at K = 1024 (128 KiB)
-    ("F16", 1024, 33),
+@pytest.mark.parametrize("type_name, K, M, f32act", [
+    ("Q4_1", 16384, 33, False),   # x86 quantized: x chunks of 32 rows at K = 16384 (512 KiB of int8 x)
+    ("Q4_1", 576, 129, False),    # ... of 128
+    ("F32", 1024, 33, False),     # fp32 x: chunks of 32 rows at K = 1024 (128 KiB)
+    ("F16", 1024, 33, False),
+    # block weights against fp32 x (the quality preset's prefill): every call of 2 rows or more
+    # takes matmul_bqpanel.c's GEMM form, whose sums differ from the 4 x 4 tile's
+    ("Q4_1", 576, 6, True),
+    ("Q4_0", 1536, 45, True),
+    ("Q8_0", 576, 129, True),
 ])
-def test_a_matmul_row_does_not_depend_on_the_rows_beside_it(type_name, K, M):
+def test_a_matmul_row_does_not_depend_on_the_rows_beside_it(type_name, K, M, f32act):
     """el_matmul cuts x into chunks; a lone row left over used to run on its own (the GEMV, or a
     float tile with its own summation order): its result differed from the same row's in a
     smaller call. Every row equals the row of a 2-row call."""
@@ -149,9 +154,31 @@ def test_a_matmul_row_does_not_depend_on_the_rows_beside_it(type_name, K, M):
             data = quant.quantize(w, getattr(quant.T, type_name))
         m = neon.QMatrix.from_arrays(type_name, [data], [64], K)
         x = rng.standard_normal((M, K)).astype(np.float32)
-        y = neon.matmul(x, m, precision="int8" if type_name.startswith("Q") else "fp32")
-        pair = neon.matmul(x[M - 2:], m, precision="int8" if type_name.startswith("Q") else "fp32")
-        np.testing.assert_array_equal(y[M - 2:], pair)
+        prec = "int8" if type_name.startswith("Q") and not f32act else "fp32"
+        y = neon.matmul(x, m, precision=prec)
+        for r in range(2, 6):    # every call of 2 to 5 rows: none of them may sum otherwise
+            np.testing.assert_array_equal(y[M - r:], neon.matmul(x[M - r:], m, precision=prec), err_msg=str(r))
     finally:
         if before >= 0:
             lib.el_x86_gemv(before)
+
+
+def test_quality_preset_rows_do_not_depend_on_the_chunking(tmp_path):
+    """The same on the quality preset (fp32 activations against the file's block weights): a
+    cached head and one prompt token (a 2-row call) or a 3-row tail gave other bits than the
+    whole prompt in one chunk when the GEMM form took calls of 6 rows or more only (a review)."""
+    path = tmp_path / "m.gguf"
+    write_tiny_model(path, arch="llama", tensor_type=QT.Q4_1, n_layers=2, seed=7, context_length=512,
+                     n_heads=6, n_kv_heads=2, d_model=96, d_ff=576)
+    e = edgellm.load(str(path), n_ctx=512, units=["neon"], threads=2, precision="quality")
+    try:
+        assert e.runner.placement["prefill"]["ffn_down"] == "neon", e.runner.placement
+        ids = np.random.default_rng(1).integers(3, e.config.vocab_size, 150)
+        ref, ref_kv = _run(e, ids, ())
+        for cuts in ((149,), (147,), (133, 149)):
+            got, got_kv = _run(e, ids, cuts)
+            np.testing.assert_array_equal(got, ref, err_msg=str(cuts))
+            for a, b in zip(got_kv, ref_kv, strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=str(cuts))
+    finally:
+        e.close()
