@@ -280,20 +280,15 @@ el_bqp_block(const int NR, const float *wp, int kc, const float *x, int K, float
              const float *bias, int np) {
     float32x4_t a[EL_BQP_R][4];
     float tmp[EL_BQP_W];
-    for (int r = 0; r < NR; r++)
-        for (int j = 0; j < 4; j++) {
-            if (first) {
-                a[r][j] = vdupq_n_f32(0.0f);
-                continue;
-            }
-            const float *src = y + r * ldy;
-            if (np < EL_BQP_W) {
-                memset(tmp, 0, sizeof tmp);
-                memcpy(tmp, src, (size_t)np * sizeof(float));
-                src = tmp;
-            }
-            a[r][j] = vld1q_f32(src + 4 * j);
+    for (int r = 0; r < NR; r++) {
+        const float *src = y + r * ldy;
+        if (!first && np < EL_BQP_W) {   /* a short last panel: its running sums through tmp */
+            memset(tmp, 0, sizeof tmp);
+            memcpy(tmp, src, (size_t)np * sizeof(float));
+            src = tmp;
         }
+        for (int j = 0; j < 4; j++) a[r][j] = first ? vdupq_n_f32(0.0f) : vld1q_f32(src + 4 * j);
+    }
     for (int k = 0; k < kc; k += 4) {
         float32x4_t xv[EL_BQP_R];
         for (int r = 0; r < NR; r++) xv[r] = vld1q_f32(x + (size_t)r * K + k);
