@@ -1646,14 +1646,21 @@ def _walk(d: Path) -> list[Path]:
     return sorted(out, key=lambda p: -len(p.parts))
 
 
+# the folders edgellm writes in EDGELLM_HOME/cache beside the sessions (precision_runtime,
+# sensitivity, opencl_runtime, npu_onnx/npu_tflite): any other folder there is not ours. With
+# EDGELLM_HOME at a folder whose cache/ other programs use (/var, /data/local/tmp), every folder
+# was taken for a cache: `clear --all` removed apt's and fontconfig's files (a probe)
+_OWN_CACHES = ("npu", "opencl", "precision")
+
+
 def _other_caches() -> list[Path]:
-    """The folders of EDGELLM_HOME/cache that hold no sessions: requantized models
-    (precision/), OpenCL program binaries (opencl/), NPU graphs. A link there is no cache of
-    ours (it may point anywhere): left alone."""
+    """The folders of EDGELLM_HOME/cache that hold no sessions: requantized models and
+    sensitivity tables (precision/), OpenCL program binaries (opencl/), NPU graphs (npu/). A
+    link there is no cache of ours (it may point anywhere): left alone, as is any other folder."""
     from .kv import disk_cache
 
     root = disk_cache.cache_dir()
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.is_symlink()) if root.is_dir() else []
+    return [p for p in (root / n for n in _OWN_CACHES) if p.is_dir() and not p.is_symlink()]
 
 
 @cache_app.command("clear")
