@@ -1511,6 +1511,9 @@ def quantize(
     # an existing file is someone's: a user's text or another model was replaced without a word
     out = check_out_path(out, "--out", replaces=None if force else (lambda head: False, "a file to replace "
                                                                     "(pass --force to replace it)"))
+    if not force and out.is_symlink() and not out.exists():   # (a link to nothing is someone's too)
+        raise ConfigError(f"--out {out}: is a link to a missing file; give another path, or pass --force to "
+                          "replace the link")
     try:   # (before the model is resolved: a bad --plan waited for a download)
         p = load_plan(plan)
     except ConfigError as e:
@@ -1519,7 +1522,8 @@ def quantize(
     n = mf.config.n_layers
     formats = plan_formats(mf, lambda layer, op: p.weight_format(layer, op, n))
     prog = Progress()
-    report = requantize_gguf(src, out, formats, progress=lambda d, t: prog("requantizing", d, t))
+    # (without --force, a file made at OUT during the write is not replaced either)
+    report = requantize_gguf(src, out, formats, progress=lambda d, t: prog("requantizing", d, t), replace=force)
     typer.echo(format_report(report))
 
 

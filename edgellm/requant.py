@@ -412,7 +412,7 @@ def _free_bytes(d: str) -> int | None:
 
 
 def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, formats: Mapping[str, str],
-                    *, progress: Callable[[int, int], None] | None = None) -> Report:
+                    *, progress: Callable[[int, int], None] | None = None, replace: bool = True) -> Report:
     """Write a copy of the GGUF `src_path` to `dst_path` in which each tensor named in `formats`
     (tensor name -> a name in FORMATS) is dequantized to fp32 and requantized; every other tensor
     and every metadata key/value (tokenizer included, with its GGUF types) is copied as stored.
@@ -425,6 +425,9 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
 
     The file is written to a temporary file beside dst, fsynced, and renamed over dst: an
     interrupted write leaves dst as it was. progress(done, total) is called after each tensor.
+    replace=False: dst must still not exist when the file is complete (ConfigError otherwise,
+    dst left as it is): a file made there during the write (another quantize's output, a user's)
+    is not replaced.
 
     Raises ConfigError for an unknown format, a tensor name not in the model, a row length K the
     target block size does not divide, a 1-D tensor asked for a block type, a tensor to convert
@@ -524,7 +527,10 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, dst_path)
+        if replace:
+            os.replace(tmp, dst_path)
+        else:
+            _move_new(tmp, dst_path)
     except BaseException as e:
         writer.close()
         try:
@@ -542,6 +548,26 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     fsync_dir(d)
     return Report(src=src_path, dst=dst_path, tensors=tuple(reports), mapped=mapped,
                   predicted_size=predicted, actual_size=actual)
+
+
+def _move_new(tmp: str, dst: str) -> None:
+    """Renames tmp to dst only if dst does not exist, atomically: os.replace took whatever had
+    appeared at dst since the command checked it (two quantize on one -o both exited 0, the last
+    one's file replacing the other's; a probe). A hard link fails on an existing name; where the
+    file system has none (FAT on a phone's card), the check is made as close to the rename as
+    Python allows."""
+    try:
+        os.link(tmp, dst)
+    except FileExistsError:
+        raise ConfigError(f"{dst}: a file appeared there while the model was written; it is left as it "
+                          f"is: give another path, or pass --force to replace it") from None
+    except OSError:   # (no hard links here: EPERM, ENOTSUP, EMLINK, EXDEV)
+        if os.path.lexists(dst):
+            raise ConfigError(f"{dst}: a file appeared there while the model was written; it is left "
+                              f"as it is: give another path, or pass --force to replace it") from None
+        os.replace(tmp, dst)
+        return
+    os.unlink(tmp)
 
 
 def _gguf_name(t: T) -> str:

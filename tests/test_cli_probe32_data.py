@@ -32,3 +32,55 @@ def test_clear_all_removes_only_edgellm_own_cache_folders(tmp_path, monkeypatch)
     assert r.exit_code == 0, r.output
     assert all(f.read_text() == "keep me" for f in foreign)
     assert not any((home / "cache" / d).exists() for d in ("opencl", "precision", "npu"))
+
+
+def _tiny(tmp_path):
+    from gguf import GGMLQuantizationType as QT
+
+    from tests.synthetic import write_tiny_model
+
+    return write_tiny_model(tmp_path / "m.gguf", tensor_type=QT.F32, n_layers=6, seed=2).path
+
+
+def _appears_during_write(monkeypatch, path, content: bytes):
+    """Makes `path` (another quantize's output, a user's file) appear while quantize writes."""
+    from edgellm import requant
+
+    real = requant.read_tensor
+
+    def read_tensor(*a, **k):
+        if not path.exists():
+            path.write_bytes(content)
+        return real(*a, **k)
+    monkeypatch.setattr(requant, "read_tensor", read_tensor)
+
+
+def test_quantize_without_force_never_replaces_a_file_made_during_the_write(tmp_path, monkeypatch):
+    """-o is checked to be a new file before the work, then renamed over whatever was there at
+    the end: two quantize on one -o both exited 0 and the one that finished last replaced the
+    other's output; a file a user saved there meanwhile was replaced too (a probe)."""
+    src, out = _tiny(tmp_path), tmp_path / "o.gguf"
+    _appears_during_write(monkeypatch, out, b"the user's file")
+    r = runner.invoke(app, ["quantize", src, "--plan", "fast", "-o", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "--force" in r.output and str(out) in r.output, r.output
+    assert out.read_bytes() == b"the user's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "o.gguf"]     # no temp file left
+
+
+def test_quantize_with_force_replaces_a_file_made_during_the_write(tmp_path, monkeypatch):
+    src, out = _tiny(tmp_path), tmp_path / "o.gguf"
+    _appears_during_write(monkeypatch, out, b"old")
+    r = runner.invoke(app, ["quantize", src, "--plan", "fast", "-o", str(out), "--force"])
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes()[:4] == b"GGUF"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "o.gguf"]
+
+
+def test_quantize_without_force_refuses_a_dangling_link(tmp_path):
+    """A link to a missing file at -o (someone's) was replaced by the model without --force."""
+    src, out = _tiny(tmp_path), tmp_path / "o.gguf"
+    out.symlink_to(tmp_path / "missing.gguf")
+    r = runner.invoke(app, ["quantize", src, "--plan", "fast", "-o", str(out)])
+    assert r.exit_code == 1 and "--force" in r.output, r.output
+    assert out.is_symlink() and not (tmp_path / "missing.gguf").exists()
