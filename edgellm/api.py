@@ -452,6 +452,10 @@ class Engine:
         conversation is the engine's, not the calling thread's: that of the request that ended
         last on any thread or Scheduler (ConfigError when a later request has taken its room)."""
         path = _session_path(path, "save_session")
+        if os.path.islink(path):
+            # followed, as `run --session` does: the save replaced the link with a file, and its
+            # target kept the old conversation (a probe)
+            path = os.path.realpath(path)
         if meta is not None and not isinstance(meta, dict):
             raise ConfigError(f"save_session: meta must be a dict (JSON-able), found {type(meta).__name__}")
         why = foreign_file(path)
