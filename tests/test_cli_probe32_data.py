@@ -84,3 +84,23 @@ def test_quantize_without_force_refuses_a_dangling_link(tmp_path):
     r = runner.invoke(app, ["quantize", src, "--plan", "fast", "-o", str(out)])
     assert r.exit_code == 1 and "--force" in r.output, r.output
     assert out.is_symlink() and not (tmp_path / "missing.gguf").exists()
+
+
+def test_quantize_without_force_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    """(FAT on a phone's card: os.link fails with EPERM; the file is still written, and one made
+    during the write still kept)"""
+    import errno
+
+    from edgellm import requant
+
+    def no_link(*a, **k):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(requant.os, "link", no_link)
+    src, out = _tiny(tmp_path), tmp_path / "o.gguf"
+    assert runner.invoke(app, ["quantize", src, "--plan", "fast", "-o", str(out)]).exit_code == 0
+    assert out.read_bytes()[:4] == b"GGUF"
+    out2 = tmp_path / "o2.gguf"
+    _appears_during_write(monkeypatch, out2, b"mine")
+    r = runner.invoke(app, ["quantize", src, "--plan", "fast", "-o", str(out2)])
+    assert r.exit_code == 1 and out2.read_bytes() == b"mine", r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "o.gguf", "o2.gguf"]
