@@ -762,7 +762,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     t0 = time.perf_counter()
     path = resolve_model(model,
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)
-    mf = open_model(path)
+    mf = _runnable(open_model(path), progress)
     compute = None
     if pplan is not None:
         pplan.check_model(mf.config.n_layers)
@@ -902,6 +902,27 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
         guard = None
     eng.precision_plan, eng.quality_guard = pplan, guard
     return eng
+
+
+def _runnable(mf: ModelFile, progress=None) -> ModelFile:
+    """mf, or a copy whose matrices in types no unit computes with (quant.CONVERTIBLE_TYPES: the
+    K-quants of a Q4_K_M file, Q5_0/Q5_1) are Q8_0: made once per model file, then read from the
+    precision cache. Q8_0 holds each of their weights to within half a step of 8 bits; those
+    matrices take more memory than in the file (Q4_K 4.5 -> 8.5 bits a weight)."""
+    from .precision_runtime import requantized_copy
+    from .quant import CONVERTIBLE_TYPES
+
+    formats = {name: "q8_0" for name, info in mf.gguf.tensors.items()
+               if info.ggml_type in CONVERTIBLE_TYPES and len(info.shape) == 2}
+    if not formats:
+        return mf
+    kinds = sorted({mf.tensor_type(n).name for n in formats})
+    log.warning("%s: %d matrices are in %s, which no edgellm unit computes with: they run from a Q8_0 "
+                "copy (made once, then cached)", mf.path, len(formats), "/".join(kinds))
+    out, note = requantized_copy(mf, formats, "q8_0", f"{'/'.join(kinds)} as Q8_0",
+                                 (lambda d, t: progress("requantize", d, t)) if progress else None)
+    log.info("%s", note)
+    return out
 
 
 def _opencl_on_a_cpu_device(plan, profile) -> list[str]:

@@ -134,8 +134,7 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     """(the ModelFile to run, a one-line note) for `plan` on `mf`. The file itself when the plan
     keeps every tensor's format; else a requantized copy from the cache, written on first use.
     A damaged or stale cache file is rewritten with one warning."""
-    from .model.loader import open_model
-    from .requant import GGUF_TYPE_FOR, plan_formats, requantize_gguf
+    from .requant import GGUF_TYPE_FOR, plan_formats
 
     # a bad cap is refused first: found only after a requantization, it failed a miss once the
     # copy was written, and every hit after that never read it
@@ -160,8 +159,19 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
         log.warning("precision plan %r requantizes %d tensors that the file already stores in 4 bits (%s) "
                     "into another 4-bit format: a second rounding for few bytes saved; `edgellm precision plan` "
                     "measures what each layer tolerates", plan.name, len(again), mf.tensor_type(again[0]).name)
+    return requantized_copy(mf, formats, plan.name or "plan", f"precision plan {plan.name!r}", progress)
+
+
+def requantized_copy(mf, formats: Mapping[str, str], plan_name: str, what: str,
+                     progress: Callable[[int, int], None] | None = None):
+    """(the ModelFile of `mf` with the tensors in `formats` requantized, a one-line note): from
+    the cache (cache_dir()) when a verified copy is there, else written there first. plan_name
+    names the copy's file, `what` the conversion in messages."""
+    from .model.loader import open_model
+    from .requant import requantize_gguf
+
     key, ident = _cache_key(mf.path, formats), _identity(mf.path, formats)
-    stem, plan_name = Path(mf.path).name.removesuffix(".gguf"), plan.name or "plan"
+    stem = Path(mf.path).name.removesuffix(".gguf")
     path = cache_dir() / f"{stem}-{plan_name}-{ident}-{key[:16]}.gguf"
     remove_dead_writers(path.parent)     # (a writer killed mid-write left its part behind)
     legacy = path.with_name(f"{stem}-{plan_name}-{key[:16]}.gguf")   # the name before identities
@@ -179,8 +189,7 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
             cached = open_model(path)
             why = "its tensor types differ from the plan's" if not _matches(cached, formats) else _unverified(path)
             if why is None:
-                return cached, (f"precision plan {plan.name!r}: {len(formats)} tensors requantized "
-                                f"(cached: {path})")
+                return cached, f"{what}: {len(formats)} tensors requantized (cached: {path})"
         except (EdgeLLMError, OSError) as e:
             why = str(e)
         log.warning("requantized model cache %s is unusable (%s); writing it again", path, why)
@@ -205,15 +214,15 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
         report = requantize_gguf(mf.path, path, formats, progress=progress)
         write_atomic(fp, _sidecar(path).encode())
     except OSError as e:
-        raise ConfigError(f"precision plan {plan.name!r}: cannot write the requantized model to {path}: {e}") from e
+        raise ConfigError(f"{what}: cannot write the requantized model to {path}: {e}") from e
     # each plan (an edited one too) is a whole model's copy: without a bound, 11 plans of SmolLM2
     # took 994 MiB for good. The oldest copies go first (by their write: a hit does not touch a
     # copy, whose mtime its sidecar's check holds); the one just written stays
     npu_cache.evict(path.parent, ".gguf", keep=path, label="requantized model cache", env=CACHE_CAP_ENV,
                     default_mb=CACHE_CAP_MB, what=CACHE_CAP_WHAT, companion=_fingerprint_file)
-    log.info("precision plan %r: %d tensors requantized into %s (%d -> %d bytes of tensor data)",
-             plan.name, len(formats), path, report.bytes_before, report.bytes_after)
-    return open_model(path), f"precision plan {plan.name!r}: {len(formats)} tensors requantized (written: {path})"
+    log.info("%s: %d tensors requantized into %s (%d -> %d bytes of tensor data)",
+             what, len(formats), path, report.bytes_before, report.bytes_after)
+    return open_model(path), f"{what}: {len(formats)} tensors requantized (written: {path})"
 
 
 _SAMPLES, _SAMPLE_BYTES = 64, 65536

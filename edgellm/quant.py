@@ -24,6 +24,11 @@ _BLOCK_DTYPES = {
 }
 
 SUPPORTED_TYPES = (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_1)
+# Block types llama.cpp writes that no edgellm unit computes with (a Q4_K_M file keeps most matrices
+# in Q4_K, output.weight and some attn_v / ffn_down in Q6_K): such a matrix loads as a Q8_0 copy
+# made once (api.load, precision_runtime.requantized_copy). dequantize() reads them through the
+# gguf package's numpy dequantizers, the reference for their layouts.
+CONVERTIBLE_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1)
 
 
 def bytes_per_row(qtype: T, row_len: int) -> int:
@@ -44,6 +49,12 @@ def dequantize(raw: np.ndarray, qtype: T, shape: tuple[int, ...], out: np.ndarra
     if qtype in (T.F32, T.F16):
         src = np.asarray(raw).view(np.float32 if qtype == T.F32 else np.float16).reshape(-1)[:n]
         out.reshape(-1)[...] = src
+        return out
+    if qtype in CONVERTIBLE_TYPES:
+        import gguf.quants
+
+        flat = np.asarray(raw).view(np.uint8).reshape(-1)
+        out.reshape(-1)[...] = gguf.quants.dequantize(flat, qtype).reshape(-1)[:n]
         return out
     if qtype not in _BLOCK_DTYPES:
         raise ValueError(f"no dequantizer for tensor type {qtype.name}")

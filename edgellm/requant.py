@@ -363,7 +363,7 @@ def _plan_jobs(mf: Any, formats: Mapping[str, str]) -> list[_Job]:
         if len(info.shape) == 1 and dst not in (T.F32, T.F16):
             raise ConfigError(f"formats[{name!r}] = {fmt!r}: a 1-D tensor (norm or bias) must stay "
                               "f32/f16; llama.cpp and edgellm reject block-quantized vectors")
-        if info.ggml_type not in quant.SUPPORTED_TYPES:
+        if info.ggml_type not in quant.SUPPORTED_TYPES + quant.CONVERTIBLE_TYPES:
             raise UnsupportedModelError(mf.path, f"tensor {name!r}", f"type {info.ggml_type.name} cannot "
                                         "be dequantized here, so it cannot be requantized")
         note = f"{fmt} written as {dst.name}" if fmt in RUNTIME_FORMATS else ""

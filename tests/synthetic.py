@@ -89,6 +89,23 @@ def build_vocab(vocab_size: int | None = None) -> tuple[list[str], list[int], li
 # model writer
 
 QUANT_TYPES = (QT.Q8_0, QT.Q4_0, QT.Q4_1)
+# Types the gguf package dequantizes but cannot write: random blocks with small fp16 scales at
+# these byte offsets (the rest of a block, quants and sub-scales, any bytes are valid); the
+# model's weights are then the gguf package's dequantization of them
+RANDOM_BLOCK_TYPES = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q2_K: (80, 82), QT.Q3_K: (108,),
+                      QT.Q5_0: (0,), QT.Q5_1: (0, 2)}
+
+
+def random_blocks(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(raw (rows, bytes per row) uint8, its dequantization (rows, cols) float32) of a matrix in
+    one of RANDOM_BLOCK_TYPES, its values within ~0.1"""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for off in RANDOM_BLOCK_TYPES[qtype]:
+        raw[:, off:off + 2] = np.full(len(raw), 1e-4 if qtype.name.endswith("K") else 5e-3,
+                                      np.float16).view(np.uint8).reshape(-1, 2)
+    raw = raw.reshape(rows, -1)
+    return raw, gguf.quants.dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
 _FILE_TYPES = {QT.F32: gguf.LlamaFileType.ALL_F32, QT.F16: gguf.LlamaFileType.MOSTLY_F16,
                QT.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0, QT.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
                QT.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -250,6 +267,9 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama",
             writer.add_tensor(name, w)
         elif t == QT.F16:
             writer.add_tensor(name, w.astype(np.float16))
+        elif t in RANDOM_BLOCK_TYPES:
+            raw, weights[name] = random_blocks(w.shape[0], w.shape[1], t, rng)
+            writer.add_tensor(name, raw, raw_dtype=t)
         else:
             writer.add_tensor(name, gguf.quants.quantize(w, t), raw_dtype=t)
     writer.write_header_to_file()

@@ -14,7 +14,7 @@ from ..errors import ModelFormatError, UnsupportedModelError
 from .ggml_types import GGMLQuantizationType as T
 from .gguf_file import describe_value
 from .gguf_strings import GGUFStrings
-from ..quant import SUPPORTED_TYPES
+from ..quant import CONVERTIBLE_TYPES, SUPPORTED_TYPES
 
 # Llama-family architectures and how they differ from plain llama.
 #   rope_style "norm": rotate adjacent pairs (x0,x1),(x2,x3)... (llama.cpp's LLAMA_ROPE_TYPE_NORM;
@@ -252,10 +252,11 @@ def check_tensors(path: str, cfg: ModelConfig, tensors: Mapping[str, Any]) -> No
         if tuple(info.shape) != shape:
             raise ModelFormatError(path, f"tensor {name!r}",
                                    f"expected shape {shape} from the hyperparameters, found {tuple(info.shape)}")
-        if info.ggml_type not in SUPPORTED_TYPES:
+        # (a matrix in a CONVERTIBLE type is run from a Q8_0 copy that load() makes once)
+        if info.ggml_type not in SUPPORTED_TYPES and not (len(shape) == 2 and info.ggml_type in CONVERTIBLE_TYPES):
             raise UnsupportedModelError(path, f"tensor {name!r}",
                                         f"type {info.ggml_type.name} is not supported; supported: "
-                                        + ", ".join(t.name for t in SUPPORTED_TYPES))
+                                        + ", ".join(t.name for t in SUPPORTED_TYPES + CONVERTIBLE_TYPES))
         if len(shape) == 1 and info.ggml_type not in (T.F32, T.F16):
             raise ModelFormatError(path, f"tensor {name!r}", f"a 1-D tensor must be F32/F16, found {info.ggml_type.name}")
     for name in tensors:

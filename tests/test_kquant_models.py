@@ -1,0 +1,84 @@
+"""Models whose matrices are in block types no unit computes with (the K-quants of a Q4_K_M file,
+Q5_0/Q5_1) load from a Q8_0 copy made once (api._runnable): they were refused at open, and most
+Llama-family GGUFs people download keep output.weight in Q6_K."""
+import logging
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+
+import edgellm
+from edgellm import quant
+from edgellm.model.gguf_file import read_tensor
+from edgellm.model.loader import open_model
+
+from tests.synthetic import write_tiny_model
+
+K_TYPES = {"attn_q.weight": QT.Q4_K, "attn_k.weight": QT.Q4_K, "attn_v.weight": QT.Q6_K,
+           "attn_output.weight": QT.Q5_0, "ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q5_K,
+           "ffn_down.weight": QT.Q6_K, "output.weight": QT.Q6_K}
+
+
+def _raw(mf, info):
+    with open(mf.path, "rb", buffering=0) as f:
+        return read_tensor(f, mf.gguf, info)
+
+
+@pytest.fixture(scope="module")
+def kmodel(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kq")
+    return write_tiny_model(d / "k.gguf", tensor_type=QT.Q8_0, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2,
+                            tied_embeddings=False, tensor_types=K_TYPES, seed=3)
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_the_copy_holds_each_matrix_within_a_q8_0_step(kmodel, home, caplog):
+    with caplog.at_level(logging.WARNING, logger="edgellm"):
+        e = edgellm.load(kmodel.path, units=["reference"], n_ctx=128)
+    try:
+        said = [r.getMessage() for r in caplog.records if "no edgellm unit computes with" in r.getMessage()]
+        assert len(said) == 1 and "Q4_K/Q5_0/Q5_K/Q6_K" in said[0], said
+        src, copy = open_model(kmodel.path), e.model
+        assert copy.path != kmodel.path and str(home) in copy.path
+        for name, info in src.gguf.tensors.items():
+            got = copy.gguf.tensors[name]
+            if info.ggml_type not in quant.CONVERTIBLE_TYPES:
+                assert got.ggml_type == info.ggml_type, name
+                continue
+            assert got.ggml_type == QT.Q8_0, name
+            shape = tuple(reversed(info.shape))
+            want = quant.dequantize(_raw(src, info), info.ggml_type, shape)
+            np.testing.assert_array_equal(want, kmodel.weights[name])   # the gguf package's reading
+            have = quant.dequantize(_raw(copy, got), QT.Q8_0, shape).reshape(-1, 32)
+            # half a step of the block's scale d = max|w| / 127, plus its fp16 rounding times the
+            # largest quant, 127: 2^-11 of d (0.062 d), or below fp16's normal range half its
+            # subnormal spacing, 2^-25 (a block of tiny weights)
+            step = np.abs(want.reshape(-1, 32)).max(axis=1, keepdims=True) / 127
+            assert np.all(np.abs(have - want.reshape(-1, 32)) <= step * 0.57 + 127 * 2.0 ** -25), name
+    finally:
+        e.close()
+
+
+def test_it_runs_on_neon_as_on_the_reference_and_the_copy_is_made_once(kmodel, home, caplog):
+    ids = list(range(3, 40))
+    ref = edgellm.load(kmodel.path, units=["reference"], n_ctx=128)
+    try:
+        want = ref.logits(ids)[-1]
+    finally:
+        ref.close()
+    with caplog.at_level(logging.INFO, logger="edgellm"):
+        e = edgellm.load(kmodel.path, units=["neon"], n_ctx=128)
+    try:
+        assert any("(cached:" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        got = e.logits(ids)[-1]
+        assert np.all(np.isfinite(got))
+        nmse = float(np.sum((got - want) ** 2) / np.sum(want ** 2))
+        assert nmse < 1e-3, nmse       # neon's int8 activations against fp32
+        assert e.generate("hello", max_tokens=8, temperature=0) is not None
+    finally:
+        e.close()
