@@ -195,21 +195,6 @@ el_bqp_block(const int NR, const float *wp, int kc, const float *x, int K, float
     }
 }
 
-#define EL_BQP_BLOCK(n) el_bqp_block(n, wp, kc, xs, K, yr, ldy, first, bias, np)
-
-static void el_bqp_rows_of_panel(const float *wp, int kc, const float *x, int nx, int K, float *y, size_t ldy,
-                                 int first, const float *bias, int np) {
-    for (int r0 = 0; r0 < nx; r0 += EL_BQP_R) {
-        const float *xs = x + (size_t)r0 * K;
-        float *yr = y + (size_t)r0 * ldy;
-        switch (EL_MIN(EL_BQP_R, nx - r0)) {
-        case 4: EL_BQP_BLOCK(4); break;
-        case 3: EL_BQP_BLOCK(3); break;
-        case 2: EL_BQP_BLOCK(2); break;
-        default: EL_BQP_BLOCK(1); break;
-        }
-    }
-}
 #else
 /* 4 rows x 4 values -> their transpose (lane i of out[j] = lane j of in[i]) */
 static inline void el_bqp_transpose4(float32x4_t v[4]) {
@@ -303,6 +288,10 @@ el_bqp_block(const int NR, const float *wp, int kc, const float *x, int K, float
     }
 }
 
+#endif
+
+#if !(EL_SIMDE && defined(__AVX512F__))
+/* (AVX2 and NEON: blocks of up to 4 x rows) */
 #define EL_BQP_BLOCK(n) el_bqp_block(n, wp, kc, xs, K, yr, ldy, first, bias, np)
 
 static void el_bqp_rows_of_panel(const float *wp, int kc, const float *x, int nx, int K, float *y, size_t ldy,

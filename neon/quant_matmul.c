@@ -41,6 +41,8 @@ void el_matmul_f32act_rows(int wtype, int generic, const uint8_t *w, size_t rb, 
  * in GEMM form against 2.5-4.1x in the tile's), but the two forms sum in different orders: a
  * row's logits would then depend on how its prompt was cut into calls (prefill_chunk=2 against
  * the default chunks, tests/test_chunk_bounds.py). One row stays a GEMV. */
+void el_bqpanel_rows(int wtype, const uint8_t *w, size_t rb, int rows, const float *x, int nx, int K, float *y,
+                     size_t ldy, const float *bias);
 
 #define QK 32
 /* GEMV prefetch distance. The 4 rows of a tile are 4 interleaved streams a row apart; each
