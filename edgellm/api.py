@@ -1025,9 +1025,10 @@ def _blas_threads_for(plan, threads: int) -> int:
     large GEMMs. Attention's matmuls are small (a kv head's block of queries against the keys),
     and OpenBLAS's caller spin-waits for its workers at each: beside one CPU-bound process, a
     400-token prompt on units npu,reference took 0.9-1.3 s at 2 BLAS threads and 0.44 s at 1 (0.42
-    idle). Where reference runs the projections too (units=["reference"]; a profile whose neon
-    fp32-activation GEMM is slower than BLAS, for the quality preset's fp32 prefill), 2 threads were 1.7x faster idle and ~1.9x slower beside a busy process: they
-    keep `threads`, the speed a plan prices."""
+    idle). Where reference runs the projections too (units=["reference"]; the quality preset's
+    fp32 prefill on a profile whose neon fp32-activation GEMM is slower than BLAS), 2 threads
+    were 1.7x faster idle and ~1.9x slower beside a busy process: they keep `threads`, the speed
+    a plan prices."""
     from .ops import MATMUL_KINDS
 
     on_ref = [p for ph in plan.phases().values() for p in ph.placements if p.unit == "reference"]

@@ -170,6 +170,7 @@ def requantized_copy(mf, formats: Mapping[str, str], plan_name: str, what: str,
     from .model.loader import open_model
     from .requant import requantize_gguf
 
+    npu_cache.cap_bytes(CACHE_CAP_ENV, CACHE_CAP_MB, CACHE_CAP_WHAT)   # (a bad cap: refused before any work)
     key, ident = _cache_key(mf.path, formats), _identity(mf.path, formats)
     stem = Path(mf.path).name.removesuffix(".gguf")
     path = cache_dir() / f"{stem}-{plan_name}-{ident}-{key[:16]}.gguf"
