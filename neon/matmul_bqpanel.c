@@ -1,24 +1,24 @@
 /* Block weights (Q4_0, Q4_1, Q8_0) against fp32 x in GEMM form (el_matmul_f32act calls of 2 x
- * rows or more, quant_matmul.c): a panel of W rows is dequantized once per slice of k into a k-major buffer, then
- * every x row of the task's chunk sweeps it in a broadcast-FMA register block.
+ * rows or more, quant_matmul.c): a panel of W rows is dequantized once per slice of k into a
+ * k-major buffer, then every x row of the task's chunk sweeps it in a broadcast-FMA register block.
  *
  * Why: matmul_float.c's 4 x 4 tile widens each weight again for every 4 x rows and folds its
- * lanes per block: 80-88 GFLOPS at 16-256 rows (Zen 5, 2 threads), a third of numpy's sgemm. The
+ * lanes per block: 82-86 GFLOPS at 16-256 rows (Zen 5, 2 threads), a third of numpy's sgemm. The
  * dispatcher then put a precision plan's fp32 GEMMs (the `quality` preset's prefill) on the
- * reference unit, which holds a dequantized fp32 copy of every matrix (587 MiB resident for
- * SmolLM2-135M against 180) and whose BLAS threads wait on each other when the other core is busy.
- * This form: 158-352 GFLOPS at 16-256 rows on the same machine (SmolLM2's layer GEMM shapes, Q4_1).
+ * reference unit, which holds a dequantized fp32 copy of every matrix (592 MiB resident for
+ * SmolLM2-135M against 187 without) and whose BLAS threads wait on each other when the other core
+ * is busy. This form: 158-352 GFLOPS at 16-256 rows on the same machine (SmolLM2's layer GEMM
+ * shapes, Q4_1).
  *
  * Each weight in the buffer is dequantized by the reference's formula: d q + m (Q4_1), d (q - 8)
- * (Q4_0), d q (Q8_0). Each output is one fp32 FMA
- * chain over k in order from 0 (kept in y between slices, which stores it exactly), plus the
- * bias at the end: a row's result does not depend on the chunk or task it falls in.
+ * (Q4_0), d q (Q8_0). Each output is one fp32 FMA chain over k in order from 0 (kept in y between
+ * slices, which stores it exactly), plus the bias at the end: a row's result does not depend on
+ * the chunk or task it falls in.
  *
  * Panel width (W rows per panel) and x rows per register block: AVX-512 (x86 development builds)
  * 32 and 6: 12 accumulators, 2 loads and 6 broadcasts per 12 FMAs; AVX2 16 and 4 (it has 16
  * registers: at 6 rows the block spilled, 48-56 GFLOPS a core against 65-84 at 4, Zen 5, 41-128
- * x rows);
- * NEON 16 and 4: 16 accumulators, 4 loads per 16 FMAs (x by lane: FMLA by element). */
+ * x rows); NEON 16 and 4: 16 accumulators, 4 loads per 16 FMAs (x by lane: FMLA by element). */
 #include "el_common.h"
 
 #if EL_SIMDE && defined(__AVX512F__)
