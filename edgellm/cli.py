@@ -1047,12 +1047,21 @@ def _memory_text(mf, n_ctx: int) -> str:
     from .api import memory_needed
     from .backends import neon, reference
 
+    from .quant import CONVERTIBLE_TYPES
+
     kv = memory_needed(mf, n_ctx, placement={})
     mib = 2 ** 20
-    return (f"{kv / mib:.0f} MiB KV cache (f16) beside the mapped file ({mf.file_size / mib:.1f} MiB); weights "
+    text = (f"{kv / mib:.0f} MiB KV cache (f16) beside the mapped file ({mf.file_size / mib:.1f} MiB); weights "
             f"add {neon.prepared_nbytes(mf.config) / mib:.1f} MiB on the neon unit (read in place, quantized), "
             f"{reference.prepared_nbytes(mf.config) / mib:.0f} MiB of fp32 copies where the reference unit runs "
             f"every op")
+    conv = [t for t in mf.gguf.tensors.values() if t.ggml_type in CONVERTIBLE_TYPES and len(t.shape) == 2]
+    if conv:   # (load() runs them from a Q8_0 copy of the file: that copy is what is mapped)
+        grows = sum(t.n_elements // 32 * 34 - t.nbytes for t in conv)
+        text += (f"; its {len(conv)} {'/'.join(sorted({t.ggml_type.name for t in conv}))} matrices run from a "
+                 f"Q8_0 copy of the file, {(mf.file_size + grows) / mib:.1f} MiB mapped in its place (written "
+                 f"once to EDGELLM_HOME/cache/precision/models)")
+    return text
 
 
 @app.command()

@@ -82,3 +82,23 @@ def test_it_runs_on_neon_as_on_the_reference_and_the_copy_is_made_once(kmodel, h
         assert e.generate("hello", max_tokens=8, temperature=0) is not None
     finally:
         e.close()
+
+
+def test_info_counts_the_copy_load_maps(kmodel, home):
+    """info's memory line said the neon unit reads the weights in place: it maps the Q8_0 copy"""
+    import re
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from edgellm.cli import app
+
+    r = CliRunner().invoke(app, ["info", kmodel.path])
+    assert r.exit_code == 0, r.output
+    said = re.search(r"its 15 Q4_K/Q5_0/Q5_K/Q6_K matrices run from a Q8_0 copy of the file, ([0-9.]+) MiB", r.output)
+    assert said, r.output
+    e = edgellm.load(kmodel.path, units=["neon"], n_ctx=128)
+    try:
+        assert float(said.group(1)) == pytest.approx(Path(e.model.path).stat().st_size / 2**20, abs=0.06)
+    finally:
+        e.close()
