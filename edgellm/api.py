@@ -762,13 +762,17 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     t0 = time.perf_counter()
     path = resolve_model(model,
                          progress=(lambda done, total: progress("pull", done, total)) if progress else None)
-    mf = _runnable(open_model(path), progress)
+    mf = open_model(path)
     compute = None
     if pplan is not None:
         pplan.check_model(mf.config.n_layers)
-        mf, note = plan_model(mf, pplan, progress=(lambda d, t: progress("requantize", d, t)) if progress else None)
+        convert, what = _convertible(mf)
+        mf, note = plan_model(mf, pplan, progress=(lambda d, t: progress("requantize", d, t)) if progress else None,
+                              also=convert, also_what=what)
         log.info("%s", note)
         compute = ComputeTable(pplan, mf.config.n_layers)
+    else:
+        mf = _runnable(mf, progress)
     if n_ctx is None:
         n_ctx = min(DEFAULT_CTX, mf.config.context_length)
     elif n_ctx > mf.config.context_length:
@@ -910,19 +914,29 @@ def _runnable(mf: ModelFile, progress=None) -> ModelFile:
     precision cache. Q8_0 holds each of their weights to within half a step of 8 bits; those
     matrices take more memory than in the file (Q4_K 4.5 -> 8.5 bits a weight)."""
     from .precision_runtime import requantized_copy
+
+    formats, what = _convertible(mf)
+    if not formats:
+        return mf
+    out, note = requantized_copy(mf, formats, "q8_0", what,
+                                 (lambda d, t: progress("requantize", d, t)) if progress else None)
+    log.info("%s", note)
+    return out
+
+
+def _convertible(mf: ModelFile) -> tuple[dict[str, str], str]:
+    """({tensor name: "q8_0"} for mf's matrices in quant.CONVERTIBLE_TYPES, their types as
+    named in notes), with the load's warning when there are any."""
     from .quant import CONVERTIBLE_TYPES
 
     formats = {name: "q8_0" for name, info in mf.gguf.tensors.items()
                if info.ggml_type in CONVERTIBLE_TYPES and len(info.shape) == 2}
     if not formats:
-        return mf
+        return {}, ""
     kinds = sorted({mf.tensor_type(n).name for n in formats})
     log.warning("%s: %d matrices are in %s, which no edgellm unit computes with: they run from a Q8_0 "
                 "copy (made once, then cached)", mf.path, len(formats), "/".join(kinds))
-    out, note = requantized_copy(mf, formats, "q8_0", f"{'/'.join(kinds)} as Q8_0",
-                                 (lambda d, t: progress("requantize", d, t)) if progress else None)
-    log.info("%s", note)
-    return out
+    return formats, f"{'/'.join(kinds)} as Q8_0"
 
 
 def _opencl_on_a_cpu_device(plan, profile) -> list[str]:

@@ -116,21 +116,29 @@ def weight_formats(model) -> dict[str, str]:
     from .costmodel import LayerFormats
     from .model import layout
 
+    from .quant import CONVERTIBLE_TYPES
+
+    def runs_as(name: str) -> str:
+        # a K-quant / Q5_x matrix runs from load()'s Q8_0 copy (api._runnable): costed as q8_0
+        # (`edgellm plan` on a Q4_K_M file stopped at a KeyError: 'q4_k')
+        t = model.tensor_type(name)
+        return "q8_0" if t in CONVERTIBLE_TYPES else t.name.lower()
+
     cfg = model.config
     fmt = {op.name: "f32" for op in (*layer_ops(cfg), *model_ops(cfg))}
     for op in layout.SEGMENTS:
         per_layer = []
         for i in range(cfg.n_layers):
             segs, _ = layout.projection(cfg, i, op)
-            per_layer.append(tuple((model.tensor_type(name).name.lower(), rows) for name, rows in segs))
+            per_layer.append(tuple((runs_as(name), rows) for name, rows in segs))
         parts = max(dict.fromkeys(per_layer), key=per_layer.count)
         if len(set(per_layer)) > 1 and all(len({f for f, _ in p}) == 1 for p in per_layer):
             fmt[op] = LayerFormats(tuple(p[0][0] for p in per_layer))
         else:
             fmt[op] = parts[0][0] if len({f for f, _ in parts}) == 1 else MixedFormat(parts)
-    fmt["embedding"] = model.tensor_type("token_embd.weight").name.lower()
+    fmt["embedding"] = runs_as("token_embd.weight")
     head = "token_embd.weight" if cfg.tied_embeddings else "output.weight"
-    fmt["lm_head"] = model.tensor_type(head).name.lower()
+    fmt["lm_head"] = runs_as(head)
     return fmt
 
 

@@ -130,10 +130,15 @@ def _bits(type_name: str) -> float:
     return 8 * size / block
 
 
-def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | None = None):
+def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | None = None,
+               also: Mapping[str, str] | None = None, also_what: str = ""):
     """(the ModelFile to run, a one-line note) for `plan` on `mf`. The file itself when the plan
     keeps every tensor's format; else a requantized copy from the cache, written on first use.
-    A damaged or stale cache file is rewritten with one warning."""
+    A damaged or stale cache file is rewritten with one warning. also: conversions needed
+    whatever the plan says (api._runnable's K-quant matrices as q8_0; `also_what` names them),
+    which the plan's own formats override: one copy from the source (a plan's copy made from
+    the Q8_0 copy was named after that copy's key, so a touched source left each old one behind,
+    and under the cache's bound each load wrote both, the second evicting the first)."""
     from .requant import GGUF_TYPE_FOR, plan_formats
 
     # a bad cap is refused first: found only after a requantization, it failed a miss once the
@@ -143,6 +148,8 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     formats = plan_formats(mf, lambda layer, op: plan.weight_format(layer, op, cfg.n_layers))
     # a tensor the plan sets to the type the file already has needs no conversion
     formats = {n: f for n, f in formats.items() if mf.tensor_type(n) != GGUF_TYPE_FOR[f]}
+    if not formats and also:
+        return requantized_copy(mf, also, "q8_0", also_what, progress)   # (the copy a load without a plan uses)
     if not formats:
         return mf, f"precision plan {plan.name!r}: weights as the file stores them"
     emb_asked = plan.weight_format(None, "embedding", cfg.n_layers)
@@ -159,7 +166,10 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
         log.warning("precision plan %r requantizes %d tensors that the file already stores in 4 bits (%s) "
                     "into another 4-bit format: a second rounding for few bytes saved; `edgellm precision plan` "
                     "measures what each layer tolerates", plan.name, len(again), mf.tensor_type(again[0]).name)
-    return requantized_copy(mf, formats, plan.name or "plan", f"precision plan {plan.name!r}", progress)
+    what = f"precision plan {plan.name!r}"
+    if also:
+        formats, what = {**also, **formats}, f"{what} (and {also_what})"
+    return requantized_copy(mf, formats, plan.name or "plan", what, progress)
 
 
 def requantized_copy(mf, formats: Mapping[str, str], plan_name: str, what: str,
@@ -194,7 +204,11 @@ def requantized_copy(mf, formats: Mapping[str, str], plan_name: str, what: str,
         except (EdgeLLMError, OSError) as e:
             why = str(e)
         log.warning("requantized model cache %s is unusable (%s); writing it again", path, why)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:   # (a read-only EDGELLM_HOME: a bare OSError, naming no model nor cause)
+        raise ConfigError(f"{what}: cannot write the requantized model to {path.parent}: {e.strerror or e}; "
+                          "set EDGELLM_HOME to a writable folder") from e
     for f in (path, fp):   # (a FIFO, a folder or a link there failed every load)
         clear_odd_entry(f)
     # older copies of the same source and formats (the model file re-pulled or touched: the key

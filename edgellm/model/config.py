@@ -252,13 +252,14 @@ def check_tensors(path: str, cfg: ModelConfig, tensors: Mapping[str, Any]) -> No
         if tuple(info.shape) != shape:
             raise ModelFormatError(path, f"tensor {name!r}",
                                    f"expected shape {shape} from the hyperparameters, found {tuple(info.shape)}")
+        # (first: a norm in Q4_K was "Q4_K is not supported; supported: ..., Q4_K, ...")
+        if len(shape) == 1 and info.ggml_type not in (T.F32, T.F16):
+            raise ModelFormatError(path, f"tensor {name!r}", f"a 1-D tensor must be F32/F16, found {info.ggml_type.name}")
         # (a matrix in a CONVERTIBLE type is run from a Q8_0 copy that load() makes once)
-        if info.ggml_type not in SUPPORTED_TYPES and not (len(shape) == 2 and info.ggml_type in CONVERTIBLE_TYPES):
+        if info.ggml_type not in SUPPORTED_TYPES and info.ggml_type not in CONVERTIBLE_TYPES:
             raise UnsupportedModelError(path, f"tensor {name!r}",
                                         f"type {info.ggml_type.name} is not supported; supported: "
                                         + ", ".join(t.name for t in SUPPORTED_TYPES + CONVERTIBLE_TYPES))
-        if len(shape) == 1 and info.ggml_type not in (T.F32, T.F16):
-            raise ModelFormatError(path, f"tensor {name!r}", f"a 1-D tensor must be F32/F16, found {info.ggml_type.name}")
     for name in tensors:
         if name in want or _IGNORED.match(name):
             continue
