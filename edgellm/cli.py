@@ -1047,6 +1047,7 @@ def _memory_text(mf, n_ctx: int) -> str:
     from .api import memory_needed
     from .backends import neon, reference
 
+    from .model.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
     from .quant import CONVERTIBLE_TYPES
 
     kv = memory_needed(mf, n_ctx, placement={})
@@ -1057,7 +1058,8 @@ def _memory_text(mf, n_ctx: int) -> str:
             f"every op")
     conv = [t for t in mf.gguf.tensors.values() if t.ggml_type in CONVERTIBLE_TYPES and len(t.shape) == 2]
     if conv:   # (load() runs them from a Q8_0 copy of the file: that copy is what is mapped)
-        grows = sum(t.n_elements // 32 * 34 - t.nbytes for t in conv)
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
+        grows = sum(t.n_elements // block * size - t.nbytes for t in conv)
         text += (f"; its {len(conv)} {'/'.join(sorted({t.ggml_type.name for t in conv}))} matrices run from a "
                  f"Q8_0 copy of the file, {(mf.file_size + grows) / mib:.1f} MiB mapped in its place (written "
                  f"once to EDGELLM_HOME/cache/precision/models)")

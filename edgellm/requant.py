@@ -86,6 +86,11 @@ def _block_size(fmt: str) -> int:
 def sqnr_db(w: np.ndarray, w_hat: np.ndarray) -> float:
     """10 log10(sum w^2 / sum (w - w_hat)^2) in dB; inf when w_hat == w exactly. Sums in fp64,
     in chunks (an fp32 sum of squares over 28M embedding values loses the small error terms)."""
+    return _db(*_power_sums(w, w_hat))
+
+
+def _power_sums(w: np.ndarray, w_hat: np.ndarray) -> tuple[float, float]:
+    """(sum w^2, sum (w - w_hat)^2), in fp64"""
     a = np.asarray(w, dtype=np.float32).reshape(-1)
     b = np.asarray(w_hat, dtype=np.float32).reshape(-1)
     if a.shape != b.shape:
@@ -96,6 +101,10 @@ def sqnr_db(w: np.ndarray, w_hat: np.ndarray) -> float:
         d = x - b[i:i + _SQNR_CHUNK]
         sig += float(np.dot(x, x))
         err += float(np.dot(d, d))
+    return sig, err
+
+
+def _db(sig: float, err: float) -> float:
     if err == 0.0:
         return math.inf
     if sig == 0.0:
@@ -393,14 +402,11 @@ def _convert_rows(raw: np.ndarray, j: "_Job", name: str) -> tuple[np.ndarray, fl
         part = rows[r0:r0 + step]
         w = quant.dequantize(part, j.src_type, (len(part), k))
         c = convert(w, _gguf_name(j.dst_type), name=name)
-        d = w.astype(np.float64)
-        sig += float(np.dot(d.reshape(-1), d.reshape(-1)))
-        e = d - c.dequantized.astype(np.float64)
-        err += float(np.dot(e.reshape(-1), e.reshape(-1)))
+        s, e = _power_sums(w, c.dequantized)
+        sig, err = sig + s, err + e
         out.append(np.ascontiguousarray(c.data).view(np.uint8).reshape(len(part), -1))
-        del w, c, d, e
-    sq = math.inf if err == 0.0 else (10 * math.log10(sig / err) if sig > 0 else -math.inf)
-    return np.concatenate(out) if len(out) > 1 else out[0], sq
+        del w, c
+    return np.concatenate(out) if len(out) > 1 else out[0], _db(sig, err)
 
 
 def _file_key(st: os.stat_result) -> tuple[int, int, int, int, int]:

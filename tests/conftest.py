@@ -47,3 +47,10 @@ def kernels(tmp_path, monkeypatch):
     shutil.copytree(opencl_runtime.kernel_dir(), d)
     monkeypatch.setenv("EDGELLM_OPENCL_KERNELS", str(d))
     return d
+
+
+@pytest.fixture()
+def home(tmp_path, monkeypatch):
+    """An empty EDGELLM_HOME of the test's own (a module's own `home` fixture takes precedence)."""
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"

@@ -96,6 +96,14 @@ RANDOM_BLOCK_TYPES = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,), QT.Q2_K
                       QT.Q5_0: (0,), QT.Q5_1: (0, 2)}
 
 
+def write_kquant_model(path: str | os.PathLike[str], tensor_types: dict[str, QT]) -> "TinyModel":
+    """A tiny untied llama whose matrices named by `tensor_types` (suffix -> type, as
+    write_tiny_model takes them) are in RANDOM_BLOCK_TYPES, the rest Q8_0; widths are multiples
+    of the K-quants' 256-value blocks."""
+    return write_tiny_model(path, tensor_type=QT.Q8_0, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2,
+                            tied_embeddings=False, tensor_types=tensor_types, seed=3)
+
+
 def random_blocks(rows: int, cols: int, qtype: QT, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """(raw (rows, bytes per row) uint8, its dequantization (rows, cols) float32) of a matrix in
     one of RANDOM_BLOCK_TYPES, its values within ~0.1"""

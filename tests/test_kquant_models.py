@@ -12,7 +12,7 @@ from edgellm import quant
 from edgellm.model.gguf_file import read_tensor
 from edgellm.model.loader import open_model
 
-from tests.synthetic import write_tiny_model
+from tests.synthetic import write_kquant_model, write_tiny_model
 
 K_TYPES = {"attn_q.weight": QT.Q4_K, "attn_k.weight": QT.Q4_K, "attn_v.weight": QT.Q6_K,
            "attn_output.weight": QT.Q5_0, "ffn_gate.weight": QT.Q4_K, "ffn_up.weight": QT.Q5_K,
@@ -27,14 +27,7 @@ def _raw(mf, info):
 @pytest.fixture(scope="module")
 def kmodel(tmp_path_factory):
     d = tmp_path_factory.mktemp("kq")
-    return write_tiny_model(d / "k.gguf", tensor_type=QT.Q8_0, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2,
-                            tied_embeddings=False, tensor_types=K_TYPES, seed=3)
-
-
-@pytest.fixture()
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
+    return write_kquant_model(d / "k.gguf", K_TYPES)
 
 
 def test_the_copy_holds_each_matrix_within_a_q8_0_step(kmodel, home, caplog):

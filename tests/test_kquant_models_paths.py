@@ -16,7 +16,7 @@ from edgellm.ops import WEIGHT_BYTES, weight_formats
 from edgellm.precision import parse_plan
 
 from tests import synthetic
-from tests.synthetic import write_tiny_model
+from tests.synthetic import write_kquant_model, write_tiny_model
 
 K_TYPES = {"attn_q.weight": QT.Q4_K, "attn_k.weight": QT.Q2_K, "attn_v.weight": QT.Q6_K,
            "attn_output.weight": QT.Q5_1, "ffn_gate.weight": QT.Q3_K, "ffn_up.weight": QT.Q5_K,
@@ -26,14 +26,7 @@ K_TYPES = {"attn_q.weight": QT.Q4_K, "attn_k.weight": QT.Q2_K, "attn_v.weight": 
 @pytest.fixture(scope="module")
 def kmodel(tmp_path_factory):
     d = tmp_path_factory.mktemp("kq")
-    return write_tiny_model(d / "k.gguf", tensor_type=QT.Q8_0, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2,
-                            tied_embeddings=False, tensor_types=K_TYPES, seed=3)
-
-
-@pytest.fixture()
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
+    return write_kquant_model(d / "k.gguf", K_TYPES)
 
 
 def test_the_plan_costs_each_kquant_matrix_as_the_q8_0_it_runs_as(kmodel):
