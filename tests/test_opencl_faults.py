@@ -69,7 +69,9 @@ FAULTS = {
                     "no OpenCL device with platform matching 'no-such-platform'"),
     "build failure": (lambda k, mp: _break_build(k), "failed to build"),
     "self-check": (lambda k, mp: _break_numerics(k), "numeric self-check failed"),
-    "probe crash": (lambda k, mp: _crash_driver(k), "crashed"),
+    # PoCL dies of the stray write; a GPU driver (NVIDIA's, seen on an H200) reports it as an
+    # error of the next call instead: both must turn the unit off with the reason
+    "probe crash": (lambda k, mp: _crash_driver(k), r"crashed|read-back of \d+ bytes failed"),
 }
 
 
@@ -80,18 +82,18 @@ def test_fault_falls_back_to_the_cpu_with_the_reason_shown(fault, home, kernels,
     path, cpu_text = tiny
 
     ok, why = opencl.available()
-    assert not ok and expect in why, why
+    assert not ok and re.search(expect, why), why
 
     # the plan shows the unit unavailable with the reason
     res = CliRunner().invoke(app, ["plan", "--model", path, "--prompt-tokens", "32", "--ctx", "128"])
     assert res.exit_code == 0, res.output
-    assert expect in " ".join(res.output.split()), res.output
+    assert re.search(expect, " ".join(res.output.split())), res.output
 
     # the log says so, and generation completes on the CPU with the CPU's tokens
     with caplog.at_level(logging.WARNING, logger="edgellm"):
         eng = edgellm.load(path, n_ctx=128, units=["opencl", "reference"])
     assert "opencl" not in eng.plan.units_used()
-    assert "unit opencl unavailable" in caplog.text and expect in caplog.text
+    assert "unit opencl unavailable" in caplog.text and re.search(expect, caplog.text)
     assert eng.generate("hello", max_tokens=6, temperature=0) == cpu_text
 
 

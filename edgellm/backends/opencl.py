@@ -159,7 +159,14 @@ def _probe(retried: bool = False) -> tuple[bool, str]:
         return False, f"the OpenCL probe exited with code {proc.returncode} without a result: {tail}"
     _state["probe_report"] = res
     if not res.get("ok"):
-        return False, str(res.get("reason", "probe failed"))
+        why = str(res.get("reason", "probe failed"))
+        if not retried and res.get("from_cache") and _clear_binaries():
+            # as a crash above: a cached binary the driver accepts but runs wrong, or one whose
+            # fault a GPU driver reports as an error (NVIDIA: OUT_OF_RESOURCES at the read-back)
+            # where PoCL dies, failed every probe until the user cleared the cache by hand
+            log.warning("%s; the program-binary cache in %s was cleared, probing again", why, cache_root())
+            return _probe(retried=True)
+        return False, why
     opencl_probe_cache.store(res)
     # the device itself is opened on first use (runtime()): a driver's libraries cost resident
     # memory (PoCL: ~29 MB) that a plan placing nothing on this unit should not pay

@@ -96,6 +96,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 def main() -> int:
     t0 = time.perf_counter()
     out = {"ok": False, "reason": "", "device": "", "build_s": 0.0}
+    rt = None
     try:
         rt = ClRuntime.create()
         out["device"] = rt.name
@@ -109,10 +110,13 @@ def main() -> int:
         out["reason"] = f"numeric self-check failed on {rt.name}: {err}" if err else rt.why
     except KernelBuildError as e:
         out["reason"] = f"a kernel failed to build: {e}"
+        rt = None           # a source that does not build: no cached binary to blame
     except OpenCLUnavailable as e:
         out["reason"] = str(e)
     except Exception as e:   # report, don't crash: the parent wants a reason
         out["reason"] = f"probe failed: {type(e).__name__}: {e}"
+    # programs taken from the binary cache: a failure with any is retried from source (opencl.py)
+    out["from_cache"] = rt.stats.from_cache if rt is not None else 0
     out["seconds"] = round(time.perf_counter() - t0, 3)
     print(json.dumps(out), flush=True)
     return 0

@@ -245,7 +245,9 @@ class ClRuntime:
         probe child's pass, so that a binary the driver dies on (PoCL asserts on a cut-short one
         whose header was made to match it) kills the child, and the parent clears the cache,
         rather than the engine's own process at every run. Unusable files are warned about and
-        skipped, as _build would; returns how many loaded."""
+        skipped, as _build would; one the driver rejects is removed (NVIDIA's refuses a cut-short
+        one with an error instead of dying: kept, it was rejected again at every probe). Returns
+        how many loaded."""
         cl = _import_cl()
         n = 0
         for path in sorted((self.cache_dir or cache_root()).glob("*.bin")):
@@ -256,7 +258,8 @@ class ClRuntime:
                 cl.Program(self.ctx, [self.device], [binary]).build()
                 n += 1
             except cl.Error as e:
-                log.warning("OpenCL binary cache %s rejected by the driver (%s)", path, e)
+                path.unlink(missing_ok=True)
+                log.warning("OpenCL binary cache %s rejected by the driver (%s); removed", path, e)
         return n
 
     def _build(self, family: str, opts: tuple[str, ...]):
