@@ -87,6 +87,9 @@ def friendly(fn):
     written, a full disk under stdout, a read-only EDGELLM_HOME); no traceback."""
     @functools.wraps(fn)
     def wrapper(*a, **k):
+        global _command, _said
+        _command, _said = fn.__name__.replace("_", " "), False
+        _outputs.clear()
         try:
             home_check()   # every command, first: a file there read as "model not downloaded"
             if fn.__name__ not in _NO_KERNELS:
@@ -109,14 +112,100 @@ def friendly(fn):
             raise typer.Exit(1)
         except KeyboardInterrupt:
             _stop_probe_child()
-            typer.echo("", err=True)
+            _say_interrupted(signal.SIGINT)
             raise typer.Exit(130)
-        except SystemExit:   # SIGTERM (main's handler): the probe child too, as for Ctrl-C
+        except SystemExit as e:   # SIGTERM (main's handler): the probe child too, as for Ctrl-C
             _stop_probe_child()
+            signum = _terminated or _signal_of_exit(e.code)
+            if signum:
+                _say_interrupted(signum)
             raise
         finally:
             _release_session_locks()
     return wrapper
+
+
+_command = ""        # the command running (for the line an interrupt prints)
+_outputs: dict = {}  # flag -> (path, its state before the command wrote it): said at an interrupt
+_said = False        # the interrupt's line is printed (once)
+
+
+def _will_write(flag: str, path) -> None:
+    """Notes an output the command writes, as it is now: an interrupt says what became of it."""
+    _outputs[flag] = (Path(path), _file_state(Path(path)))
+
+
+def _signal_of_exit(code) -> int:
+    """The signal a SystemExit stands for: 143 and 129 are raised only by the SIGTERM and SIGHUP
+    handlers (main's, toolchain.stop_on_sigterm's); 0 for any other exit."""
+    for name in ("SIGTERM", "SIGHUP"):
+        n = getattr(signal, name, None)
+        if n is not None and code == 128 + n:
+            return n
+    return 0
+
+
+def _signal_words(signum: int) -> str:
+    if signum == signal.SIGINT:
+        return "Ctrl-C (SIGINT)"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _remove_own_temps(path: Path) -> None:
+    """This process's temporary files beside an output (fileio.temp_beside's names): the writers
+    remove theirs as an interrupt unwinds, except one that lands between the file's creation and
+    the writer's try; whatever is left of them here is removed."""
+    from .fileio import _TAGGED_FILE, _TEMP_NAME_MAX, cut_name, writer_tag
+
+    prefix = f".{cut_name(path.name, _TEMP_NAME_MAX, _TEMP_NAME_MAX // 2)}.{writer_tag()}."
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return
+    for e in entries:
+        if e.name.startswith(prefix) and _TAGGED_FILE.match(e.name):
+            try:
+                if e.is_file(follow_symlinks=False):
+                    os.unlink(e.path)
+            except OSError:
+                pass
+
+
+def _outputs_left() -> list[str]:
+    """What became of each output the command was to write: as it was, or written whole (they
+    are written to a temporary file and renamed), never a part."""
+    said = []
+    for flag, (path, before) in _outputs.items():
+        _remove_own_temps(path)
+        now = _file_state(path)
+        if now == before:
+            said.append(f"{flag} {path} was left as it was" if before else f"nothing was written to {flag} {path}")
+        elif now is None:
+            said.append(f"{flag} {path} is no longer there")
+        else:
+            said.append(f"{flag} {path} was written whole before the signal")
+    return said
+
+
+def _say_interrupted(signum: int, *what: str) -> None:
+    """One line on stderr for a command stopped by a signal: which, and what became of its
+    outputs (an interrupted quantize exited 130 with an empty line; on SIGTERM, with nothing)."""
+    global _said
+    if _said:
+        return
+    _said = True
+    head = f"edgellm: {_command}: " if _command else "edgellm: "
+    parts = [*what, *_outputs_left()]
+    try:
+        tty = sys.stderr is not None and sys.stderr.isatty()
+    except (OSError, ValueError):
+        tty = False
+    # (at a terminal the cursor is after "^C", a progress line or a streamed answer)
+    _note(("\n" if tty else "") + f"{head}interrupted by {_signal_words(signum)}"
+          + "".join(f"; {p}" for p in parts))
 
 
 # the API's parameter names that start its messages, as the command line names them ("n_ctx must
@@ -199,6 +288,7 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=Non
             raise ConfigError(f"{flag} {p}: cannot be checked before it is replaced: {e.strerror or e}") from None
         if not test(head):
             raise ConfigError(f"{flag} {p}: exists and is not {what}; give another path, or remove it first")
+    _will_write(flag, p)
     return p
 
 
@@ -224,6 +314,17 @@ def check_out_folder(parent: Path, flag: str, out: Path) -> None:
     if parent.is_dir():
         if not os.access(parent, os.W_OK):
             raise ConfigError(f"{flag} {out}: the folder {parent} is not writable")
+        # access() passes what the file system itself refuses (root in /proc or /sys, a FUSE or
+        # network folder): a file made and removed there says so now, in the system's words
+        # (quantize -o /proc/x said "needs 89.7 MiB but /proc has 0.0 MiB free")
+        from .fileio import os_error_text, temp_beside
+
+        try:
+            fd, tmp = temp_beside(out)
+        except OSError as e:
+            raise ConfigError(f"{flag} {out}: cannot write a file in {parent}: {os_error_text(e)}") from None
+        os.close(fd)
+        os.unlink(tmp)
         return
     file_above = next((a for a in (parent, *parent.parents) if a.exists() and not a.is_dir()), None)
     if file_above is not None:
@@ -298,10 +399,12 @@ def write_output(path: Path, flag: str, data: bytes) -> None:
     from .errors import ConfigError
     from .fileio import write_atomic
 
+    from .fileio import os_error_text
+
     try:
         write_atomic(path, data, mode=0o644)
     except OSError as e:
-        raise ConfigError(f"{flag} {path}: cannot write it: {e.strerror or e}") from None
+        raise ConfigError(f"{flag} {path}: cannot write it: {os_error_text(e)}") from None
 
 
 def home_check() -> None:
@@ -724,6 +827,8 @@ def run(
     eng = _load(model, ctx, threads, kv, kv_precision, window, sinks, device, units,  # after validating the options
                 precision, quality_guard)
     session, saved, seen = _open_session(eng, session, chat)
+    if session is not None:   # (as it is now: a file kept aside is not this run's doing)
+        _will_write("--session", session)
     if chat:
         messages = list(saved.get("messages", [])) + [{"role": "user", "content": prompt}]
         text = eng.render_chat(messages)
@@ -745,10 +850,17 @@ def run(
     if session is not None and eng.last_stats.stop_reason not in ("cancelled", ""):
         meta = ({"messages": messages + [{"role": "assistant", "content": "".join(answer)}]} if chat
                 else {"text": text + "".join(answer)})
-        _save_session(eng, session, meta, seen)
+        from .interrupts import deferred
+
+        # a Ctrl-C or SIGTERM during the save waits for its end (a few ms; the file is whole
+        # either way, being renamed into place): then the command ends with one line saying the
+        # session was saved, not "Exception ignored in ..." from a handler run mid-teardown
+        with deferred():
+            _save_session(eng, session, meta, seen)
     if stats:
         typer.echo(f"[load {eng.load_ms:.0f} ms] {eng.last_stats.summary()}", err=True)
     if eng.last_stats.stop_reason == "cancelled":
+        _say_interrupted(signal.SIGINT, "the answer above is cut")
         raise typer.Exit(130)   # Ctrl-C: the shell's convention
     if eng.last_stats.stop_reason == "context_full":
         # said even with --no-stats, and exit 1 as chat's: a script took the cut answer as whole
@@ -1110,8 +1222,12 @@ def info(model: Optional[str] = typer.Argument(None, help="GGUF file path or reg
 def pull(name: str = typer.Argument("smollm2-135m", help="Registry name of the model"),
          force: bool = typer.Option(False, "--force", help="Download again even when cached")):
     """Download a model from the registry into the user cache (EDGELLM_HOME)."""
-    from .model.registry import pull as do_pull
+    from .model.registry import model_path, pull as do_pull
 
+    try:
+        _will_write("the model", model_path(name))
+    except EdgeLLMError:
+        pass   # (an unknown name: pull says so)
     prog = Progress()
     path = do_pull(name, force=force, progress=lambda d, t: prog("pull", d, t))
     typer.echo(str(path))
@@ -1491,6 +1607,8 @@ def build(
 
     if out is not None:   # (its missing parents were made, where every other --out refuses them)
         check_out_folder(out.expanduser().parent, "--out", out)
+    if out is not None or not target.endswith("android"):   # (the NDK's default name adds the API level)
+        _will_write("--out", out.expanduser() if out is not None else Path(f"edgellm-bundle-{target}"))
 
     with stop_on_sigterm():
         path = build_bundle(target, cpu, out, api=api, progress=lambda msg: typer.echo(msg, err=True))
@@ -1926,13 +2044,18 @@ def _stderr_to_devnull_if_closed() -> None:
 
 
 def main() -> None:
+    global _said, _command
+    _said, _command = False, ""
+    _outputs.clear()
+    _late.clear()
     signal.signal(signal.SIGTERM, _terminate)
+    _signals_lost_in_finalizers_come_again()
     if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:   # (nohup: ignored, stays so)
         signal.signal(signal.SIGHUP, _terminate)
     try:
         _import_numpy_with_signals_held()
     except KeyboardInterrupt:   # (one held during the import lands when the mask is restored)
-        sys.stderr.write("\n")
+        _say_interrupted(signal.SIGINT)
         sys.exit(130)
     _stderr_to_devnull_if_closed()
     if sys.stdout is None:   # (started with >&-: an AttributeError traceback)
@@ -1947,21 +2070,96 @@ def main() -> None:
     columns = os.environ.get("COLUMNS")
     if columns is not None and (not columns.strip().isdigit() or int(columns) == 0):
         os.environ.pop("COLUMNS")   # (COLUMNS=0: rich printed usage errors and --help as nothing)
+    code = 0
     try:
         app()
     except KeyboardInterrupt:   # Ctrl-C before a command's body (imports, option parsing)
-        _note("")
-        sys.exit(130)
-    except SystemExit:
+        _say_interrupted(signal.SIGINT)
+        code = 130
+    except SystemExit as e:
         # a SystemExit raised in the handler can be lost inside C code (an import): the command
         # then ran on, to click's own exit (0); at least the exit status says so
-        if _terminated:
-            sys.exit(128 + _terminated)
-        raise
+        code = e.code
     except OSError as e:   # click's own output (--help, --version, a usage error) on a full or closed stream
         _output_failed(e)
+    finally:
+        _hold_late_signals()
     if _terminated:   # (as above, where a command returns instead of exiting)
-        sys.exit(128 + _terminated)
+        _say_interrupted(_terminated)
+        code = 128 + _terminated
+    elif _late and code in (0, None):
+        # the command had finished (its outputs whole); the signal still sets the exit status
+        _say_interrupted(_late[0], "it came as edgellm was exiting, after the command had finished")
+        code = 128 + _late[0]
+    sys.exit(code)
+
+
+_late: list = []   # a signal that came after the command had ended
+
+
+def _signals_lost_in_finalizers_come_again() -> None:
+    """A Ctrl-C (or main's SIGTERM exit) raised inside a finalizer (a __del__, a weakref callback:
+    the garbage collector runs them wherever it runs) cannot propagate: Python printed it as
+    "Exception ignored in ... KeyboardInterrupt" with a traceback, and the command ran on to
+    exit 0 (a probe: 5 of 20 Ctrl-C just after `run --session` saved). The signal is raised
+    again instead, at the next point of plain code, where the command ends as for any Ctrl-C:
+    from another thread (from this one, still inside the finalizer, it landed in this hook);
+    where no thread can start, main() takes it as a late signal."""
+    import _thread
+    import threading
+
+    previous = sys.unraisablehook
+    if getattr(previous, "_edgellm", False):
+        return
+
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        signum = (signal.SIGINT if isinstance(exc, KeyboardInterrupt)
+                  else _signal_of_exit(exc.code) if isinstance(exc, SystemExit) else 0)
+        if not signum:
+            previous(unraisable)
+            return
+        in_hook = [True]
+
+        def again() -> None:
+            # once the hook has returned: raised at once, it landed in this hook's own last lines
+            # (Thread.start waits for the thread), and Python printed it there
+            while in_hook:
+                time.sleep(0.001)
+            time.sleep(0.005)
+            _thread.interrupt_main(signum)
+
+        try:
+            threading.Thread(target=again, daemon=True).start()
+        except BaseException:   # (at shutdown: no new threads)
+            if not _late:
+                _late.append(signum)
+        finally:
+            in_hook.clear()
+
+    hook._edgellm = True
+    sys.unraisablehook = hook
+
+
+def _hold_late_signals() -> None:
+    """From the command's end on, SIGINT, SIGTERM and SIGHUP are recorded, not raised: a Ctrl-C
+    then raised KeyboardInterrupt in whatever ran at the interpreter's teardown (a weakref
+    callback), which Python prints as "Exception ignored in ..." with a traceback, and the exit
+    status stayed 0 (after `run --session` had saved). Signals that come once Python has put the
+    default handlers back end the process as the shell expects (status 128 + N, no output)."""
+    def record(signum, frame):
+        if not _late:
+            _late.append(signum)
+
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        n = getattr(signal, name, None)
+        if n is None:
+            continue
+        try:
+            if callable(signal.getsignal(n)):   # (an ignored SIGHUP, under nohup, stays ignored)
+                signal.signal(n, record)
+        except (ValueError, OSError):
+            pass
 
 
 if __name__ == "__main__":

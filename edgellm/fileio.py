@@ -36,6 +36,14 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) 
     fsync_dir(path.parent)
 
 
+def os_error_text(e: OSError) -> str:
+    """The system's words for an OSError and its errno's name, 'Permission denied (EACCES)': the
+    real cause, whichever it is (a refused write in /proc was reported as a full disk)."""
+    name = errno.errorcode.get(e.errno) if isinstance(e.errno, int) else None
+    text = e.strerror or str(e)
+    return f"{text} ({name})" if name else text
+
+
 def temp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
     """(fd, name) of a new temporary file beside `path`, named with this writer's pid; first the
     folder's temporary files whose writers are dead are removed (a killed writer, SIGKILL or a

@@ -41,7 +41,7 @@ from .model import layout
 from .model.ggml_types import GGML_QUANT_SIZES, GGUFValueType
 from .model.ggml_types import GGMLQuantizationType as T
 from .errors import ConfigError, ModelFormatError, UnsupportedModelError
-from .fileio import fsync_dir, remove_dead_writers, temp_beside
+from .fileio import fsync_dir, os_error_text, remove_dead_writers, temp_beside
 from .model.gguf_file import read_tensor
 
 __all__ = [
@@ -439,10 +439,17 @@ def _check_unchanged(path: str, key: tuple[int, int, int, int, int] | None, now:
 
 
 def _free_bytes(d: str) -> int | None:
+    """The bytes free in folder d for this process; None where the file system gives no figure:
+    an error, or no blocks at all (/proc, /sys: pseudo file systems report 0 of 0, and their
+    refusal of a file was said as "the file needs 89.7 MiB but /proc has 0.0 MiB free")."""
     try:
-        return shutil.disk_usage(d).free
-    except OSError:
-        return None
+        st = os.statvfs(d)
+    except (OSError, AttributeError):   # (AttributeError: no statvfs here)
+        try:
+            return shutil.disk_usage(d).free
+        except OSError:
+            return None
+    return st.f_bavail * st.f_frsize if st.f_blocks else None
 
 
 def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, formats: Mapping[str, str],
@@ -502,8 +509,16 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     # the writer's pid in the name: a file whose writer has died (SIGKILL, a phone's low-memory
     # killer) is an orphan the next writer in this folder removes (first: its room counts below)
     remove_dead_writers(d)
+    # the temporary file first: a folder that refuses files (EACCES, EPERM, EROFS, /proc's
+    # ENOENT) says so in the system's words, naming the user's path, before any free-space figure
+    try:
+        fd, tmp = temp_beside(Path(dst_path))   # (its own temp name failed for names past ~225 bytes)
+    except OSError as e:
+        raise ConfigError(f"{dst_path}: cannot write a file in {d}: {os_error_text(e)}") from None
+    os.close(fd)
     free = _free_bytes(d)
     if free is not None and free < predicted:   # known before any work: said now, not ~40 MB in
+        os.unlink(tmp)
         raise ConfigError(f"{dst_path}: the file needs {predicted / 2**20:.1f} MiB but {d} has "
                           f"{free / 2**20:.1f} MiB free")
     # the tensors are read with plain reads, not through the loader's memmap: a source that
@@ -511,15 +526,22 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     # process with SIGBUS; a read past the end is a ModelFormatError naming the tensor
     # (gguf_file.read_tensor). The descriptor keeps the inode checked here, whatever the path
     # becomes later.
-    src = open(src_path, "rb", buffering=0)
     try:
-        _check_unchanged(src_path, src_key, os.fstat(src.fileno()))
+        src = open(src_path, "rb", buffering=0)
+        try:
+            _check_unchanged(src_path, src_key, os.fstat(src.fileno()))
+        except BaseException:
+            src.close()
+            raise
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    try:
+        writer = _Writer(tmp, g.metadata.get("general.architecture", "llama"))
     except BaseException:
         src.close()
+        os.unlink(tmp)
         raise
-    fd, tmp = temp_beside(Path(dst_path))   # (its own temp name failed for names past ~225 bytes)
-    os.close(fd)
-    writer = _Writer(tmp, g.metadata.get("general.architecture", "llama"))
     reports: list[TensorReport] = []
     try:
         writer.kv_data[0].clear()               # the constructor's general.architecture: copied below, in order
@@ -533,7 +555,10 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for i, j in enumerate(jobs):
-            raw = read_tensor(src, g, g.tensors[j.name])
+            try:
+                raw = read_tensor(src, g, g.tensors[j.name])
+            except OSError as e:   # (the source's failure, not the output's: said as such below)
+                raise ConfigError(f"{src_path}: cannot read tensor {j.name}: {os_error_text(e)}") from None
             sq = math.inf
             if j.dst_type != j.src_type:
                 raw, sq = _convert_rows(raw, j, f"{src_path}: tensor {j.name}")
@@ -573,6 +598,10 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
             # path: a full disk or a file-size limit (ulimit -f)
             raise ConfigError(f"{dst_path}: cannot write it: {e} (the disk is full or a file-size limit "
                               f"was reached)") from None
+        if isinstance(e, OSError):
+            # the output's (the source's reads are said above): its errno's own words and the
+            # user's path, not the temporary file's name or a bare "[Errno 28]"
+            raise ConfigError(f"{dst_path}: cannot write it: {os_error_text(e)}") from None
         raise
     finally:
         src.close()

