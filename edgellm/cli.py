@@ -16,7 +16,9 @@ from typing import List, Optional
 
 import typer
 
+from . import cli_interrupted as interrupted
 from .errors import ContextFull, EdgeLLMError, shown
+from .fileio import file_state
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="edgellm: on-device LLM runtime. Run `edgellm run \"Hello\"` to generate with the default model.")
@@ -87,9 +89,7 @@ def friendly(fn):
     written, a full disk under stdout, a read-only EDGELLM_HOME); no traceback."""
     @functools.wraps(fn)
     def wrapper(*a, **k):
-        global _command, _said
-        _command, _said = fn.__name__.replace("_", " "), False
-        _outputs.clear()
+        interrupted.begin(fn.__name__.replace("_", " "))
         try:
             home_check()   # every command, first: a file there read as "model not downloaded"
             if fn.__name__ not in _NO_KERNELS:
@@ -116,7 +116,7 @@ def friendly(fn):
             raise typer.Exit(130)
         except SystemExit as e:   # SIGTERM (main's handler): the probe child too, as for Ctrl-C
             _stop_probe_child()
-            signum = _terminated or _signal_of_exit(e.code)
+            signum = _terminated or interrupted.signal_of_exit(e.code)
             if signum:
                 _say_interrupted(signum)
             raise
@@ -125,87 +125,11 @@ def friendly(fn):
     return wrapper
 
 
-_command = ""        # the command running (for the line an interrupt prints)
-_outputs: dict = {}  # flag -> (path, its state before the command wrote it): said at an interrupt
-_said = False        # the interrupt's line is printed (once)
-
-
-def _will_write(flag: str, path) -> None:
-    """Notes an output the command writes, as it is now: an interrupt says what became of it."""
-    _outputs[flag] = (Path(path), _file_state(Path(path)))
-
-
-def _signal_of_exit(code) -> int:
-    """The signal a SystemExit stands for: 143 and 129 are raised only by the SIGTERM and SIGHUP
-    handlers (main's, toolchain.stop_on_sigterm's); 0 for any other exit."""
-    for name in ("SIGTERM", "SIGHUP"):
-        n = getattr(signal, name, None)
-        if n is not None and code == 128 + n:
-            return n
-    return 0
-
-
-def _signal_words(signum: int) -> str:
-    if signum == signal.SIGINT:
-        return "Ctrl-C (SIGINT)"
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _remove_own_temps(path: Path) -> None:
-    """This process's temporary files beside an output (fileio.temp_beside's names): the writers
-    remove theirs as an interrupt unwinds, except one that lands between the file's creation and
-    the writer's try; whatever is left of them here is removed."""
-    from .fileio import _TAGGED_FILE, _TEMP_NAME_MAX, cut_name, writer_tag
-
-    prefix = f".{cut_name(path.name, _TEMP_NAME_MAX, _TEMP_NAME_MAX // 2)}.{writer_tag()}."
-    try:
-        entries = list(os.scandir(path.parent))
-    except OSError:
-        return
-    for e in entries:
-        if e.name.startswith(prefix) and _TAGGED_FILE.match(e.name):
-            try:
-                if e.is_file(follow_symlinks=False):
-                    os.unlink(e.path)
-            except OSError:
-                pass
-
-
-def _outputs_left() -> list[str]:
-    """What became of each output the command was to write: as it was, or written whole (they
-    are written to a temporary file and renamed), never a part."""
-    said = []
-    for flag, (path, before) in _outputs.items():
-        _remove_own_temps(path)
-        now = _file_state(path)
-        if now == before:
-            said.append(f"{flag} {path} was left as it was" if before else f"nothing was written to {flag} {path}")
-        elif now is None:
-            said.append(f"{flag} {path} is no longer there")
-        else:
-            said.append(f"{flag} {path} was written whole before the signal")
-    return said
-
-
 def _say_interrupted(signum: int, *what: str) -> None:
-    """One line on stderr for a command stopped by a signal: which, and what became of its
-    outputs (an interrupted quantize exited 130 with an empty line; on SIGTERM, with nothing)."""
-    global _said
-    if _said:
-        return
-    _said = True
-    head = f"edgellm: {_command}: " if _command else "edgellm: "
-    parts = [*what, *_outputs_left()]
-    try:
-        tty = sys.stderr is not None and sys.stderr.isatty()
-    except (OSError, ValueError):
-        tty = False
-    # (at a terminal the cursor is after "^C", a progress line or a streamed answer)
-    _note(("\n" if tty else "") + f"{head}interrupted by {_signal_words(signum)}"
-          + "".join(f"; {p}" for p in parts))
+    """The interrupt's one line on stderr (cli_interrupted.line), once."""
+    text = interrupted.line(signum, *what)
+    if text is not None:
+        _note(text)
 
 
 # the API's parameter names that start its messages, as the command line names them ("n_ctx must
@@ -288,7 +212,7 @@ def check_out_path(path, flag: str, suffixes: tuple[str, ...] = (), replaces=Non
             raise ConfigError(f"{flag} {p}: cannot be checked before it is replaced: {e.strerror or e}") from None
         if not test(head):
             raise ConfigError(f"{flag} {p}: exists and is not {what}; give another path, or remove it first")
-    _will_write(flag, p)
+    interrupted.will_write(flag, p)
     return p
 
 
@@ -581,14 +505,6 @@ UNITS_HELP = ("Restrict placement to these units, in preference order, e.g. open
               "npu, reference); an op none of them runs goes to reference with a warning")
 
 
-def _file_state(path: Path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
 def _conversation_only(path: Path, chat: bool) -> dict:
     """The conversation a session file holds when its KV cannot be used here (another KV
     precision or layout, model or context; the warning said which): its chat messages or text,
@@ -671,7 +587,7 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
     # taken before the load: a save by another writer during it (an app's engine, or a run that
     # could take no lock) then warns at this run's save (at worst needlessly, when the load read
     # the new file); taken after, a save that landed after the load's read was replaced silently
-    seen = _file_state(session)
+    seen = file_state(session)
     if eng.load_session(session):
         saved = _conversation_in(eng.session_meta)
         n = eng.session_meta.get("n_tokens")
@@ -682,7 +598,7 @@ def _open_session(eng, name: str | None, chat: bool) -> tuple[Path | None, dict,
             saved["n_tokens"] = n
     else:
         saved = _conversation_only(session, chat)
-        if seen is not None and _file_state(session) is None:
+        if seen is not None and file_state(session) is None:
             seen = None   # (kept aside: the save writes a new file, and says nothing of a change)
     if "messages" in saved and not chat:
         raise ConfigError(f"--session {session} holds a chat: continue it with --chat")
@@ -722,7 +638,7 @@ def _release_session_locks() -> None:
 def _save_session(eng, session: Path, meta: dict, seen: tuple | None) -> tuple | None:
     """Saves the conversation (warning when another run saved to the file since it was read);
     returns the file's new state."""
-    now = _file_state(session)
+    now = file_state(session)
     if now is None and seen is not None:   # (`cache clear`, or rm: not "another run saved to it")
         typer.echo(f"edgellm: warning: {session} was removed since this run read it; this conversation is "
                    f"saved there again", err=True)
@@ -731,7 +647,7 @@ def _save_session(eng, session: Path, meta: dict, seen: tuple | None) -> tuple |
                    f"this conversation replaces that one", err=True)
     n = eng.save_session(session, meta=meta)
     typer.echo(f"[session: saved {n} tokens to {session}]", err=True)
-    return _file_state(session)
+    return file_state(session)
 
 
 def _is_session_file(name: str) -> bool:
@@ -828,7 +744,7 @@ def run(
                 precision, quality_guard)
     session, saved, seen = _open_session(eng, session, chat)
     if session is not None:   # (as it is now: a file kept aside is not this run's doing)
-        _will_write("--session", session)
+        interrupted.will_write("--session", session)
     if chat:
         messages = list(saved.get("messages", [])) + [{"role": "user", "content": prompt}]
         text = eng.render_chat(messages)
@@ -1225,7 +1141,7 @@ def pull(name: str = typer.Argument("smollm2-135m", help="Registry name of the m
     from .model.registry import model_path, pull as do_pull
 
     try:
-        _will_write("the model", model_path(name))
+        interrupted.will_write("the model", model_path(name))
     except EdgeLLMError:
         pass   # (an unknown name: pull says so)
     prog = Progress()
@@ -1608,7 +1524,7 @@ def build(
     if out is not None:   # (its missing parents were made, where every other --out refuses them)
         check_out_folder(out.expanduser().parent, "--out", out)
     if out is not None or not target.endswith("android"):   # (the NDK's default name adds the API level)
-        _will_write("--out", out.expanduser() if out is not None else Path(f"edgellm-bundle-{target}"))
+        interrupted.will_write("--out", out.expanduser() if out is not None else Path(f"edgellm-bundle-{target}"))
 
     with stop_on_sigterm():
         path = build_bundle(target, cpu, out, api=api, progress=lambda msg: typer.echo(msg, err=True))
@@ -2044,12 +1960,9 @@ def _stderr_to_devnull_if_closed() -> None:
 
 
 def main() -> None:
-    global _said, _command
-    _said, _command = False, ""
-    _outputs.clear()
-    _late.clear()
+    interrupted.reset()
     signal.signal(signal.SIGTERM, _terminate)
-    _signals_lost_in_finalizers_come_again()
+    interrupted.reraise_from_finalizers()
     if hasattr(signal, "SIGHUP") and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:   # (nohup: ignored, stays so)
         signal.signal(signal.SIGHUP, _terminate)
     try:
@@ -2083,83 +1996,15 @@ def main() -> None:
     except OSError as e:   # click's own output (--help, --version, a usage error) on a full or closed stream
         _output_failed(e)
     finally:
-        _hold_late_signals()
+        interrupted.hold_late_signals()
     if _terminated:   # (as above, where a command returns instead of exiting)
         _say_interrupted(_terminated)
         code = 128 + _terminated
-    elif _late and code in (0, None):
+    elif interrupted.late and code in (0, None):
         # the command had finished (its outputs whole); the signal still sets the exit status
-        _say_interrupted(_late[0], "it came as edgellm was exiting, after the command had finished")
-        code = 128 + _late[0]
+        _say_interrupted(interrupted.late[0], "it came as edgellm was exiting, after the command had finished")
+        code = 128 + interrupted.late[0]
     sys.exit(code)
-
-
-_late: list = []   # a signal that came after the command had ended
-
-
-def _signals_lost_in_finalizers_come_again() -> None:
-    """A Ctrl-C (or main's SIGTERM exit) raised inside a finalizer (a __del__, a weakref callback:
-    the garbage collector runs them wherever it runs) cannot propagate: Python printed it as
-    "Exception ignored in ... KeyboardInterrupt" with a traceback, and the command ran on to
-    exit 0 (a probe: 5 of 20 Ctrl-C just after `run --session` saved). The signal is raised
-    again instead, at the next point of plain code, where the command ends as for any Ctrl-C:
-    from another thread (from this one, still inside the finalizer, it landed in this hook);
-    where no thread can start, main() takes it as a late signal."""
-    import _thread
-    import threading
-
-    previous = sys.unraisablehook
-    if getattr(previous, "_edgellm", False):
-        return
-
-    def hook(unraisable) -> None:
-        exc = unraisable.exc_value
-        signum = (signal.SIGINT if isinstance(exc, KeyboardInterrupt)
-                  else _signal_of_exit(exc.code) if isinstance(exc, SystemExit) else 0)
-        if not signum:
-            previous(unraisable)
-            return
-        in_hook = [True]
-
-        def again() -> None:
-            # once the hook has returned: raised at once, it landed in this hook's own last lines
-            # (Thread.start waits for the thread), and Python printed it there
-            while in_hook:
-                time.sleep(0.001)
-            time.sleep(0.005)
-            _thread.interrupt_main(signum)
-
-        try:
-            threading.Thread(target=again, daemon=True).start()
-        except BaseException:   # (at shutdown: no new threads)
-            if not _late:
-                _late.append(signum)
-        finally:
-            in_hook.clear()
-
-    hook._edgellm = True
-    sys.unraisablehook = hook
-
-
-def _hold_late_signals() -> None:
-    """From the command's end on, SIGINT, SIGTERM and SIGHUP are recorded, not raised: a Ctrl-C
-    then raised KeyboardInterrupt in whatever ran at the interpreter's teardown (a weakref
-    callback), which Python prints as "Exception ignored in ..." with a traceback, and the exit
-    status stayed 0 (after `run --session` had saved). Signals that come once Python has put the
-    default handlers back end the process as the shell expects (status 128 + N, no output)."""
-    def record(signum, frame):
-        if not _late:
-            _late.append(signum)
-
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        n = getattr(signal, name, None)
-        if n is None:
-            continue
-        try:
-            if callable(signal.getsignal(n)):   # (an ignored SIGHUP, under nohup, stays ignored)
-                signal.signal(n, record)
-        except (ValueError, OSError):
-            pass
 
 
 if __name__ == "__main__":

@@ -44,6 +44,15 @@ def os_error_text(e: OSError) -> str:
     return f"{text} ({name})" if name else text
 
 
+def file_state(path: str | os.PathLike) -> tuple | None:
+    """(inode, size, mtime) of a file, None where it is not there: whether it changed since."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def temp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
     """(fd, name) of a new temporary file beside `path`, named with this writer's pid; first the
     folder's temporary files whose writers are dead are removed (a killed writer, SIGKILL or a

@@ -161,12 +161,12 @@ def test_a_signal_after_the_command_has_ended_says_so(tmp_path):
     patch = """
 import os, signal
 from edgellm import cli
-real = cli._hold_late_signals
+real = cli.interrupted.hold_late_signals
 def then_signal():
     real()
     os.kill(os.getpid(), signal.SIGINT)
     sum(range(100))
-cli._hold_late_signals = then_signal
+cli.interrupted.hold_late_signals = then_signal
 """
     r = subprocess.run([sys.executable, "-c", CHILD.format(patch=patch), "cache", "list"], cwd=tmp_path,
                        env=_env(tmp_path / "home"), capture_output=True, text=True, timeout=120)
