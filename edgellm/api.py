@@ -910,33 +910,37 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
 
 def _runnable(mf: ModelFile, progress=None) -> ModelFile:
     """mf, or a copy whose matrices in types no unit computes with (quant.CONVERTIBLE_TYPES: the
-    K-quants of a Q4_K_M file, Q5_0/Q5_1) are Q8_0: made once per model file, then read from the
-    precision cache. Q8_0 holds each of their weights to within half a step of 8 bits; those
-    matrices take more memory than in the file (Q4_K 4.5 -> 8.5 bits a weight)."""
+    K-quants of a Q4_K_M file, Q5_0/Q5_1) are in ones every unit does (kquant_repack.runs_as):
+    Q4_K as Q4_1 (its own values, scales rounded to fp16), the rest as Q8_0. Made once per model
+    file, then read from the precision cache; those matrices take more memory than in the file
+    (Q4_K 4.5 -> 5 bits a weight, Q6_K 6.6 -> 8.5)."""
     from .precision_runtime import requantized_copy
 
     formats, what = _convertible(mf)
     if not formats:
         return mf
-    out, note = requantized_copy(mf, formats, "q8_0", what,
+    out, note = requantized_copy(mf, formats, "runnable", what,
                                  (lambda d, t: progress("requantize", d, t)) if progress else None)
     log.info("%s", note)
     return out
 
 
 def _convertible(mf: ModelFile) -> tuple[dict[str, str], str]:
-    """({tensor name: "q8_0"} for mf's matrices in quant.CONVERTIBLE_TYPES, their types as
-    named in notes), with the load's warning when there are any."""
+    """({tensor name: "q4_1" | "q8_0"} for mf's matrices in quant.CONVERTIBLE_TYPES, the
+    conversions as named in notes ("Q4_K as Q4_1, Q6_K as Q8_0"), with the load's warning when
+    there are any."""
+    from .kquant_repack import runs_as
     from .quant import CONVERTIBLE_TYPES
 
-    formats = {name: "q8_0" for name, info in mf.gguf.tensors.items()
-               if info.ggml_type in CONVERTIBLE_TYPES and len(info.shape) == 2}
-    if not formats:
+    types = {name: info.ggml_type for name, info in mf.gguf.tensors.items()
+             if info.ggml_type in CONVERTIBLE_TYPES and len(info.shape) == 2}
+    if not types:
         return {}, ""
-    kinds = sorted({mf.tensor_type(n).name for n in formats})
-    log.warning("%s: %d matrices are in %s, which no edgellm unit computes with: they run from a Q8_0 "
-                "copy (made once, then cached)", mf.path, len(formats), "/".join(kinds))
-    return formats, f"{'/'.join(kinds)} as Q8_0"
+    formats = {name: runs_as(t).name.lower() for name, t in types.items()}
+    what = ", ".join(f"{t.name} as {runs_as(t).name}" for t in sorted(set(types.values()), key=lambda t: t.name))
+    log.warning("%s: %d matrices are in types no edgellm unit computes with: they run from a copy (%s; made "
+                "once, then cached)", mf.path, len(formats), what)
+    return formats, what
 
 
 def _opencl_on_a_cpu_device(plan, profile) -> list[str]:

@@ -1075,8 +1075,7 @@ def _memory_text(mf, n_ctx: int) -> str:
     from .api import memory_needed
     from .backends import neon, reference
 
-    from .model.ggml_types import GGML_QUANT_SIZES, GGMLQuantizationType
-    from .quant import CONVERTIBLE_TYPES
+    from .kquant_repack import copy_growth, runs_as
 
     kv = memory_needed(mf, n_ctx, placement={})
     mib = 2 ** 20
@@ -1084,13 +1083,13 @@ def _memory_text(mf, n_ctx: int) -> str:
             f"add {neon.prepared_nbytes(mf.config) / mib:.1f} MiB on the neon unit (read in place, quantized), "
             f"{reference.prepared_nbytes(mf.config) / mib:.0f} MiB of fp32 copies where the reference unit runs "
             f"every op")
-    conv = [t for t in mf.gguf.tensors.values() if t.ggml_type in CONVERTIBLE_TYPES and len(t.shape) == 2]
-    if conv:   # (load() runs them from a Q8_0 copy of the file: that copy is what is mapped)
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0]
-        grows = sum(t.n_elements // block * size - t.nbytes for t in conv)
-        text += (f"; its {len(conv)} {'/'.join(sorted({t.ggml_type.name for t in conv}))} matrices run from a "
-                 f"Q8_0 copy of the file, {(mf.file_size + grows) / mib:.1f} MiB mapped in its place (written "
-                 f"once to EDGELLM_HOME/cache/precision/models)")
+    grows, conv = copy_growth(mf)
+    if conv:   # (load() runs them from a copy of the file: that copy is what is mapped)
+        kinds = ", ".join(f"{t.name} as {runs_as(t).name}" for t in sorted({c.ggml_type for c in conv},
+                                                                          key=lambda t: t.name))
+        text += (f"; its {len(conv)} matrices in types no unit computes with run from a copy of the file "
+                 f"({kinds}), {(mf.file_size + grows) / mib:.1f} MiB mapped in its place (written once to "
+                 f"EDGELLM_HOME/cache/precision/models)")
     return text
 
 
@@ -1415,7 +1414,9 @@ def plan(
     p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=max(spare / 4, 16 * 2**20))
     # what this plan takes: the mapped file, the units' own weights and the KV cache (counted as
     # all-fp32 reference weights, SmolLM2 read 558 MiB where a run peaks at 191)
-    need = mf.file_size + memory_needed(mf, n_ctx, kv_cfg, p.placement())
+    from .kquant_repack import copy_growth
+
+    need = mf.file_size + copy_growth(mf)[0] + memory_needed(mf, n_ctx, kv_cfg, p.placement())
     if need > profile.memory_total_bytes / 2:
         # (a profile with 64 MiB of memory got a full TTFT prediction for a 140 MiB load)
         typer.echo(f"edgellm: warning: {mf.config.name} with a {n_ctx}-token context needs about "

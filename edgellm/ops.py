@@ -116,13 +116,12 @@ def weight_formats(model) -> dict[str, str]:
     from .costmodel import LayerFormats
     from .model import layout
 
-    from .quant import CONVERTIBLE_TYPES
+    from .kquant_repack import runs_as as runs_as_type
 
     def runs_as(name: str) -> str:
-        # a K-quant / Q5_x matrix runs from load()'s Q8_0 copy (api._runnable): costed as q8_0
-        # (`edgellm plan` on a Q4_K_M file stopped at a KeyError: 'q4_k')
-        t = model.tensor_type(name)
-        return "q8_0" if t in CONVERTIBLE_TYPES else t.name.lower()
+        # a K-quant / Q5_x matrix runs from load()'s copy (api._runnable): costed as what it runs
+        # as, Q4_1 or Q8_0 (`edgellm plan` on a Q4_K_M file stopped at a KeyError: 'q4_k')
+        return runs_as_type(model.tensor_type(name)).name.lower()
 
     cfg = model.config
     fmt = {op.name: "f32" for op in (*layer_ops(cfg), *model_ops(cfg))}

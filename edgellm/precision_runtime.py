@@ -135,7 +135,7 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     """(the ModelFile to run, a one-line note) for `plan` on `mf`. The file itself when the plan
     keeps every tensor's format; else a requantized copy from the cache, written on first use.
     A damaged or stale cache file is rewritten with one warning. also: conversions needed
-    whatever the plan says (api._runnable's K-quant matrices as q8_0; `also_what` names them),
+    whatever the plan says (api._runnable's K-quant matrices as Q4_1 / Q8_0; `also_what` names them),
     which the plan's own formats override: one copy from the source (a plan's copy made from
     the Q8_0 copy was named after that copy's key, so a touched source left each old one behind,
     and under the cache's bound each load wrote both, the second evicting the first)."""
@@ -149,7 +149,7 @@ def plan_model(mf, plan: PrecisionPlan, progress: Callable[[int, int], None] | N
     # a tensor the plan sets to the type the file already has needs no conversion
     formats = {n: f for n, f in formats.items() if mf.tensor_type(n) != GGUF_TYPE_FOR[f]}
     if not formats and also:
-        return requantized_copy(mf, also, "q8_0", also_what, progress)   # (the copy a load without a plan uses)
+        return requantized_copy(mf, also, "runnable", also_what, progress)   # (the copy a load without a plan uses)
     if not formats:
         return mf, f"precision plan {plan.name!r}: weights as the file stores them"
     emb_asked = plan.weight_format(None, "embedding", cfg.n_layers)

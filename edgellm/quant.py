@@ -25,9 +25,9 @@ _BLOCK_DTYPES = {
 
 SUPPORTED_TYPES = (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_1)
 # Block types llama.cpp writes that no edgellm unit computes with (a Q4_K_M file keeps most matrices
-# in Q4_K, output.weight and some attn_v / ffn_down in Q6_K): such a matrix loads as a Q8_0 copy
-# made once (api.load, precision_runtime.requantized_copy). dequantize() reads them through the
-# gguf package's numpy dequantizers, the reference for their layouts.
+# in Q4_K, output.weight and some attn_v / ffn_down in Q6_K): such a matrix loads from a copy made
+# once, Q4_K as Q4_1 and the rest as Q8_0 (kquant_repack, api.load). dequantize() reads them
+# through the gguf package's numpy dequantizers, the reference for their layouts.
 CONVERTIBLE_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1)
 
 

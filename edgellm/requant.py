@@ -25,6 +25,7 @@ the error against the original (pre-GGUF) checkpoint, which the file no longer h
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
@@ -42,7 +43,10 @@ from .model.ggml_types import GGML_QUANT_SIZES, GGUFValueType
 from .model.ggml_types import GGMLQuantizationType as T
 from .errors import ConfigError, ModelFormatError, UnsupportedModelError
 from .fileio import fsync_dir, os_error_text, remove_dead_writers, temp_beside
+from .kquant_repack import REPACKS
 from .model.gguf_file import read_tensor
+
+log = logging.getLogger("edgellm")
 
 __all__ = [
     "FORMATS", "GGUF_FORMATS", "GGUF_TYPE_FOR", "PLAN_OPS", "Converted", "TensorReport", "Report",
@@ -389,23 +393,35 @@ def _plan_jobs(mf: Any, formats: Mapping[str, str]) -> list[_Job]:
 _CONVERT_VALUES = 1 << 20
 
 
-def _convert_rows(raw: np.ndarray, j: "_Job", name: str) -> tuple[np.ndarray, float]:
+def _convert_rows(raw: np.ndarray, j: "_Job", src_path: str) -> tuple[np.ndarray, float]:
     """(j's tensor in j.dst_type, the conversion's SQNR in dB), converted a few rows at a time (a
     GGUF type's rows are independent blocks): dequantized whole, a tensor took ~5x its fp32 size at
     once (Llama 3.2 1B's Q6_K token_embd, 128256 x 2048: ~5 GB on a phone, a probe)."""
+    name = f"{src_path}: tensor {j.name}"
     k = j.np_shape[-1]
     n = int(np.prod(j.np_shape[:-1], dtype=np.int64))
     rows = np.asarray(raw).view(np.uint8).reshape(n, -1)
     step = max(1, _CONVERT_VALUES // k)
+    repack = REPACKS.get((j.src_type, j.dst_type))   # (Q4_K -> Q4_1, Q5_0 -> Q8_0: no second rounding)
     out, sig, err = [], 0.0, 0.0
     for r0 in range(0, n, step):
         part = rows[r0:r0 + step]
         w = quant.dequantize(part, j.src_type, (len(part), k))
-        c = convert(w, _gguf_name(j.dst_type), name=name)
-        s, e = _power_sums(w, c.dequantized)
+        data = repack(part) if repack is not None else None
+        if data is not None:
+            w_hat = quant.dequantize(data, j.dst_type, (len(part), k))
+        else:
+            c = convert(w, _gguf_name(j.dst_type), name=name)
+            data, w_hat = np.ascontiguousarray(c.data).view(np.uint8).reshape(len(part), -1), c.dequantized
+        if not np.isfinite(w_hat).all() and np.isfinite(w).all():
+            # a block scale past fp16's 65504 (values ~15-127x that): they came back inf or nan
+            raise UnsupportedModelError(src_path, f"tensor {j.name!r}", f"its values reach "
+                                        f"{float(np.abs(w).max()):.3g}, past what {j.dst_type.name} blocks (fp16 "
+                                        f"scales) hold; the {j.src_type.name} matrix cannot run here")
+        s, e = _power_sums(w, w_hat)
         sig, err = sig + s, err + e
-        out.append(np.ascontiguousarray(c.data).view(np.uint8).reshape(len(part), -1))
-        del w, c
+        out.append(data)
+        del w, w_hat
     return np.concatenate(out) if len(out) > 1 else out[0], _db(sig, err)
 
 
@@ -561,7 +577,7 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
                 raise ConfigError(f"{src_path}: cannot read tensor {j.name}: {os_error_text(e)}") from None
             sq = math.inf
             if j.dst_type != j.src_type:
-                raw, sq = _convert_rows(raw, j, f"{src_path}: tensor {j.name}")
+                raw, sq = _convert_rows(raw, j, str(src_path))
             writer.write_tensor_data(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
             reports.append(TensorReport(j.name, j.src_type.name, j.dst_type.name, j.requested,
                                         j.nbytes_in, j.nbytes_out, sq, j.note))

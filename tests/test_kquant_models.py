@@ -1,6 +1,6 @@
 """Models whose matrices are in block types no unit computes with (the K-quants of a Q4_K_M file,
-Q5_0/Q5_1) load from a Q8_0 copy made once (api._runnable): they were refused at open, and most
-Llama-family GGUFs people download keep output.weight in Q6_K."""
+Q5_0/Q5_1) load from a copy made once (api._runnable), Q4_K as Q4_1 and the rest as Q8_0: they
+were refused at open, and most Llama-family GGUFs people download keep output.weight in Q6_K."""
 import logging
 
 import numpy as np
@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as QT
 
 import edgellm
 from edgellm import quant
+from edgellm.kquant_repack import runs_as
 from edgellm.model.gguf_file import read_tensor
 from edgellm.model.loader import open_model
 
@@ -30,12 +31,12 @@ def kmodel(tmp_path_factory):
     return write_kquant_model(d / "k.gguf", K_TYPES)
 
 
-def test_the_copy_holds_each_matrix_within_a_q8_0_step(kmodel, home, caplog):
+def test_the_copy_holds_each_matrix_within_what_its_type_rounds(kmodel, home, caplog):
     with caplog.at_level(logging.WARNING, logger="edgellm"):
         e = edgellm.load(kmodel.path, units=["reference"], n_ctx=128)
     try:
         said = [r.getMessage() for r in caplog.records if "no edgellm unit computes with" in r.getMessage()]
-        assert len(said) == 1 and "Q4_K/Q5_0/Q5_K/Q6_K" in said[0], said
+        assert len(said) == 1 and "(Q4_K as Q4_1, Q5_0 as Q8_0, Q5_K as Q8_0, Q6_K as Q8_0;" in said[0], said
         src, copy = open_model(kmodel.path), e.model
         assert copy.path != kmodel.path and str(home) in copy.path
         for name, info in src.gguf.tensors.items():
@@ -43,11 +44,23 @@ def test_the_copy_holds_each_matrix_within_a_q8_0_step(kmodel, home, caplog):
             if info.ggml_type not in quant.CONVERTIBLE_TYPES:
                 assert got.ggml_type == info.ggml_type, name
                 continue
-            assert got.ggml_type == QT.Q8_0, name
+            assert got.ggml_type == runs_as(info.ggml_type) == (QT.Q4_1 if info.ggml_type == QT.Q4_K else QT.Q8_0)
             shape = tuple(reversed(info.shape))
             want = quant.dequantize(_raw(src, info), info.ggml_type, shape)
             np.testing.assert_array_equal(want, kmodel.weights[name])   # the gguf package's reading
-            have = quant.dequantize(_raw(copy, got), QT.Q8_0, shape).reshape(-1, 32)
+            have = quant.dequantize(_raw(copy, got), got.ggml_type, shape).reshape(-1, 32)
+            if info.ggml_type == QT.Q5_0:     # its values, exactly
+                np.testing.assert_array_equal(have, want.reshape(-1, 32))
+                continue
+            if info.ggml_type == QT.Q4_K:
+                # the same 4-bit values; only the block's d sc and dmin m rounded to fp16: 2^-11 of
+                # each, times the largest value (15) for d, or 2^-25 each below fp16's normal range
+                blocks = _raw(copy, got).reshape(-1, 20)
+                d = np.abs(blocks[:, 0:2].copy().view(np.float16).astype(np.float64))
+                m = np.abs(blocks[:, 2:4].copy().view(np.float16).astype(np.float64))
+                bound = (15 * d + m) * 2.0 ** -11 + 16 * 2.0 ** -25
+                assert np.all(np.abs(have - want.reshape(-1, 32)) <= bound), name
+                continue
             # half a step of the block's scale d = max|w| / 127, plus its fp16 rounding times the
             # largest quant, 127: 2^-11 of d (0.062 d), or below fp16's normal range half its
             # subnormal spacing, 2^-25 (a block of tiny weights)
@@ -78,7 +91,7 @@ def test_it_runs_on_neon_as_on_the_reference_and_the_copy_is_made_once(kmodel, h
 
 
 def test_info_counts_the_copy_load_maps(kmodel, home):
-    """info's memory line said the neon unit reads the weights in place: it maps the Q8_0 copy"""
+    """info's memory line said the neon unit reads the weights in place: it maps the copy"""
     import re
     from pathlib import Path
 
@@ -88,7 +101,8 @@ def test_info_counts_the_copy_load_maps(kmodel, home):
 
     r = CliRunner().invoke(app, ["info", kmodel.path])
     assert r.exit_code == 0, r.output
-    said = re.search(r"its 15 Q4_K/Q5_0/Q5_K/Q6_K matrices run from a Q8_0 copy of the file, ([0-9.]+) MiB", r.output)
+    said = re.search(r"its 15 matrices in types no unit computes with run from a copy of the file \(Q4_K as Q4_1, "
+                     r"Q5_0 as Q8_0, Q5_K as Q8_0, Q6_K as Q8_0\), ([0-9.]+) MiB", " ".join(r.output.split()))
     assert said, r.output
     e = edgellm.load(kmodel.path, units=["neon"], n_ctx=128)
     try:
