@@ -247,8 +247,8 @@ def check_out_folder(parent: Path, flag: str, out: Path) -> None:
             fd, tmp = temp_beside(out)
         except OSError as e:
             raise ConfigError(f"{flag} {out}: cannot write a file in {parent}: {os_error_text(e)}") from None
+        os.unlink(tmp)      # (then the fd and its lock: unlocked, another cleaner may take it first)
         os.close(fd)
-        os.unlink(tmp)
         return
     file_above = next((a for a in (parent, *parent.parents) if a.exists() and not a.is_dir()), None)
     if file_above is not None:
@@ -1729,7 +1729,7 @@ def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remov
     session_lock.remove_unheld()   # (the sessions' lock files no run holds: made again when needed)
     failed: list[str] = []
     if everything:
-        from .fileio import writer_alive
+        from .fileio import remove_if_writer_dead
 
         for d in _other_caches():
             n = kept = 0
@@ -1738,11 +1738,16 @@ def cache_clear(everything: bool = typer.Option(False, "--all", help="Also remov
                 try:
                     if folder:
                         f.rmdir()            # (one a writer still uses is not empty: left)
-                    elif writer_alive(f.name):
+                        continue
+                    # (a dead writer's temp file is removed under its lock: a writer taking the
+                    # name meanwhile makes another)
+                    alive = remove_if_writer_dead(f)
+                    if alive:
                         kept += 1            # another process is writing it: its run would fail
-                    else:
+                        continue
+                    if alive is None:        # (no temp name, or one that cannot be judged)
                         f.unlink()
-                        n += 1
+                    n += 1
                 except FileNotFoundError:
                     pass                     # (another clear took it)
                 except OSError as e:         # (a read-only home: "removed 0 files", exit 0, before)

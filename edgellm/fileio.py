@@ -9,6 +9,11 @@ import stat
 import tempfile
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:   # (Windows: not a target; cleaners go by the pid alone)
+    fcntl = None  # type: ignore[assignment]
+
 
 def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
     """Write `data` to `path` so that a reader sees the old file or the whole new one, never a
@@ -25,11 +30,11 @@ def write_atomic(path: str | os.PathLike, data: bytes, mode: int | None = None) 
     try:
         if mode is not None:
             os.fchmod(fd, mode & ~current_umask())
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f:   # (closing it drops the lock: renamed first)
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -58,10 +63,60 @@ def temp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
     folder's temporary files whose writers are dead are removed (a killed writer, SIGKILL or a
     phone's low-memory killer, cannot clean up: a session's save left 54 MiB in 3 files)."""
     remove_dead_writers(path.parent)
-    # the temp name adds ~26 bytes: a valid name of 230-255 bytes failed with "File name too long"
+    # the temp name adds ~30 bytes: a valid name of 230-255 bytes failed with "File name too long"
     # after the whole answer (a probe); such a name is cut in the temp name only
     name = cut_name(path.name, _TEMP_NAME_MAX, _TEMP_NAME_MAX // 2)
-    return tempfile.mkstemp(dir=path.parent, prefix=f".{name}.{writer_tag()}.", suffix=suffix)
+    return locked_temp(path.parent, f".{name}.{writer_tag()}.", suffix)
+
+
+def locked_temp(d: str | os.PathLike, prefix: str, suffix: str = "", folder: bool = False) -> tuple[int, str]:
+    """(fd, name) of a new temporary file (folder=True: a folder, fd open on it) in `d`, holding
+    the lock that tells cleaners its writer is alive (see writer_alive). The lock lasts as long
+    as fd stays open: close it only after the rename into place or the removal."""
+    for _ in range(_TEMP_TRIES):
+        if folder:
+            name = tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=d)
+            try:
+                fd = os.open(name, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            except BaseException:
+                os.rmdir(name)
+                raise
+        else:
+            fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=d)
+        if _lock_new(fd, name):
+            return fd, name
+        # a cleaner took it between its creation and the lock (it found it unlocked): another one
+        os.close(fd)
+        try:
+            os.rmdir(name) if folder else os.unlink(name)
+        except OSError:
+            pass
+    raise OSError(errno.EAGAIN, f"no temporary name in {d} could be locked ({_TEMP_TRIES} tries)")
+
+
+_TEMP_TRIES = 100
+
+
+def _lock_new(fd: int, name: str) -> bool:
+    """Lock a temporary entry just made; False when a cleaner holds it or has removed it already
+    (the name no longer leads to fd's inode)."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:     # no flock on this file system (some NFS mounts): cleaners go by the pid
+        return True
+    try:
+        st = os.stat(name, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return _same_inode(st, os.fstat(fd))
+
+
+def _same_inode(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def cut_name(name: str, longest: int, keep: int) -> str:
@@ -160,28 +215,96 @@ def fsync_dir(d: str | os.PathLike) -> None:
         os.close(fd)
 
 
-# Temporary names carry their writer's pid ("pid1234"), so that one a killed writer left (SIGKILL,
+# Temporary names carry their writer's pid ("lockpid1234"), so that one a killed writer left (SIGKILL,
 # a phone's low-memory killer: nothing can clean up) is recognised by the next writer and removed.
-# Only the exact shapes edgellm makes: a file ".NAME.pidN.RANDOM.tmp|part" (mkstemp), a folder
-# ".pull-pidN-RANDOM" (mkdtemp). A looser match ("-pidN-" or ".pidN." anywhere) took a user's
+# Only the exact shapes edgellm makes: a file ".NAME.lockpidN.RANDOM.tmp|part" (mkstemp), a folder
+# ".pull-lockpidN-RANDOM" (mkdtemp). A looser match ("-pidN-" or ".pidN." anywhere) took a user's
 # ".notes.pid999999.txt" and, with rmtree, a ".backup-pid999998-old" folder from the folder
 # `quantize -o` wrote to.
-_TAGGED_FILE = re.compile(r"^\..+\.pid(\d+)\.[A-Za-z0-9_]+\.(?:tmp|part)$")
-_TAGGED_DIR = re.compile(r"^\.pull-pid(\d+)-[A-Za-z0-9_]+$")
+#
+# Whether the writer lives is told by a lock, not by its pid: the writer holds an exclusive flock
+# on its file (on a folder: on the folder) until it has renamed or removed it, and the kernel drops
+# it when the writer dies, however it dies. A pid means nothing across PID namespaces (containers
+# sharing a models volume): a live writer in another one looked dead, its file was deleted
+# mid-write; and a dead writer's pid taken by another process kept its file for good.
+# "lockpid" names say their writer locks: unlocked, the writer is gone, whatever the pid. Names
+# of older edgellm ("pidN", no lock) are judged by the pid as before (their writers may still
+# run during an upgrade); so is a locking name where flock fails (some NFS mounts).
+# (Older edgellm matches only ".pidN." and "-pidN-": it leaves "lockpid" names alone.)
+_TAGGED_FILE = re.compile(r"^\..+\.(lock)?pid(\d+)\.[A-Za-z0-9_]+\.(?:tmp|part)$")
+_TAGGED_DIR = re.compile(r"^\.pull-(lock)?pid(\d+)-[A-Za-z0-9_]+$")
 
 
 def writer_tag() -> str:
-    """The mark a temporary name carries: this process's pid."""
-    return f"pid{os.getpid()}"
+    """The mark a temporary name carries: this writer locks its file, and its pid (a hint for
+    people, and the test where flock fails)."""
+    return f"lockpid{os.getpid()}"
 
 
-def writer_alive(name: str) -> bool | None:
-    """Whether the writer named in a temporary file's name still runs; None when the name
-    carries no writer (not a tagged temporary name) or the pid cannot be checked."""
-    m = _TAGGED_FILE.match(name) or _TAGGED_DIR.match(name)
+def writer_alive(path: str | os.PathLike) -> bool | None:
+    """Whether the writer of the temporary file or folder at `path` still writes it; None when
+    the name carries no writer (not a tagged temporary name) or it cannot be checked (another
+    user's file or process)."""
+    alive, fd, _ = _judge(path)
+    if fd is not None:
+        os.close(fd)
+    return alive
+
+
+def remove_if_writer_dead(path: str | os.PathLike) -> bool | None:
+    """writer_alive(path), having removed the file or folder when that is False: under the dead
+    writer's lock, so that a new writer cannot take the name meanwhile (it makes another).
+    OSError from the removal is raised."""
+    alive, fd, folder = _judge(path)
+    try:
+        if alive is False:
+            shutil.rmtree(path) if folder else os.unlink(path)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return alive
+
+
+def _judge(path: str | os.PathLike) -> tuple[bool | None, int | None, bool]:
+    """(writer_alive, an fd holding the writer's lock when alive is False and a lock could be
+    taken, whether it is a folder). The name must still lead to the inode locked: a writer that
+    renamed its file into place and let go of the lock left nothing, or another file, there."""
+    name = os.path.basename(os.fspath(path))
+    try:
+        folder = stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        folder = False
+    m = (_TAGGED_DIR if folder else _TAGGED_FILE).match(name)
     if not m:
-        return None
-    pid = int(m.group(1))
+        return None, None, folder
+    pid = int(m.group(2))
+    if not m.group(1) or fcntl is None:      # (an older edgellm's name: no lock to look for)
+        return _pid_alive(pid), None, folder
+    try:   # (non-blocking, no link followed: a FIFO or a link planted under a temp name)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None, None, folder            # gone, a link, or another user's: not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return True, None, folder
+    except OSError:         # no flock on this file system (some NFS mounts): the pid is all there is
+        os.close(fd)
+        return _pid_alive(pid), None, folder
+    try:
+        st = os.fstat(fd)
+        ours = _same_inode(st, os.stat(path, follow_symlinks=False)) and stat.S_ISDIR(st.st_mode) == folder
+    except OSError:
+        ours = False
+    if not ours:
+        os.close(fd)
+        return None, None, folder
+    return False, fd, folder
+
+
+def _pid_alive(pid: int) -> bool | None:
+    """Whether a process of this pid runs, in this PID namespace; None when it cannot be told."""
     if pid == os.getpid():
         return True
     try:
@@ -203,15 +326,10 @@ def remove_dead_writers(d: str | os.PathLike) -> int:
     for e in entries:
         try:
             is_dir = e.is_dir(follow_symlinks=False)
-            if not (_TAGGED_DIR if is_dir else _TAGGED_FILE).match(e.name) or writer_alive(e.name) is not False:
-                continue
-            if is_dir:
-                shutil.rmtree(e.path)
-            elif e.is_file(follow_symlinks=False):
-                os.unlink(e.path)
-            else:
-                continue
-            n += 1
+            if not (is_dir or e.is_file(follow_symlinks=False)) or not (_TAGGED_DIR if is_dir else _TAGGED_FILE).match(e.name):
+                continue            # (a name test first: most entries are no temporary of ours)
+            if remove_if_writer_dead(e.path) is False:
+                n += 1
         except OSError:
             pass
     return n

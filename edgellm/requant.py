@@ -527,14 +527,19 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     remove_dead_writers(d)
     # the temporary file first: a folder that refuses files (EACCES, EPERM, EROFS, /proc's
     # ENOENT) says so in the system's words, naming the user's path, before any free-space figure
+    # (its own temp name failed for names past ~225 bytes). lock_fd holds the lock that tells
+    # other processes' cleaners this write is alive: closed only after the rename or the removal
     try:
-        fd, tmp = temp_beside(Path(dst_path))   # (its own temp name failed for names past ~225 bytes)
+        lock_fd, tmp = temp_beside(Path(dst_path))
     except OSError as e:
         raise ConfigError(f"{dst_path}: cannot write a file in {d}: {os_error_text(e)}") from None
-    os.close(fd)
+
+    def give_up() -> None:
+        os.unlink(tmp)
+        os.close(lock_fd)
     free = _free_bytes(d)
     if free is not None and free < predicted:   # known before any work: said now, not ~40 MB in
-        os.unlink(tmp)
+        give_up()
         raise ConfigError(f"{dst_path}: the file needs {predicted / 2**20:.1f} MiB but {d} has "
                           f"{free / 2**20:.1f} MiB free")
     # the tensors are read with plain reads, not through the loader's memmap: a source that
@@ -550,13 +555,13 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
             src.close()
             raise
     except BaseException:
-        os.unlink(tmp)
+        give_up()
         raise
     try:
         writer = _Writer(tmp, g.metadata.get("general.architecture", "llama"))
     except BaseException:
         src.close()
-        os.unlink(tmp)
+        give_up()
         raise
     reports: list[TensorReport] = []
     try:
@@ -621,6 +626,7 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
         raise
     finally:
         src.close()
+        os.close(lock_fd)
     fsync_dir(d)
     return Report(src=src_path, dst=dst_path, tensors=tuple(reports), mapped=mapped,
                   predicted_size=predicted, actual_size=actual)

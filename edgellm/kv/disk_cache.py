@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..fileio import writer_alive
+from ..fileio import remove_if_writer_dead
 from ..model.registry import edgellm_home
 from . import session_lock
 from .session_file import SessionFileError, read_header
@@ -134,16 +134,24 @@ def clear(model_sha256: str | None = None, in_use: list[Path] | None = None) -> 
         raise TypeError(f"clear: model_sha256 must be a str or None, got {model_sha256!r}")
     removed, now = 0, time.time()
     for c in list_entries():
-        if _TEMP.fullmatch(c.path.name):
-            alive = writer_alive(c.path.name)   # (None: a name without its writer's pid, older files)
-            if alive or (alive is None and now - c.mtime < _TEMP_GRACE_S):
-                continue
         if model_sha256 is not None:
             mine = (c.model_sha256 == model_sha256 if c.valid
                     else c.path.name.lstrip(".").startswith(model_sha256[:_SHA_PREFIX] + "-"))
             if not mine:
                 continue
-        if not _TEMP.fullmatch(c.path.name) and session_lock.in_use(c.path):
+        if _TEMP.fullmatch(c.path.name):
+            # (a dead writer's file goes under its lock: a writer taking the name meanwhile
+            # makes another)
+            try:
+                alive = remove_if_writer_dead(c.path)   # (None: a name without its writer's pid, older files)
+            except FileNotFoundError:
+                continue
+            if alive is False:
+                removed += 1
+                continue
+            if alive or now - c.mtime < _TEMP_GRACE_S:
+                continue
+        elif session_lock.in_use(c.path):
             if in_use is not None:
                 in_use.append(c.path)
             continue

