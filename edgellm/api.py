@@ -926,19 +926,17 @@ def _runnable(mf: ModelFile, progress=None) -> ModelFile:
 
 
 def _convertible(mf: ModelFile) -> tuple[dict[str, str], str]:
-    """({tensor name: "q4_1" | "q8_0"} for mf's matrices in quant.CONVERTIBLE_TYPES, the
-    conversions as named in notes ("Q4_K as Q4_1, Q6_K as Q8_0"), with the load's warning when
-    there are any."""
-    from .kquant_repack import runs_as
-    from .quant import CONVERTIBLE_TYPES
+    """({tensor name: format} for the tensors of mf that load() converts (kquant_repack.copy_types:
+    the K-quants, Q5_0/Q5_1, BF16), the conversions as named in notes ("Q4_K as Q4_1, Q6_K as
+    Q8_0"), with the load's warning when there are any."""
+    from .kquant_repack import conversions, copy_types
 
-    types = {name: info.ggml_type for name, info in mf.gguf.tensors.items()
-             if info.ggml_type in CONVERTIBLE_TYPES and len(info.shape) == 2}
+    types = copy_types(mf.gguf.tensors)
     if not types:
         return {}, ""
-    formats = {name: runs_as(t).name.lower() for name, t in types.items()}
-    what = ", ".join(f"{t.name} as {runs_as(t).name}" for t in sorted(set(types.values()), key=lambda t: t.name))
-    log.warning("%s: %d matrices are in types no edgellm unit computes with: they run from a copy (%s; made "
+    formats = {name: t.name.lower() for name, t in types.items()}
+    what = conversions(mf.gguf.tensors, types)
+    log.warning("%s: %d tensors are in types no edgellm unit computes with: they run from a copy (%s; made "
                 "once, then cached)", mf.path, len(formats), what)
     return formats, what
 

@@ -1075,7 +1075,7 @@ def _memory_text(mf, n_ctx: int) -> str:
     from .api import memory_needed
     from .backends import neon, reference
 
-    from .kquant_repack import copy_growth, runs_as
+    from .kquant_repack import conversions, copy_growth
 
     kv = memory_needed(mf, n_ctx, placement={})
     mib = 2 ** 20
@@ -1085,11 +1085,9 @@ def _memory_text(mf, n_ctx: int) -> str:
             f"every op")
     grows, conv = copy_growth(mf)
     if conv:   # (load() runs them from a copy of the file: that copy is what is mapped)
-        kinds = ", ".join(f"{t.name} as {runs_as(t).name}" for t in sorted({c.ggml_type for c in conv},
-                                                                          key=lambda t: t.name))
-        text += (f"; its {len(conv)} matrices in types no unit computes with run from a copy of the file "
-                 f"({kinds}), {(mf.file_size + grows) / mib:.1f} MiB mapped in its place (written once to "
-                 f"EDGELLM_HOME/cache/precision/models)")
+        text += (f"; its {len(conv)} tensors in types no unit computes with run from a copy of the file "
+                 f"({conversions(mf.gguf.tensors, conv)}), {(mf.file_size + grows) / mib:.1f} MiB mapped in its "
+                 f"place (written once to EDGELLM_HOME/cache/precision/models)")
     return text
 
 

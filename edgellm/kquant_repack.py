@@ -1,5 +1,5 @@
 """Block types no edgellm unit computes with, rewritten into ones every unit does, without a second
-rounding where the two layouts allow it.
+rounding where the two layouts allow it (BF16 too: F16 holds its values, F32 its vectors).
 
 - Q4_K (super-blocks of 256: fp16 d and dmin, eight 6-bit scale / min pairs, 4-bit values) is,
   per 32 values, x = (d sc) q - (dmin m) with q in 0..15: a Q4_1 block (x = d' q + m') whose d'
@@ -29,26 +29,52 @@ _Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", (32,))])
 
 
 def runs_as(t: T) -> T:
-    """The type a matrix of block type t runs as (t itself where a unit computes with it)."""
+    """The type a matrix of type t runs as (t itself where a unit computes with it)."""
     if t == T.Q4_K:
         return T.Q4_1
+    if t == T.BF16:
+        return T.F16        # exact for every BF16 value in fp16's normal range (8 of its 11 bits)
     from edgellm.quant import CONVERTIBLE_TYPES
 
     return T.Q8_0 if t in CONVERTIBLE_TYPES else t
 
 
-def copy_growth(mf) -> tuple[int, list]:
-    """(bytes load()'s copy of mf adds to the file, the matrices it converts): what is mapped in
-    the file's place is that much larger (`plan` sized a Q4_K_M model's memory by its file)."""
-    from edgellm.model.ggml_types import GGML_QUANT_SIZES
+def copy_types(tensors) -> dict[str, T]:
+    """{tensor name: the type load()'s copy holds it in} for the tensors of a model (name ->
+    gguf_file tensor info) that load() converts: matrices in CONVERTIBLE_TYPES as runs_as says,
+    and BF16 vectors (norms) as F32, which holds them exactly (vectors run as F32 / F16)."""
     from edgellm.quant import CONVERTIBLE_TYPES
 
-    conv = [t for t in mf.gguf.tensors.values() if t.ggml_type in CONVERTIBLE_TYPES and len(t.shape) == 2]
+    out = {}
+    for name, info in tensors.items():
+        if info.ggml_type in CONVERTIBLE_TYPES and len(info.shape) == 2:
+            out[name] = runs_as(info.ggml_type)
+        elif info.ggml_type == T.BF16 and len(info.shape) == 1:
+            out[name] = T.F32
+    return out
+
+
+def copy_growth(mf) -> tuple[int, dict]:
+    """(bytes load()'s copy of mf adds to the file, {name: the type it takes} of the tensors it
+    converts): what is mapped in the file's place is that much larger (`plan` sized a Q4_K_M
+    model's memory by its file)."""
+    from edgellm.model.ggml_types import GGML_QUANT_SIZES
+
+    conv = copy_types(mf.gguf.tensors)
     grows = 0
-    for t in conv:
-        block, size = GGML_QUANT_SIZES[runs_as(t.ggml_type)]
-        grows += t.n_elements // block * size - t.nbytes
+    for name, t in conv.items():
+        info = mf.gguf.tensors[name]
+        block, size = GGML_QUANT_SIZES[t]
+        grows += info.n_elements // block * size - info.nbytes
     return grows, conv
+
+
+def conversions(tensors, conv: dict[str, T]) -> str:
+    """conv ({name: type}, copy_types) as a note: "BF16 as F16/F32, Q4_K as Q4_1"."""
+    pairs: dict[str, set] = {}
+    for name, t in conv.items():
+        pairs.setdefault(tensors[name].ggml_type.name, set()).add(t.name)
+    return ", ".join(f"{src} as {'/'.join(sorted(dst))}" for src, dst in sorted(pairs.items()))
 
 
 def _q4_k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

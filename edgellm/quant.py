@@ -28,7 +28,7 @@ SUPPORTED_TYPES = (T.F32, T.F16, T.Q8_0, T.Q4_0, T.Q4_1)
 # in Q4_K, output.weight and some attn_v / ffn_down in Q6_K): such a matrix loads from a copy made
 # once, Q4_K as Q4_1 and the rest as Q8_0 (kquant_repack, api.load). dequantize() reads them
 # through the gguf package's numpy dequantizers, the reference for their layouts.
-CONVERTIBLE_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1)
+CONVERTIBLE_TYPES = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.Q5_0, T.Q5_1, T.BF16)
 
 
 def bytes_per_row(qtype: T, row_len: int) -> int:

@@ -109,6 +109,8 @@ def _power_sums(w: np.ndarray, w_hat: np.ndarray) -> tuple[float, float]:
 
 
 def _db(sig: float, err: float) -> float:
+    if not math.isfinite(err):      # (values past the format's range came back inf: no signal left)
+        return -math.inf
     if err == 0.0:
         return math.inf
     if sig == 0.0:
@@ -411,13 +413,14 @@ def _convert_rows(raw: np.ndarray, j: "_Job", src_path: str) -> tuple[np.ndarray
         if data is not None:
             w_hat = quant.dequantize(data, j.dst_type, (len(part), k))
         else:
-            c = convert(w, _gguf_name(j.dst_type), name=name)
+            with np.errstate(over="ignore", invalid="ignore"):   # (said below, by tensor name)
+                c = convert(w, _gguf_name(j.dst_type), name=name)
             data, w_hat = np.ascontiguousarray(c.data).view(np.uint8).reshape(len(part), -1), c.dequantized
         if not np.isfinite(w_hat).all() and np.isfinite(w).all():
-            # a block scale past fp16's 65504 (values ~15-127x that): they came back inf or nan
+            # past fp16's 65504: an F16 value, or a block scale (values ~15-127x that): inf or nan
             raise UnsupportedModelError(src_path, f"tensor {j.name!r}", f"its values reach "
-                                        f"{float(np.abs(w).max()):.3g}, past what {j.dst_type.name} blocks (fp16 "
-                                        f"scales) hold; the {j.src_type.name} matrix cannot run here")
+                                        f"{float(np.abs(w).max()):.3g}, past what {j.dst_type.name} holds (fp16 values "
+                                        f"or scales); the {j.src_type.name} tensor cannot run here")
         s, e = _power_sums(w, w_hat)
         sig, err = sig + s, err + e
         out.append(data)

@@ -271,7 +271,11 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama",
         if name in omit:
             continue
         t = next((QT(v) for suf, v in (tensor_types or {}).items() if name.endswith(suf)), tensor_type)
-        if w.ndim == 1 or t == QT.F32:
+        if t == QT.BF16:     # (norms too: a BF16 file keeps them so)
+            raw = gguf.quants.quantize(w, t)
+            weights[name] = gguf.quants.dequantize(raw, t).reshape(w.shape).astype(np.float32)
+            writer.add_tensor(name, raw, raw_dtype=t)
+        elif w.ndim == 1 or t == QT.F32:
             writer.add_tensor(name, w)
         elif t == QT.F16:
             writer.add_tensor(name, w.astype(np.float16))

@@ -101,7 +101,7 @@ def test_info_counts_the_copy_load_maps(kmodel, home):
 
     r = CliRunner().invoke(app, ["info", kmodel.path])
     assert r.exit_code == 0, r.output
-    said = re.search(r"its 15 matrices in types no unit computes with run from a copy of the file \(Q4_K as Q4_1, "
+    said = re.search(r"its 15 tensors in types no unit computes with run from a copy of the file \(Q4_K as Q4_1, "
                      r"Q5_0 as Q8_0, Q5_K as Q8_0, Q6_K as Q8_0\), ([0-9.]+) MiB", " ".join(r.output.split()))
     assert said, r.output
     e = edgellm.load(kmodel.path, units=["neon"], n_ctx=128)

@@ -50,7 +50,7 @@ def test_a_norm_in_a_k_type_is_refused_by_the_1d_rule(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add)
     m = write_tiny_model(tmp_path / "n.gguf", tensor_type=QT.Q8_0, d_model=256, d_ff=512)
-    with pytest.raises(ModelFormatError, match="1-D tensor must be F32/F16, found Q4_K"):
+    with pytest.raises(ModelFormatError, match="1-D tensor must be F32/F16/BF16, found Q4_K"):
         open_model(m.path)
 
 

@@ -253,8 +253,9 @@ def check_tensors(path: str, cfg: ModelConfig, tensors: Mapping[str, Any]) -> No
             raise ModelFormatError(path, f"tensor {name!r}",
                                    f"expected shape {shape} from the hyperparameters, found {tuple(info.shape)}")
         # (first: a norm in Q4_K was "Q4_K is not supported; supported: ..., Q4_K, ...")
-        if len(shape) == 1 and info.ggml_type not in (T.F32, T.F16):
-            raise ModelFormatError(path, f"tensor {name!r}", f"a 1-D tensor must be F32/F16, found {info.ggml_type.name}")
+        if len(shape) == 1 and info.ggml_type not in (T.F32, T.F16, T.BF16):   # (BF16: load() makes it F32)
+            raise ModelFormatError(path, f"tensor {name!r}", f"a 1-D tensor must be F32/F16/BF16, found "
+                                                             f"{info.ggml_type.name}")
         # (a matrix in a CONVERTIBLE type is run from a Q8_0 copy that load() makes once)
         if info.ggml_type not in SUPPORTED_TYPES and info.ggml_type not in CONVERTIBLE_TYPES:
             raise UnsupportedModelError(path, f"tensor {name!r}",
