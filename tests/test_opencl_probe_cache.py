@@ -182,11 +182,14 @@ def test_a_probe_that_crashes_clears_the_binaries_and_probes_once_more(home, chi
     opencl.reset()
     with caplog.at_level(logging.WARNING, logger="edgellm"):
         ok, why = opencl.available()
-    # PoCL dies of the stray write; NVIDIA's driver reports it as an error of the read-back
-    # (seen on an H200): either way the cache goes and one probe more runs, not a loop
+    # PoCL dies of the stray write: the cache goes and one probe more runs, not a loop. NVIDIA's
+    # driver reports it as an error of the read-back (seen on an H200), before any program came
+    # from the cache: nothing there to blame, no probe more
     assert not ok and re.search(r"crashed|read-back of \d+ bytes failed", why), why
-    assert len(children) == 3
-    assert any("program-binary cache" in r.getMessage() and "cleared" in r.getMessage() for r in caplog.records)
+    crashed = "crashed" in why
+    assert len(children) == (3 if crashed else 2)
+    assert crashed == any("program-binary cache" in r.getMessage() and "cleared" in r.getMessage()
+                          for r in caplog.records)
 
 
 @pytest.mark.parametrize("value", ["2147484", "1e10", "86400000"])
