@@ -1119,7 +1119,10 @@ def info(model: Optional[str] = typer.Argument(None, help="GGUF file path or reg
         ("heads (q / kv)", f"{c.n_heads} / {c.n_kv_heads}"), ("head dim", c.head_dim),
         ("vocabulary", c.vocab_size), ("trained context", c.context_length),
         ("rope", f"{c.rope_style}, theta {c.rope_theta:g}, dims {c.rope_dim}"
-                 + (f", linear scaling x{1 / c.rope_freq_scale:g}" if c.rope_freq_scale != 1.0 else "")), ("rms eps", f"{c.norm_eps:g}"),
+                 + (f", YaRN scaling x{1 / c.rope_freq_scale:g} from a {c.rope_yarn.n_ctx_orig}-token context"
+                    if c.rope_yarn is not None else
+                    f", linear scaling x{1 / c.rope_freq_scale:g}" if c.rope_freq_scale != 1.0 else "")),
+        ("rms eps", f"{c.norm_eps:g}"),
         ("tied embeddings", c.tied_embeddings), ("qkv bias", c.qkv_bias),
         ("tensor types", ", ".join(f"{k} x{v}" for k, v in sorted(mf.tensor_type_counts.items()))),
         ("file size", f"{mf.file_size / 2**20:.1f} MiB"),

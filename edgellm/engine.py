@@ -276,7 +276,7 @@ class ModelRunner:
         k = seq.sink_keys()                                                    # (sinks, L, KVH, hd)
         if len(k) and shift:
             cfg = self.cfg
-            cos, sin = reference.rope_rows(cfg, np.full(1, shift), self._rope_freqs)
+            cos, sin = reference.rope_rows(cfg, np.full(1, shift), self._rope_freqs, rotation_only=True)
             rows = k.reshape(-1, cfg.n_kv_heads, cfg.head_dim)
             k = reference.rope(rows, np.broadcast_to(cos, (len(rows), cos.shape[1])),
                                np.broadcast_to(sin, (len(rows), sin.shape[1])), cfg.rope_style).reshape(k.shape)

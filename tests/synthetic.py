@@ -270,8 +270,11 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama",
     for name, w in weights.items():
         if name in omit:
             continue
-        t = next((QT(v) for suf, v in (tensor_types or {}).items() if name.endswith(suf)), tensor_type)
-        if t == QT.BF16:     # (norms too: a BF16 file keeps them so)
+        named = next((QT(v) for suf, v in (tensor_types or {}).items() if name.endswith(suf)), None)
+        t = named or tensor_type
+        # a BF16 file keeps its vectors in F32 (llama.cpp's converter; its CPU backend cannot
+        # multiply by a BF16 norm): BF16 ones only where tensor_types names them
+        if t == QT.BF16 and (w.ndim == 2 or named == QT.BF16):
             raw = gguf.quants.quantize(w, t)
             weights[name] = gguf.quants.dequantize(raw, t).reshape(w.shape).astype(np.float32)
             writer.add_tensor(name, raw, raw_dtype=t)

@@ -21,7 +21,8 @@ SHAPE = dict(n_layers=2, d_model=64, d_ff=128, n_heads=4, n_kv_heads=2, tied_emb
 def pair(tmp_path_factory):
     """(a BF16 model, the same bf16 values written as F16 matrices and F32 vectors)."""
     d = tmp_path_factory.mktemp("bf16")
-    bf = write_tiny_model(d / "bf16.gguf", tensor_type=QT.BF16, **SHAPE)
+    # (its norms in BF16 too, which llama.cpp's converter never writes, but a file may hold)
+    bf = write_tiny_model(d / "bf16.gguf", tensor_type=QT.BF16, tensor_types={"norm.weight": QT.BF16}, **SHAPE)
     # the bf16 values themselves: write_tiny_model draws the same weights from the same seed
     orig = gguf.GGUFWriter.add_tensor
 

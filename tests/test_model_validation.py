@@ -74,7 +74,9 @@ def test_valid_tiny_models_open(tmp_path):
 
 @pytest.mark.parametrize("meta, why", [
     ({A + "attention.causal": False}, "non-causal"),                    # run causal, silently, before
-    ({A + "rope.scaling.type": "yarn", A + "rope.scaling.factor": 4.0}, "'yarn' is not supported"),
+    ({A + "rope.scaling.type": "longrope", A + "rope.scaling.factor": 4.0}, "'longrope' is not supported"),
+    ({A + "rope.scaling.type": "yarn", A + "rope.scaling.factor": 4.0, A + "rope.scaling.yarn_log_multiplier": 0.1},
+     "log multiplier is not supported"),
     ({A + "rope.scaling.type": "none", A + "rope.scaling.factor": 4.0}, "type 'none' beside a scaling factor"),
 ])
 def test_attention_and_rope_variants_it_does_not_run_are_refused(tmp_path, meta, why):

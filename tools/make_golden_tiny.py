@@ -32,6 +32,20 @@ SPECS = [
     # linear RoPE scaling, by the current key and by the older one (llama.cpp reads both)
     {"arch": "llama", "tensor_type": "F32", "seed": 18, "extra_metadata": {"llama.rope.scaling.factor": 4.0}},
     {"arch": "llama", "tensor_type": "F32", "seed": 19, "extra_metadata": {"llama.rope.scale_linear": 2.0}},
+    # YaRN RoPE scaling: an original context shorter than the ids, so the ramp and mscale matter
+    {"arch": "llama", "tensor_type": "F32", "seed": 20,
+     "extra_metadata": {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                        "llama.rope.scaling.original_context_length": 32}},
+    {"arch": "qwen2", "tensor_type": "F32", "seed": 21,
+     "extra_metadata": {"qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 8.0,
+                        "qwen2.rope.scaling.original_context_length": 16}},
+    # types load() converts (kquant_repack): BF16, and a Q4_K_M-like mix of K-quants
+    {"arch": "llama", "tensor_type": "BF16", "seed": 22},
+    {"arch": "llama", "tensor_type": "Q8_0", "seed": 23, "d_model": 256, "d_ff": 512, "n_heads": 4, "n_kv_heads": 2,
+     "tied_embeddings": False,
+     "tensor_types": {"attn_q.weight": "Q4_K", "attn_k.weight": "Q5_0", "attn_v.weight": "Q6_K",
+                      "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q5_K", "ffn_down.weight": "Q6_K",
+                      "output.weight": "Q6_K"}},
 ]
 IDS = [1, 40, 41, 300, 7, 7, 7, 128, 255, 3, 99, 180, 181, 182, 20, 21]
 
@@ -41,6 +55,8 @@ def build(spec: dict, path: Path):
 
     kw = dict(spec)
     kw["tensor_type"] = QT[kw["tensor_type"]]
+    if "tensor_types" in kw:
+        kw["tensor_types"] = {k: QT[v] for k, v in kw["tensor_types"].items()}
     return write_tiny_model(path, **kw)
 
 

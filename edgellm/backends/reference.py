@@ -6,6 +6,7 @@ hd = head_dim.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,15 +56,35 @@ def rope_tables(cfg: ModelConfig, n_ctx: int, freq_factors: np.ndarray | None = 
     return rope_rows(cfg, np.arange(n_ctx), freq_factors)
 
 
-def rope_rows(cfg: ModelConfig, positions: np.ndarray, freq_factors: np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
+def rope_rows(cfg: ModelConfig, positions: np.ndarray, freq_factors: np.ndarray | None = None,
+              rotation_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin (len(positions), rope_dim/2) of any positions: the rows rope_tables would hold
-    for them, bit for bit (a ring buffer's positions run past any table)."""
+    for them, bit for bit (a ring buffer's positions run past any table). rotation_only: without
+    YaRN's magnitude factor (rotating keys already stored on by a number of positions)."""
     inv = cfg.rope_theta ** (-np.arange(0, cfg.rope_dim, 2, dtype=np.float64) / cfg.rope_dim)
     if freq_factors is not None:
         inv = inv / freq_factors.astype(np.float64)
-    ang = (np.asarray(positions, dtype=np.float64) * cfg.rope_freq_scale)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    pos = np.asarray(positions, dtype=np.float64)
+    yarn = getattr(cfg, "rope_yarn", None)
+    if yarn is None:
+        ang = (pos * cfg.rope_freq_scale)[:, None] * inv[None, :]
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    s = cfg.rope_freq_scale
+    low, high = _yarn_corr_dims(cfg.rope_dim, yarn.n_ctx_orig, cfg.rope_theta, yarn.beta_fast, yarn.beta_slow)
+    i = np.arange(cfg.rope_dim // 2, dtype=np.float64)
+    ramp = (1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)) * yarn.ext_factor
+    ang = pos[:, None] * (inv * (s * (1.0 - ramp) + ramp))[None, :]
+    m = 1.0 if rotation_only else yarn.attn_factor * ((1.0 + 0.1 * np.log(1.0 / s)) if yarn.ext_factor else 1.0)
+    return (np.cos(ang) * m).astype(np.float32), (np.sin(ang) * m).astype(np.float32)
+
+
+def _yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float, beta_slow: float
+                    ) -> tuple[float, float]:
+    """The pair indices where YaRN's ramp starts and ends: the dims whose wavelength turns
+    beta_fast and beta_slow times over the original context (ggml_rope_yarn_corr_dims)."""
+    def dim(n_rot: float) -> float:
+        return n_dims * math.log(n_ctx_orig / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+    return max(0.0, math.floor(dim(beta_fast))), min(n_dims - 1.0, math.ceil(dim(beta_slow)))
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, style: str) -> np.ndarray:

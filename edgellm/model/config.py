@@ -29,6 +29,19 @@ MAX_DIM = 1 << 20
 
 
 @dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling as llama.cpp's ggml computes it (ggml_rope_yarn_corr_dims, rope_yarn):
+    pair i's angle is p theta_i (s (1 - r_i) + r_i), s = rope_freq_scale, r_i a ramp that is 1
+    (extrapolate: the trained frequency) below the correction dims and 0 (interpolate) above;
+    cos and sin are multiplied by attn_factor (1 + 0.1 ln(1 / s)) when ext_factor is not 0."""
+    n_ctx_orig: int           # rope.scaling.original_context_length (default: the trained context)
+    ext_factor: float = 1.0   # rope.scaling.yarn_ext_factor: the ramp's weight
+    attn_factor: float = 1.0  # rope.scaling.yarn_attn_factor
+    beta_fast: float = 32.0   # rope.scaling.yarn_beta_fast: rotations where the ramp starts
+    beta_slow: float = 1.0    # rope.scaling.yarn_beta_slow: and where it ends
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str                 # GGUF general.architecture
     name: str                 # general.name, for display
@@ -48,6 +61,7 @@ class ModelConfig:
     qkv_bias: bool            # Q/K/V projections carry a bias
     has_rope_freqs: bool      # a rope_freqs.weight tensor divides the frequencies (Llama 3.x)
     rope_freq_scale: float = 1.0  # linear RoPE scaling: positions times this (1 / the GGUF's factor)
+    rope_yarn: Yarn | None = None   # YaRN scaling (rope.scaling.type yarn): its parameters
 
     @property
     def q_dim(self) -> int:
@@ -115,11 +129,11 @@ def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 _IGNORED = re.compile(r"^blk\.\d+\.attn_rot_embd")
 
 
-def _rope_freq_scale(path: str, meta: Mapping[str, Any], a: str) -> float:
-    """Linear RoPE scaling as llama.cpp reads it: positions times 1 / factor, the factor from
-    rope.scaling.factor or the older rope.scale_linear, the type linear when absent. A file with
-    a factor was run unscaled, without a word (a helper measured top-1 15.6% against llama.cpp
-    at factor 4); other types (yarn, longrope) are refused."""
+def _rope_freq_scale(path: str, meta: Mapping[str, Any], a: str, ctx: int) -> tuple[float, Yarn | None]:
+    """(positions times this, YaRN's parameters or None): RoPE scaling as llama.cpp reads it, the
+    factor from rope.scaling.factor or the older rope.scale_linear, the type linear when absent. A
+    file with a factor was run unscaled, without a word (a helper measured top-1 15.6% against
+    llama.cpp at factor 4); other types (longrope) are refused."""
     key = next((k for k in (a + "rope.scaling.factor", a + "rope.scale_linear") if k in meta), None)
     factor = 0.0 if key is None else meta[key]
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor >= 0):
@@ -132,12 +146,29 @@ def _rope_freq_scale(path: str, meta: Mapping[str, Any], a: str) -> float:
     if scaling is not None and not isinstance(scaling, str):
         raise ModelFormatError(path, a + "rope.scaling.type", f"expected a string, found {describe_value(scaling)}")
     if scaling in (None, "linear"):
-        return 1.0 / factor if factor else 1.0       # (llama.cpp: a factor of 0 means none)
+        return (1.0 / factor if factor else 1.0), None       # (llama.cpp: a factor of 0 means none)
     if scaling == "none":
         if factor not in (0, 1):
             raise UnsupportedModelError(path, a + "rope.scaling.type", f"type 'none' beside a scaling factor {factor}")
-        return 1.0
+        return 1.0, None
+    if scaling == "yarn":
+        return (1.0 / factor if factor else 1.0), _yarn(path, meta, a, ctx)
     raise UnsupportedModelError(path, a + "rope.scaling.type", f"RoPE scaling {scaling!r} is not supported yet")
+
+
+def _yarn(path: str, meta: Mapping[str, Any], a: str, ctx: int) -> Yarn:
+    k = a + "rope.scaling."
+    if k + "yarn_log_multiplier" in meta:    # (DeepSeek's attention temperature: not a llama's)
+        raise UnsupportedModelError(path, k + "yarn_log_multiplier", "YaRN's log multiplier is not supported")
+    orig = _positive(path, k + "original_context_length",
+                     _get(meta, path, k + "original_context_length", int, default=ctx, required=False), 1 << 24)
+    vals = {}
+    for name, default in (("ext_factor", 1.0), ("attn_factor", 1.0), ("beta_fast", 32.0), ("beta_slow", 1.0)):
+        v = _get(meta, path, k + "yarn_" + name, float, default=default, required=False)
+        if not (math.isfinite(v) and v >= 0):
+            raise ModelFormatError(path, k + "yarn_" + name, f"expected a finite value >= 0, found {v}")
+        vals[name] = v
+    return Yarn(orig, **vals)
 
 
 # a mixture-of-experts FFN's tensors (Mixtral-style llama files): router and stacked experts
@@ -203,7 +234,7 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
     eps = _get(meta, path, a + "attention.layer_norm_rms_epsilon", float)
     if not 0 < eps < 1:
         raise ModelFormatError(path, a + "attention.layer_norm_rms_epsilon", f"expected 0 < eps < 1, found {eps}")
-    freq_scale = _rope_freq_scale(path, meta, a)
+    freq_scale, yarn = _rope_freq_scale(path, meta, a, ctx)
     # (an embedding model's: it was run causal, silently; a u8 0 or a string "false" as well,
     # so the key must be a bool, as llama.cpp's typed read requires)
     if not _get(meta, path, a + "attention.causal", bool, default=True, required=False):
@@ -237,7 +268,7 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
         context_length=ctx, rope_theta=theta, rope_dim=rope_dim, rope_style=ARCHITECTURES[arch]["rope_style"],
         norm_eps=eps, tied_embeddings="output.weight" not in tensors,
         qkv_bias=ARCHITECTURES[arch]["qkv_bias"] and "blk.0.attn_q.bias" in tensors,
-        has_rope_freqs="rope_freqs.weight" in tensors, rope_freq_scale=freq_scale,
+        has_rope_freqs="rope_freqs.weight" in tensors, rope_freq_scale=freq_scale, rope_yarn=yarn,
     )
     check_tensors(path, cfg, tensors)
     return cfg
