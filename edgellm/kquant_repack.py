@@ -43,6 +43,7 @@ def copy_types(tensors) -> dict[str, T]:
     """{tensor name: the type load()'s copy holds it in} for the tensors of a model (name ->
     gguf_file tensor info) that load() converts: matrices in CONVERTIBLE_TYPES as runs_as says,
     and BF16 vectors (norms) as F32, which holds them exactly (vectors run as F32 / F16)."""
+    from edgellm.model.layout import SEGMENTS
     from edgellm.quant import CONVERTIBLE_TYPES
 
     out = {}
@@ -51,6 +52,21 @@ def copy_types(tensors) -> dict[str, T]:
             out[name] = runs_as(info.ggml_type)
         elif info.ggml_type == T.BF16 and len(info.shape) == 1:
             out[name] = T.F32
+    # a fused projection (q, k, v; gate, up) runs on neon / opencl only in one format: a Q4_K_M
+    # layer's Q4_K attn_q / attn_k beside its Q6_K attn_v ran as Q4_1 beside Q8_0, and its qkv went
+    # to reference (numpy, fp32 copies, no fused decode step) in every layer: 4.4x slower decode
+    # than the all-Q8_0 copy. Such a layer's Q4_K parts take Q8_0, as the rest of the group does.
+    for name in out:
+        if out[name] != T.Q4_1 or not name.startswith("blk.") or name.count(".") != 3:
+            continue
+        layer, seg = name.split(".")[1:3]
+        group = next((g for g in SEGMENTS.values() if seg in g and len(g) > 1), None)
+        members = [f"blk.{layer}.{s}.weight" for s in group or ()]
+        kinds = {out.get(m, tensors[m].ggml_type) for m in members if m in tensors}
+        if len(kinds) > 1:
+            for m in members:
+                if m in out and tensors[m].ggml_type == T.Q4_K:
+                    out[m] = T.Q8_0
     return out
 
 

@@ -116,12 +116,16 @@ def weight_formats(model) -> dict[str, str]:
     from .costmodel import LayerFormats
     from .model import layout
 
-    from .kquant_repack import runs_as as runs_as_type
+    from .kquant_repack import copy_types, runs_as as runs_as_type
+
+    gguf = getattr(model, "gguf", None)
+    copy = copy_types(gguf.tensors) if gguf is not None else {}
 
     def runs_as(name: str) -> str:
         # a K-quant / Q5_x matrix runs from load()'s copy (api._runnable): costed as what it runs
-        # as, Q4_1 or Q8_0 (`edgellm plan` on a Q4_K_M file stopped at a KeyError: 'q4_k')
-        return runs_as_type(model.tensor_type(name)).name.lower()
+        # as, Q4_1 or Q8_0 (`edgellm plan` on a Q4_K_M file stopped at a KeyError: 'q4_k'), by the
+        # copy's own choice (a Q4_K beside a Q6_K in one projection takes Q8_0)
+        return copy.get(name, runs_as_type(model.tensor_type(name))).name.lower()
 
     cfg = model.config
     fmt = {op.name: "f32" for op in (*layer_ops(cfg), *model_ops(cfg))}
