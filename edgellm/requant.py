@@ -409,7 +409,9 @@ def _convert_rows(raw: np.ndarray, j: "_Job", src_path: str) -> tuple[np.ndarray
     for r0 in range(0, n, step):
         part = rows[r0:r0 + step]
         w = quant.dequantize(part, j.src_type, (len(part), k))
-        data = repack(part) if repack is not None else None
+        # (a NaN / inf source value goes to convert(), which refuses the damaged tensor by name: the
+        # Q5_0 repack copied a NaN scale into the model, a RuntimeWarning its only sign)
+        data = repack(part) if repack is not None and np.isfinite(w).all() else None
         if data is not None:
             w_hat = quant.dequantize(data, j.dst_type, (len(part), k))
         else:

@@ -75,3 +75,17 @@ def test_values_past_what_fp16_scales_hold_are_refused_by_name():
         job = requant._Job("blk.0.w", QT.Q4_K, dst, (ROWS, COLS), dst.name.lower(), raw.nbytes, 0, "")
         with pytest.raises(UnsupportedModelError, match="blk.0.w.*past what"):
             requant._convert_rows(raw, job, "m.gguf")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_q5_0_block_with_a_nan_or_inf_scale_is_refused_as_the_other_types_are(bad):
+    """The exact repack took the scale as it was: the copy held NaN values (Q4_K, Q6_K: refused)."""
+    from edgellm.errors import ConfigError
+
+    rng = np.random.default_rng(6)
+    raw = rng.integers(0, 256, (32, 22), dtype=np.uint8)
+    raw[:, 0:2] = np.full(32, 5e-3, np.float16).view(np.uint8).reshape(-1, 2)
+    raw[3, 0:2] = np.array([bad], np.float16).view(np.uint8)
+    job = requant._Job("blk.0.attn_v.weight", QT.Q5_0, QT.Q8_0, (2, 512), "q8_0", raw.nbytes, 0, "")
+    with np.errstate(all="ignore"), pytest.raises(ConfigError, match="blk.0.attn_v.weight.*NaN or infinite"):
+        requant._convert_rows(raw.reshape(2, -1), job, "m.gguf")
