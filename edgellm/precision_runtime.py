@@ -225,6 +225,20 @@ def requantized_copy(mf, formats: Mapping[str, str], plan_name: str, what: str,
                     f.unlink(missing_ok=True)
                 except OSError:   # (a folder of that name: IsADirectoryError stopped the load)
                     pass
+    if plan_name == "runnable":
+        # the copy load() made before Q4_K ran as Q4_1 (every K-quant / Q5_x matrix as Q8_0, named
+        # "-q8_0-"): a whole model's size that no name above matches, left until the cache's bound
+        from .model.ggml_types import GGMLQuantizationType as T
+
+        before = {n: "q8_0" for n in formats if mf.tensor_type(n) != T.BF16 and len(mf.gguf.tensors[n].shape) == 2}
+        old_head = f"{stem}-q8_0-{_identity(mf.path, before)}-"
+        for old in path.parent.glob(f"{glob_escape(old_head)}*.gguf"):
+            if re.fullmatch(r"[0-9a-f]{16}", old.name[len(old_head):-len(".gguf")]):
+                for f in (old, _fingerprint_file(old)):
+                    try:
+                        f.unlink(missing_ok=True)
+                    except OSError:
+                        pass
     try:
         report = requantize_gguf(mf.path, path, formats, progress=progress)
         write_atomic(fp, _sidecar(path).encode())

@@ -169,3 +169,23 @@ def test_a_q4_k_beside_a_q6_k_in_one_projection_takes_q8_0(tmp_path, home, caplo
         assert e.model.gguf.tensors["blk.0.attn_q.weight"].ggml_type == QT.Q8_0
     finally:
         e.close()
+
+
+def test_the_q8_0_copy_of_an_older_version_is_removed_when_the_new_copy_is_written(tmp_path, home):
+    """Before Q4_K ran as Q4_1 the copy was named "-q8_0-" (every matrix as Q8_0): nothing removed
+    it, a whole model's size kept until the cache's bound. Another model's such copy stays."""
+    from edgellm.precision_runtime import _identity, cache_dir
+
+    m = write_kquant_model(tmp_path / "m.gguf", {"attn_q.weight": QT.Q4_K, "ffn_down.weight": QT.Q6_K})
+    mf = open_model(m.path)
+    old_formats = {n: "q8_0" for n, i in mf.gguf.tensors.items() if i.ggml_type in quant.CONVERTIBLE_TYPES}
+    d = cache_dir()
+    d.mkdir(parents=True)
+    old = d / f"m-q8_0-{_identity(m.path, old_formats)}-0123456789abcdef.gguf"
+    other = d / f"m-q8_0-{_identity(str(tmp_path / 'elsewhere' / 'm.gguf'), old_formats)}-0123456789abcdef.gguf"
+    for f in (old, other, old.with_name(old.name + ".sample-sha256")):
+        f.write_bytes(b"old copy")
+    edgellm.load(m.path, units=["reference"], n_ctx=64).close()
+    assert not old.exists() and not old.with_name(old.name + ".sample-sha256").exists()
+    assert other.exists()
+    assert [p.name for p in d.glob("m-runnable-*.gguf")]
