@@ -271,7 +271,7 @@ def write_tiny_model(path: str | os.PathLike[str], *, arch: str = "llama",
         if name in omit:
             continue
         named = next((QT(v) for suf, v in (tensor_types or {}).items() if name.endswith(suf)), None)
-        t = named or tensor_type
+        t = named if named is not None else tensor_type   # (QT.F32 is 0)
         # a BF16 file keeps its vectors in F32 (llama.cpp's converter; its CPU backend cannot
         # multiply by a BF16 norm): BF16 ones only where tensor_types names them
         if t == QT.BF16 and (w.ndim == 2 or named == QT.BF16):
