@@ -633,6 +633,12 @@ def _ring_chunk_cap(kv_cfg: KVConfig, prefill_chunk: int | None) -> int | None:
     return max(1, room // 2)
 
 
+def ring_chunk_why(kv_cfg: KVConfig) -> str:
+    """Why a ring's chunk is _ring_chunk_cap's, as the plan says it."""
+    return (f"the ring's cap (ring: at most half the {kv_cfg.window - kv_cfg.sinks} tokens a chunk may take, "
+            f"window {kv_cfg.window} less {kv_cfg.sinks} sinks, so a chunk's first tokens keep context)")
+
+
 def load(model: str | os.PathLike | None = None, device: str | os.PathLike | None = None, *, n_ctx: int | None = None,
          threads: int | None = None, prefill_chunk: int | None = None, kv: str = "pool",
          kv_precision: str | None = None, window: int | None = None, sinks: int | None = None,
@@ -805,9 +811,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
                            memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
     chunk_why = "set by the caller"
     if ring_cap and plan.chunk.tokens > ring_cap:
-        prefill_chunk = ring_cap
-        chunk_why = (f"the ring's cap (ring: at most half the {kv_cfg.window - kv_cfg.sinks} tokens a chunk may "
-                     f"take, window {kv_cfg.window} less {kv_cfg.sinks} sinks, so a chunk's first tokens keep context)")
+        prefill_chunk, chunk_why = ring_cap, ring_chunk_why(kv_cfg)
         plan = dispatcher.plan(prompt_tokens=min(512, n_ctx), n_ctx=n_ctx, chunk=prefill_chunk, chunk_why=chunk_why,
                                memory_budget=max(avail - memory_needed(mf, n_ctx, kv_cfg, {}), 0) / 4)
     plan_notes += _opencl_on_a_cpu_device(plan, profile)

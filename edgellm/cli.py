@@ -1335,8 +1335,12 @@ def plan(
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Compute threads the CPU units' figures "
                                           "are scaled to (default: for the host, one per big core this process "
                                           "may use, as `run`; for another device, all its big cores)"),
+    kv: str = typer.Option("pool", "--kv", help=KV_HELP),
     kv_precision: Optional[str] = typer.Option(None, "--kv-precision", help="KV storage: f16, f32, or int8; "
                                                "default: the precision plan's, else f16"),
+    window: Optional[int] = typer.Option(None, help="--kv ring: window in tokens, sinks included (default 1024); "
+                                         "a ring's prefill chunk is at most half of what it leaves the chunk"),
+    sinks: Optional[int] = typer.Option(None, help="--kv ring: attention-sink tokens kept forever (default 4)"),
     precision: Optional[str] = typer.Option(None, "--precision", help=PRECISION_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as one JSON object"),
     plot_path: Optional[str] = typer.Option(None, "--plot", metavar="PATH", help="Draw each unit's roofline with "
@@ -1348,7 +1352,7 @@ def plan(
     For the host (the default) units are probed; for another device the units its profile
     describes are assumed present, so the plan is a prediction for that device."""
     from . import plan_report
-    from .api import DEFAULT_CTX, device_profile, memory_needed
+    from .api import DEFAULT_CTX, _ring_chunk_cap, device_profile, memory_needed, ring_chunk_why
     from .dispatch import Dispatcher
     from .errors import ConfigError
     from .kv.store import KVConfig
@@ -1372,7 +1376,10 @@ def plan(
         threads = len(select_big(detect_clusters()))
     unit_list = _units(units)
     pplan = load_plan(precision) if precision is not None else None
-    kv_cfg = KVConfig(precision=kv_precision or (pplan.kv_precision if pplan else "f16"))  # validates it
+    if kv != "ring" and (window is not None or sinks is not None):
+        typer.echo(f"edgellm: warning: --window and --sinks size --kv ring; with --kv {kv} they are ignored", err=True)
+    kv_cfg = KVConfig(kind=kv, precision=kv_precision or (pplan.kv_precision if pplan else "f16"),   # validates them
+                      window=1024 if window is None else window, sinks=4 if sinks is None else sinks)
     profile = device_profile(device)
     if host:   # the figures this process's threads are planned from, said as `run` says it
         from .api import _warn_if_measured_elsewhere
@@ -1413,6 +1420,10 @@ def plan(
     # an app may use about half of the device's memory; the chunk may take a quarter of what the model leaves
     spare = profile.memory_total_bytes / 2 - memory_needed(mf, n_ctx, kv_cfg)
     p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, memory_budget=max(spare / 4, 16 * 2**20))
+    ring_cap = _ring_chunk_cap(kv_cfg, None)
+    if ring_cap and p.chunk.tokens > ring_cap:   # as load() caps it (the plan showed a chunk a ring never runs)
+        p = disp.plan(prompt_tokens=prompt_tokens, n_ctx=n_ctx, chunk=ring_cap, chunk_why=ring_chunk_why(kv_cfg),
+                      memory_budget=max(spare / 4, 16 * 2**20))
     # what this plan takes: the mapped file, the units' own weights and the KV cache (counted as
     # all-fp32 reference weights, SmolLM2 read 558 MiB where a run peaks at 191)
     from .kquant_repack import copy_growth
