@@ -17,23 +17,26 @@ from tests.synthetic import write_tiny_model
 SHAPE = dict(n_layers=2, d_model=64, d_ff=128, n_heads=4, n_kv_heads=2, tied_embeddings=False, seed=7)
 
 
+def _write_with(path, tensor_type, rewrite):
+    """write_tiny_model (SHAPE), each tensor it writes passed through rewrite(name, data) first."""
+    orig = gguf.GGUFWriter.add_tensor
+
+    def add(self, name, w, *a, **k):
+        return orig(self, name, rewrite(name, w), *a, **k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf.GGUFWriter, "add_tensor", add)
+        return write_tiny_model(path, tensor_type=tensor_type, **SHAPE)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(a BF16 model, the same bf16 values written as F16 matrices and F32 vectors)."""
     d = tmp_path_factory.mktemp("bf16")
     # (its norms in BF16 too, which llama.cpp's converter never writes, but a file may hold)
     bf = write_tiny_model(d / "bf16.gguf", tensor_type=QT.BF16, tensor_types={"norm.weight": QT.BF16}, **SHAPE)
-    # the bf16 values themselves: write_tiny_model draws the same weights from the same seed
-    orig = gguf.GGUFWriter.add_tensor
-
-    def add(self, name, w, *a, **k):
-        return orig(self, name, bf.weights[name].astype(np.float16 if w.ndim == 2 else np.float32))
-    mp = pytest.MonkeyPatch()
-    mp.setattr(gguf.GGUFWriter, "add_tensor", add)
-    try:
-        f16 = write_tiny_model(d / "f16.gguf", tensor_type=QT.F16, **SHAPE)
-    finally:
-        mp.undo()
+    # the bf16 values themselves, as F16 matrices and F32 vectors
+    f16 = _write_with(d / "f16.gguf", QT.F16,
+                      lambda name, w: bf.weights[name].astype(np.float16 if w.ndim == 2 else np.float32))
     return bf, f16
 
 
@@ -61,18 +64,10 @@ def test_info_names_the_conversion(pair, home):
 
 
 def test_a_bf16_value_past_fp16_range_is_refused_by_tensor_name(tmp_path, home):
-    orig = gguf.GGUFWriter.add_tensor
-
-    def add(self, name, w, *a, **k):
-        if name == "blk.1.ffn_down.weight":
-            big = np.full((w.size // 2,), 1e6, np.float32)
-            w = gguf.quants.quantize(big, QT.BF16).reshape(w.shape)    # 2 bytes each
-        return orig(self, name, w, *a, **k)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(gguf.GGUFWriter, "add_tensor", add)
-    try:
-        m = write_tiny_model(tmp_path / "big.gguf", tensor_type=QT.BF16, **SHAPE)
-    finally:
-        mp.undo()
+    def big(name, w):
+        if name != "blk.1.ffn_down.weight":
+            return w
+        return gguf.quants.quantize(np.full((w.size // 2,), 1e6, np.float32), QT.BF16).reshape(w.shape)  # 2 B each
+    m = _write_with(tmp_path / "big.gguf", QT.BF16, big)
     with pytest.raises(UnsupportedModelError, match="blk.1.ffn_down.weight.*past what F16"):
         edgellm.load(m.path, units=["reference"], n_ctx=64)
