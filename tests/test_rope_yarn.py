@@ -25,14 +25,43 @@ def test_defaults_are_llama_cpps(tmp_path):
     assert (y.n_ctx_orig, y.ext_factor, y.attn_factor, y.beta_fast, y.beta_slow) == (c.context_length, 1.0, 1.0, 32.0, 1.0)
 
 
-def test_the_keys_it_reads(tmp_path):
+def test_the_yarn_keys_llama_cpp_ignores(tmp_path, caplog):
+    """llama.cpp reads no rope.scaling.yarn_* key for llama or qwen2: it runs its defaults (a
+    differential run against it: NMSE up to 0.4 where they were read), with a warning here."""
     c = _cfg(tmp_path, **{A + "rope.scaling.original_context_length": 48, A + "rope.scaling.yarn_beta_fast": 16.0,
-                          A + "rope.scaling.yarn_ext_factor": 0.5})
-    assert (c.rope_yarn.n_ctx_orig, c.rope_yarn.beta_fast, c.rope_yarn.ext_factor) == (48, 16.0, 0.5)
+                          A + "rope.scaling.yarn_ext_factor": 0.5, A + "rope.scaling.yarn_attn_factor": 1.0})
+    y = c.rope_yarn
+    assert (y.n_ctx_orig, y.ext_factor, y.attn_factor, y.beta_fast, y.beta_slow) == (48, 1.0, 1.0, 32.0, 1.0)
+    assert "yarn_ext_factor 0.5 (runs as 1), yarn_beta_fast 16 (runs as 32) ignored" in caplog.text
+    assert "yarn_attn_factor" not in caplog.text      # (its default: nothing to say)
+
+
+def test_rope_attn_factor_scales_every_type(tmp_path):
+    """rope.scaling.attn_factor (read by llama.cpp for every architecture) multiplies cos and sin,
+    with or without scaling; a key rotated on by a shift is not scaled again."""
+    p = np.arange(40)
+    for meta in ({}, {A + "rope.scaling.factor": 4.0}, YARN):
+        c = open_model(write_tiny_model(tmp_path / "m.gguf", extra_metadata={**meta, A + "rope.scaling.attn_factor": 1.5}).path).config
+        c1 = open_model(write_tiny_model(tmp_path / "n.gguf", extra_metadata=meta).path).config
+        assert c.rope_attn_factor == 1.5 and c1.rope_attn_factor == 1.0
+        (cos, sin), (cos1, sin1) = reference.rope_rows(c, p), reference.rope_rows(c1, p)
+        np.testing.assert_allclose(cos, 1.5 * cos1, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(sin, 1.5 * sin1, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(reference.rope_rows(c, p, rotation_only=True)[0],
+                                      reference.rope_rows(c1, p, rotation_only=True)[0])
+
+
+def test_a_factor_below_one_keeps_the_magnitude(tmp_path):
+    """llama_context cancels ggml's 1 + 0.1 ln(1 / s) where the factor is below 1 (its get_mscale
+    is 1 there): cos^2 + sin^2 stays 1 (it was (1 + 0.1 ln 0.5)^2, NMSE 1.1e-6 against llama.cpp)."""
+    c = _cfg(tmp_path, **{A + "rope.scaling.factor": 0.5})
+    cos, sin = reference.rope_rows(c, np.arange(50))
+    np.testing.assert_allclose(cos ** 2 + sin ** 2, 1.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("key, value", [("yarn_beta_slow", -1.0), ("yarn_attn_factor", float("nan")),
-                                        ("original_context_length", 0)])
+                                        ("original_context_length", 0), ("attn_factor", 0.0),
+                                        ("attn_factor", float("inf"))])
 def test_a_bad_value_is_named(tmp_path, key, value):
     with pytest.raises(ModelFormatError, match=key):
         _cfg(tmp_path, **{A + "rope.scaling." + key: value})

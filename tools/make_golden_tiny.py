@@ -46,6 +46,17 @@ SPECS = [
      "tensor_types": {"attn_q.weight": "Q4_K", "attn_k.weight": "Q5_0", "attn_v.weight": "Q6_K",
                       "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q5_K", "ffn_down.weight": "Q6_K",
                       "output.weight": "Q6_K"}},
+    # RoPE keys as llama.cpp reads them: no rope.scaling.yarn_* key for llama / qwen2 (its defaults
+    # run), rope.scaling.attn_factor for every scaling type, and a YaRN factor below 1 unscaled
+    {"arch": "llama", "tensor_type": "F32", "seed": 24,
+     "extra_metadata": {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                        "llama.rope.scaling.original_context_length": 32, "llama.rope.scaling.yarn_ext_factor": 0.5,
+                        "llama.rope.scaling.yarn_attn_factor": 1.5, "llama.rope.scaling.yarn_beta_slow": 0.25}},
+    {"arch": "qwen2", "tensor_type": "F32", "seed": 25,
+     "extra_metadata": {"qwen2.rope.scaling.factor": 2.0, "qwen2.rope.scaling.attn_factor": 1.5}},
+    {"arch": "llama", "tensor_type": "F32", "seed": 26,
+     "extra_metadata": {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 0.5,
+                        "llama.rope.scaling.original_context_length": 16}},
 ]
 IDS = [1, 40, 41, 300, 7, 7, 7, 128, 255, 3, 99, 180, 181, 182, 20, 21]
 
