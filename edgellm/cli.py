@@ -1378,6 +1378,9 @@ def plan(
     pplan = load_plan(precision) if precision is not None else None
     if kv != "ring" and (window is not None or sinks is not None):
         typer.echo(f"edgellm: warning: --window and --sinks size --kv ring; with --kv {kv} they are ignored", err=True)
+    if kv == "ring" and ctx is not None:   # (as load() ignores n_ctx for a ring: the plan is run's)
+        typer.echo("edgellm: warning: --ctx does not size --kv ring (its --window does): ignored", err=True)
+        ctx = None
     kv_cfg = KVConfig(kind=kv, precision=kv_precision or (pplan.kv_precision if pplan else "f16"),   # validates them
                       window=1024 if window is None else window, sinks=4 if sinks is None else sinks)
     profile = device_profile(device)

@@ -32,3 +32,9 @@ def test_window_without_a_ring_is_said_to_be_ignored(tmp_path, home):
     path = write_tiny_model(tmp_path / "m.gguf").path
     r = CliRunner().invoke(app, ["plan", "--model", path, "--window", "64"])
     assert r.exit_code == 0 and "--window and --sinks size --kv ring; with --kv pool they are ignored" in r.output
+
+
+def test_ctx_with_a_ring_is_ignored_as_run_ignores_it(tmp_path, home):
+    path = write_tiny_model(tmp_path / "m.gguf", context_length=512).path
+    r = CliRunner().invoke(app, ["plan", "--model", path, "--kv", "ring", "--window", "64", "--ctx", "100"])
+    assert r.exit_code == 0 and "--ctx does not size --kv ring (its --window does): ignored" in r.output, r.output
