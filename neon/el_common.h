@@ -33,7 +33,7 @@
 
 extern int el_generic_flag;   /* set by el_use_generic */
 /* x86 builds with the AVX-512 GEMVs (qgemv_avx512.h): which of them run (el_x86_gemv), bit 0 the
- * Q4 GEMV, bit 1 the Q8_0 lm_head GEMV; a clear bit runs the AVX2 kernel instead */
+ * int8-activation GEMVs (Q4, Q8_0), bit 1 the Q8_0 lm_head GEMV; a clear bit runs the AVX2 kernel instead */
 extern int el_x86_wide_gemv;
 static inline int el_wide_gemv(int bit) { return __atomic_load_n(&el_x86_wide_gemv, __ATOMIC_RELAXED) & bit; }
 

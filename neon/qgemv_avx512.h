@@ -1,7 +1,8 @@
-/* x86 AVX-512 (VNNI + VBMI) Q4 GEMV for development builds: included by quant_matmul.c, which
- * owns the int8 blocks of x (el_xq) this reads. Same arithmetic per block as the other tiles
- * (exact int32 block sums, then d_w d_x in fp32, plus m_w s_x), in another summation order, so
- * results agree with the NEON / AVX2 tiles to fp32 rounding, not bit for bit.
+/* x86 AVX-512 (VNNI + VBMI) GEMVs for development builds: included by quant_matmul.c, which
+ * owns the int8 blocks of x (el_xq) these read. The Q4 one: the same arithmetic per block as the
+ * other tiles (exact int32 block sums, then d_w d_x in fp32, plus m_w s_x), in another summation
+ * order, so results agree with the NEON / AVX2 tiles to fp32 rounding, not bit for bit. The Q8_0
+ * one (el_qgemv_q8_avx512, below) keeps their order: bit-identical.
  *
  * Why: on a Zen 5 the 8-row AVX2 tile (el_qgemv8_q4_avx2) is compute-bound at ~25-30 GB/s per
  * core, so two cores stream weights at ~47 GB/s of the ~62 GB/s DRAM gives. Here one 512-bit
@@ -141,6 +142,89 @@ el_qgemv_q4_avx512(const int wt, const uint8_t *w, size_t rb, int rows, const in
         }
         el_x5_store4(acc, r0, nr, y, bias);
     }
+}
+
+/* Q8_0 against int8 x (a K-quant model's Q8_0 copy, llama.cpp Q8_0 files): unlike the Q4 GEMV
+ * above, bit-identical to the AVX2 / NEON tiles and the GEMM tiles, whose exact int32 block sums
+ * and per-row order (one FMA by d_w d_x per block, in block order) it keeps: the rows' int32 sums
+ * are folded per block, not per row at the end. A register holds block b of two rows (32 quant
+ * bytes each), u = q_w XOR 0x80 = q_w + 128, and one VPDPBUSD against x's block in both halves
+ * leaves 8 partial sums per row; each lane's accumulator starts at -16 sum(q_x), so that a row's
+ * 8 lanes add up to sum(q_w q_x) exactly. 8 such registers (16 rows) fold in 21 shuffles and
+ * adds to one register of the 16 rows' block sums (lane r = row r), and the fp32 scaling runs 16
+ * rows wide. d_w of the 16 rows: 16 scalar loads through the stack; one VPGATHERDD instead made
+ * the GEMV 10-25% slower (Zen 5). Zen 5, 2 threads, against the 4-row AVX2 tile: SmolLM2's
+ * shapes from cache 1.12-1.18x, 576 x 49152 (30 MB) 1.35x; the Q8_0 file's decode 212-223 ->
+ * 276-299 tok/s with the GEMM tile above (qmatmul_avx512.h).
+ * Row pairs: register k holds rows k | k + 4 (k < 4) and k + 4 | k + 8 (k >= 4), so that the
+ * fold's last step leaves the rows in order. G = 8: registers 0..3 only, lanes 8..15 repeat 0..7. */
+static inline __attribute__((always_inline)) __m512i el_q8_fold8(const __m512i p[8], const int G) {
+    __m512i q[4], r[2];
+    for (int k = 0; k < G / 4; k++)
+        q[k] = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2 * k], p[2 * k + 1]),
+                                _mm512_unpackhi_epi32(p[2 * k], p[2 * k + 1]));
+    for (int k = 0; k < G / 8; k++)
+        r[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(q[2 * k], q[2 * k + 1]),
+                                _mm512_unpackhi_epi64(q[2 * k], q[2 * k + 1]));
+    const __m512i a = r[0], b = G == 16 ? r[1] : r[0];
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xDD));
+}
+
+/* G (8, 16) rows from row0 (rb bytes apart; nr real, the rest repeat the last) against x's nb
+ * blocks (xc: -16 sum(q_x) per block) -> y[0..nr) (+ bias) */
+static inline __attribute__((always_inline)) void el_q8_gemv_group(const int G, const uint8_t *row0, size_t rb, int nr,
+                                                                   size_t pfd, const int8_t *xq, const float *xd,
+                                                                   const int32_t *xc, int nb, float *y,
+                                                                   const float *bias) {
+    const int bs = el_qblock_bytes(EL_Q8_0), off = el_qoff(EL_Q8_0);
+    const uint8_t *lo[8], *hi[8];
+    for (int k = 0; k < G / 2; k++) {
+        const int r = k < 4 ? k : k + 4;
+        lo[k] = row0 + (size_t)EL_MIN(r, nr - 1) * rb + off;
+        hi[k] = row0 + (size_t)EL_MIN(r + 4, nr - 1) * rb + off;
+    }
+    const uint8_t *rp[16];
+    for (int r = 0; r < 16; r++) rp[r] = row0 + (size_t)EL_MIN(r % G, nr - 1) * rb;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const size_t o0 = (size_t)b * G * bs, o1 = o0 + (size_t)G * bs;
+        for (size_t o = (o0 + 63) & ~(size_t)63; o < o1; o += 64) el_prefetch_ahead(row0 + pfd + o);
+        const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + (size_t)b * QK)));
+        const __m512i c = _mm512_set1_epi32(xc[b]);
+        __m512i p[8];
+        for (int k = 0; k < G / 2; k++) {
+            const size_t o = (size_t)b * bs;
+            const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(lo[k] + o))),
+                                                 _mm256_loadu_si256((const __m256i *)(hi[k] + o)), 1);
+            p[k] = _mm512_dpbusd_epi32(c, _mm512_xor_si512(w, flip), x);
+        }
+        const __m512i t = el_q8_fold8(p, G);
+        uint16_t dh[16];
+        for (int r = 0; r < 16; r++) dh[r] = (uint16_t)el_ld16(rp[r] + (size_t)b * bs);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dw, _mm512_set1_ps(xd[b])), acc);
+    }
+    const __mmask16 keep = (__mmask16)((1u << nr) - 1);
+    if (bias) acc = _mm512_add_ps(acc, _mm512_maskz_loadu_ps(keep, bias));
+    _mm512_mask_storeu_ps(y, keep, acc);
+}
+
+/* Rows [0, rows) of a Q8_0 chunk against one int8 x row (nb <= EL_X5_MAX_NB); after: as
+ * el_qgemv_q4_avx512's */
+static inline __attribute__((always_inline)) void el_qgemv_q8_avx512(const uint8_t *w, size_t rb, int rows,
+                                                                     const int8_t *xq, const float *xd, int nb,
+                                                                     float *y, const float *bias, int after) {
+    int32_t xc[EL_X5_MAX_NB];
+    el_q8_xcorr(xq, nb, 16, xc);
+    const size_t pfd = el_x5_pfd(rb);
+    el_prefetch_chunk_start(w, rb, rows, pfd, after);
+    int r0 = 0;
+    for (; r0 + 8 < rows; r0 += 16)
+        el_q8_gemv_group(16, w + (size_t)r0 * rb, rb, EL_MIN(16, rows - r0), pfd, xq, xd, xc, nb, y + r0,
+                         bias ? bias + r0 : NULL);
+    if (r0 < rows)
+        el_q8_gemv_group(8, w + (size_t)r0 * rb, rb, rows - r0, pfd, xq, xd, xc, nb, y + r0, bias ? bias + r0 : NULL);
 }
 
 /* Rows [0, rows) of a Q8_0 chunk (rb bytes a row) against fp32 x (el_matmul_f32act's GEMV: the

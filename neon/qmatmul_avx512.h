@@ -10,8 +10,16 @@
  * the 16 rows' d and m. Tile: 1 or 2 groups of 16 rows x up to 4 x rows, 32 zmm registers being
  * enough for 8 fp32 and 8 int16 accumulators. Per lane the operations are the AVX2 tile's, in
  * the same order (exact int16 / int32 block sums, one FMA by d_w d_x, one by m_w s_x), so the
- * results are bit-identical to it. Q8_0 stays on the AVX2 / VNNI tile (SmolLM2-class Q4 files
- * keep only the head, a GEMV, in Q8_0). */
+ * results are bit-identical to it.
+ * Q8_0 (with AVX512-VNNI + VBMI; without them it stays on the AVX2 tile): the repack stores
+ * u = q_w XOR 0x80 = q_w + 128 (unsigned), so one VPDPBUSD takes u x q_x as the Q4 tile takes the
+ * nibbles, and its accumulator starts at -128 sum(q_x) (el_q8_xcorr, once per task and x
+ * block, shared by every weight row): sum(u q_x) - 128 sum(q_x) = sum(q_w q_x), the same exact
+ * int32 block sum as the AVX2 tile's sign trick (AVX-512 has no VPSIGNB), then its one FMA by
+ * d_w d_x: bit-identical. The 8-row tile needs a sign and a VPSIGNB'd x per product (or, without
+ * VNNI, a VPMADDWD per pair) because Q8_0's products overflow int16 pairs. Zen 5, 2 threads,
+ * SmolLM2's four shapes (K x N 576 x 960, 576 x 576, 576 x 3072, 1536 x 576), against that tile:
+ * M = 256 409-430 -> 941-1054 GFLOPS, M = 64 1.75-2.4x, M = 16 1.45-1.77x, M = 4 1.09-1.22x. */
 #if EL_SIMDE && defined(__AVX512F__) && defined(__AVX512BW__)
 #define EL_G5 1
 #define EL_G5_ROWS 16
@@ -25,6 +33,9 @@
 #define EL_G5_BLOCK (EL_G5_QBYTES + 2 * EL_G5_ROWS * (int)sizeof(float))
 /* repack buffers (32 rows) up to this size live on the stack: K <= 2048 */
 #define EL_G5_STACK (2 * 64 * EL_G5_BLOCK)
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define EL_G5_Q8 1
+#endif
 
 /* nb blocks of 16 rows (w[r] = row r's first block) -> out, block b at out + b * stride */
 static inline __attribute__((always_inline)) void el_g5_repack16(const int wt, const uint8_t *const w[16], int nb,
@@ -45,6 +56,39 @@ static inline __attribute__((always_inline)) void el_g5_repack16(const int wt, c
     __m512i idx[4];
     for (int j = 0; j < 4; j++) idx[j] = _mm512_add_epi8(_mm512_loadu_si512(base), _mm512_set1_epi8((char)(4 * j)));
     const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (wt == EL_Q8_0) {
+        /* 32 quant bytes a row: a[k] the low 16 of rows 4k..4k+3, h[k] the high 16; G_j of the
+         * low ones is register j, of the high ones register j + 4, each XOR 0x80 (see above) */
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int b = 0; b < nb; b++, out += stride) {
+            __m512i a[4], h[4];
+            for (int k = 0; k < 4; k++) {
+                const uint8_t *const *wk = w + 4 * k;
+                const uint8_t *p0 = wk[0] + (size_t)b * bs + off;
+                __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p0));
+                __m512i u = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p0 + 16)));
+                for (int i = 1; i < 4; i++) {
+                    const uint8_t *pi = wk[i] + (size_t)b * bs + off;
+                    const __m128i q = _mm_loadu_si128((const __m128i *)pi), r = _mm_loadu_si128((const __m128i *)(pi + 16));
+                    v = i == 1 ? _mm512_inserti32x4(v, q, 1) : i == 2 ? _mm512_inserti32x4(v, q, 2) : _mm512_inserti32x4(v, q, 3);
+                    u = i == 1 ? _mm512_inserti32x4(u, r, 1) : i == 2 ? _mm512_inserti32x4(u, r, 2) : _mm512_inserti32x4(u, r, 3);
+                }
+                a[k] = v, h[k] = u;
+            }
+            for (int j = 0; j < 4; j++) {
+                const __mmask64 top = (__mmask64)0xFFFFFFFF00000000ull;
+                const __m512i gl = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(a[0], idx[j], a[1]),
+                                                          _mm512_permutex2var_epi8(a[2], idx[j], a[3]));
+                const __m512i gh = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(h[0], idx[j], h[1]),
+                                                          _mm512_permutex2var_epi8(h[2], idx[j], h[3]));
+                _mm512_storeu_si512((void *)(out + 64 * j), _mm512_xor_si512(gl, flip));
+                _mm512_storeu_si512((void *)(out + 64 * (j + 4)), _mm512_xor_si512(gh, flip));
+            }
+            float *d = (float *)(out + EL_G5_QBYTES);
+            for (int hh = 0; hh < 2; hh++) el_g_repack8_dm(wt, w + 8 * hh, b, d + 8 * hh, d + EL_G5_ROWS + 8 * hh);
+        }
+        return;
+    }
     for (int b = 0; b < nb; b++, out += stride) {
         __m512i a[4];
         for (int k = 0; k < 4; k++) {
@@ -81,10 +125,13 @@ static inline __attribute__((always_inline)) void el_g5_repack16(const int wt, c
  * needs no VPMADDWD: the same exact int32 block sums, bit-identical results. Zen 5, Q4_1 at
  * M = 256: 961-1089 -> 1011-1146 GFLOPS (weights in cache), +3-5% from DRAM, cold 433-token
  * prompt 131-133 -> 127-128 ms. (The 8-row AVX2 tile lost 10% with VNNI: see qmatmul_avx2.h.) */
-static inline __attribute__((always_inline)) void el_g5_tile(const int wt, const int ng, const int nx,
+/* q8: Q8_0 (a compile-time constant at every call, so the Q4 code has no branch): xc = the x
+ * rows' -128 sum(q_x) per block (el_q8_xcorr), and no m term. */
+static inline __attribute__((always_inline)) void el_g5_tile(const int q8, const int wt, const int ng, const int nx,
                                                              const uint8_t *wp, const int8_t *xq, const float *xd,
-                                                             const float *xs, int nb, const uint8_t *pf,
-                                                             int pf_lines, int pf_l2, __m512 acc[8]) {
+                                                             const float *xs, const int32_t *xc, int nb,
+                                                             const uint8_t *pf, int pf_lines, int pf_l2,
+                                                             __m512 acc[8]) {
 #if !defined(__AVX512VNNI__)
     const __m512i ones = _mm512_set1_epi16(1);
 #endif
@@ -106,7 +153,8 @@ static inline __attribute__((always_inline)) void el_g5_tile(const int wt, const
                 for (int g = 0; g < ng; g++) {
                     const int i = g * nx + c;
 #if defined(__AVX512VNNI__)
-                    s[i] = _mm512_dpbusd_epi32(j ? s[i] : _mm512_setzero_si512(), w[g], x);
+                    const __m512i s0 = q8 ? _mm512_set1_epi32(xc[(size_t)c * nb + b]) : _mm512_setzero_si512();
+                    s[i] = _mm512_dpbusd_epi32(j ? s[i] : s0, w[g], x);
 #else
                     const __m512i p = _mm512_maddubs_epi16(w[g], x);
                     s[i] = j ? _mm512_add_epi16(s[i], p) : p;
@@ -126,12 +174,13 @@ static inline __attribute__((always_inline)) void el_g5_tile(const int wt, const
                 const __m512 t = _mm512_cvtepi32_ps(_mm512_madd_epi16(s[i], ones));
 #endif
                 acc[i] = _mm512_fmadd_ps(t, _mm512_mul_ps(dw, _mm512_set1_ps(xd[(size_t)c * nb + b])), acc[i]);
-                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(sc + EL_G5_ROWS), _mm512_set1_ps(xs[(size_t)c * nb + b]),
-                                         acc[i]);
+                if (!q8)
+                    acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(sc + EL_G5_ROWS), _mm512_set1_ps(xs[(size_t)c * nb + b]),
+                                             acc[i]);
             }
         }
     }
-    (void)wt;
+    (void)wt, (void)xc;
 }
 
 /* acc[c] lanes 0..nr-1 (+ bias) -> y row c */
@@ -143,7 +192,8 @@ static inline void el_g5_store(const __m512 *acc, int nx, int nr, float *y, size
 
 /* One panel of ng * 16 rows (nr real) against all nx_all x rows, in tiles of 4 x rows. pf,
  * pf_bytes: the next panel's weights, prefetched a share before each tile. */
-static inline __attribute__((always_inline)) void el_g5_panel(const int wt, const int ng, const uint8_t *buf, int nr,
+static inline __attribute__((always_inline)) void el_g5_panel_(const int q8, const int wt, const int ng,
+                                                               const uint8_t *buf, int nr,
                                                               const el_xq *xq, int x0, int nx_all, float *y,
                                                               size_t ldy, const float *bias, const uint8_t *pf,
                                                               size_t pf_bytes) {
@@ -163,17 +213,18 @@ static inline __attribute__((always_inline)) void el_g5_panel(const int wt, cons
         const size_t xr = (size_t)(x0 + c0);
         const int8_t *q = xq->q + xr * nb * QK;
         const float *d = xq->d + xr * nb, *s = xq->s + xr * nb;
+        const int32_t *xc = q8 ? xq->qc + xr * nb : NULL;
         __m512 acc[8];
         float *yt = y + (size_t)c0 * ldy;
         switch (ng * 8 + nx) {
-        case 9: el_g5_tile(wt, 1, 1, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
-        case 10: el_g5_tile(wt, 1, 2, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
-        case 11: el_g5_tile(wt, 1, 3, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
-        case 12: el_g5_tile(wt, 1, 4, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
-        case 17: el_g5_tile(wt, 2, 1, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
-        case 18: el_g5_tile(wt, 2, 2, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
-        case 19: el_g5_tile(wt, 2, 3, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
-        default: el_g5_tile(wt, 2, 4, buf, q, d, s, nb, pft, pf_lines, pf_l2, acc); break;
+        case 9: el_g5_tile(q8, wt, 1, 1, buf, q, d, s, xc, nb, pft, pf_lines, pf_l2, acc); break;
+        case 10: el_g5_tile(q8, wt, 1, 2, buf, q, d, s, xc, nb, pft, pf_lines, pf_l2, acc); break;
+        case 11: el_g5_tile(q8, wt, 1, 3, buf, q, d, s, xc, nb, pft, pf_lines, pf_l2, acc); break;
+        case 12: el_g5_tile(q8, wt, 1, 4, buf, q, d, s, xc, nb, pft, pf_lines, pf_l2, acc); break;
+        case 17: el_g5_tile(q8, wt, 2, 1, buf, q, d, s, xc, nb, pft, pf_lines, pf_l2, acc); break;
+        case 18: el_g5_tile(q8, wt, 2, 2, buf, q, d, s, xc, nb, pft, pf_lines, pf_l2, acc); break;
+        case 19: el_g5_tile(q8, wt, 2, 3, buf, q, d, s, xc, nb, pft, pf_lines, pf_l2, acc); break;
+        default: el_g5_tile(q8, wt, 2, 4, buf, q, d, s, xc, nb, pft, pf_lines, pf_l2, acc); break;
         }
         for (int g = 0; g < ng && EL_G5_ROWS * g < nr; g++)
             el_g5_store(acc + g * nx, nx, EL_MIN(EL_G5_ROWS, nr - EL_G5_ROWS * g), yt + EL_G5_ROWS * g, ldy,
@@ -181,6 +232,69 @@ static inline __attribute__((always_inline)) void el_g5_panel(const int wt, cons
     }
 }
 
-/* Q4_0 / Q4_1 only (the caller keeps Q8_0 on the AVX2 / VNNI tile) */
+static inline __attribute__((always_inline)) void el_g5_panel(const int wt, const int ng, const uint8_t *buf, int nr,
+                                                              const el_xq *xq, int x0, int nx_all, float *y,
+                                                              size_t ldy, const float *bias, const uint8_t *pf,
+                                                              size_t pf_bytes) {
+    el_g5_panel_(0, wt, ng, buf, nr, xq, x0, nx_all, y, ldy, bias, pf, pf_bytes);
+}
+
+/* Q4_0 / Q4_1 (Q8_0: el_g5_gemm_q8) */
 EL_G_GEMM_FN(el_g5_gemm, EL_G5_ROWS, EL_G5_BLOCK, EL_G5_STACK, el_g5_repack16, el_g5_panel)
+
+#if defined(EL_G5_Q8)
+static inline __attribute__((always_inline)) void el_g5_panel_q8(const int wt, const int ng, const uint8_t *buf,
+                                                                 int nr, const el_xq *xq, int x0, int nx_all,
+                                                                 float *y, size_t ldy, const float *bias,
+                                                                 const uint8_t *pf, size_t pf_bytes) {
+    (void)wt;
+    el_g5_panel_(1, EL_Q8_0, ng, buf, nr, xq, x0, nx_all, y, ldy, bias, pf, pf_bytes);
+}
+
+EL_G_GEMM_FN(el_g5_gemm_q8_rows, EL_G5_ROWS, EL_G5_BLOCK, EL_G5_STACK, el_g5_repack16, el_g5_panel_q8)
+
+/* n blocks of x (q) -> c[b] = -scale sum(q of block b) (the tiles' u = q_w + 128 correction,
+ * spread over `128 / scale` int32 lanes): VPSADBW of q XOR 0x80 against 0 sums each 8 bytes
+ * + 8 * 128, two blocks at a time */
+static void el_q8_xcorr(const int8_t *q, int n, int scale, int32_t *c) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    int b = 0;
+    for (; b + 2 <= n; b += 2) {
+        const __m512i t = _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(q + (size_t)b * QK), flip),
+                                          _mm512_setzero_si512());
+        const __m256i lo = _mm512_castsi512_si256(t), hi = _mm512_extracti64x4_epi64(t, 1);
+        const long long s0 = _mm256_extract_epi64(lo, 0) + _mm256_extract_epi64(lo, 1) + _mm256_extract_epi64(lo, 2)
+                             + _mm256_extract_epi64(lo, 3);
+        const long long s1 = _mm256_extract_epi64(hi, 0) + _mm256_extract_epi64(hi, 1) + _mm256_extract_epi64(hi, 2)
+                             + _mm256_extract_epi64(hi, 3);
+        c[b] = -scale * (int32_t)(s0 - QK * 128);
+        c[b + 1] = -scale * (int32_t)(s1 - QK * 128);
+    }
+    for (; b < n; b++) {
+        int32_t s = 0;
+        for (int i = 0; i < QK; i++) s += q[(size_t)b * QK + i];
+        c[b] = -scale * s;
+    }
+}
+
+/* Q8_0 rows: the x rows' corrections once for the task, then the 16-row tile. 0 (the caller runs
+ * the AVX2 tile) when a large task's buffers cannot be allocated. */
+static __attribute__((noinline)) int el_g5_gemm_q8(const uint8_t *w, size_t rb, int rows, int rows_after,
+                                                   const el_xq *xq, int x0, int nx_all, float *y, size_t ldy,
+                                                   const float *bias) {
+    const int nb = xq->nb;
+    int32_t stack_c[4096], *c = stack_c, *owned = NULL;
+    if ((size_t)nx_all * nb > sizeof stack_c / sizeof stack_c[0]) {
+        c = owned = (int32_t *)malloc((size_t)nx_all * nb * sizeof(int32_t));
+        if (!owned) return 0;
+    }
+    /* the task's x rows as rows 0.. of a view that carries their corrections */
+    el_xq v = *xq;
+    v.q += (size_t)x0 * nb * QK, v.d += (size_t)x0 * nb, v.s += (size_t)x0 * nb, v.qc = c;
+    el_q8_xcorr(v.q, nx_all * nb, 128, c);
+    const int ok = el_g5_gemm_q8_rows(EL_Q8_0, w, rb, rows, rows_after, &v, 0, nx_all, y, ldy, bias);
+    free(owned);
+    return ok;
+}
+#endif
 #endif

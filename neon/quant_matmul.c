@@ -16,9 +16,11 @@
  * and unpacked once per x tile, every x block once per 4 weight rows (on AArch64 the 4 x 4 tile
  * needs ~26 of the 32 vector registers). M == 1 (GEMV) is the same code with a 4 x 1 tile, and
  * its chunks cover only W rows: the weights stream once, prefetched. x86 AVX2 builds run the GEMMs
- * (M > 1) on their own tile instead, from weights repacked per task (el_g_gemm_avx2), and Q4 GEMVs
- * on an 8-row, 2-block tile (el_qgemv8_q4_avx2), or with AVX-512 VNNI + VBMI on 4 rows of 4-block
- * registers; those x86 tiles live in qmatmul_avx2.h and qgemv_avx512.h.
+ * (M > 1) on their own tile instead, from weights repacked per task (el_g_gemm_avx2, or 16 rows
+ * wide with AVX-512: el_g5_gemm, el_g5_gemm_q8), and Q4 GEMVs on an 8-row, 2-block tile
+ * (el_qgemv8_q4_avx2), or with AVX-512 VNNI + VBMI on 4 rows of 4-block registers, Q8_0 GEMVs
+ * there on 16 rows (el_qgemv_q8_avx512); those x86 tiles live in qmatmul_avx2.h,
+ * qmatmul_avx512.h and qgemv_avx512.h.
  */
 #include <limits.h>
 #include <stdlib.h>
@@ -69,6 +71,9 @@ typedef struct {
     int8_t *q;
     float *d, *s;
     int nb;
+    /* -128 sum(q) per block, (M, nb): only the AVX-512 Q8_0 GEMM fills it, in its own view of a
+     * task's x rows (el_g5_gemm_q8); NULL elsewhere */
+    const int32_t *qc;
 } el_xq;
 
 static el_xq el_xq_layout(void *scratch, int M, int nb) {
@@ -80,6 +85,7 @@ static el_xq el_xq_layout(void *scratch, int M, int nb) {
     p += el_align64((size_t)M * nb * sizeof(float));
     xq.s = (float *)p;
     xq.nb = nb;
+    xq.qc = NULL;
     return xq;
 }
 
@@ -382,6 +388,10 @@ static inline __attribute__((always_inline)) int el_qrows_gemm(const int wt, con
     if (wt != EL_Q8_0 && nx_all >= EL_G_MIN_NX && el_g5_gemm(wt, w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias))
         return 1;
 #endif
+#if defined(EL_G5_Q8)
+    if (wt == EL_Q8_0 && nx_all >= EL_G_MIN_NX && el_g5_gemm_q8(w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias))
+        return 1;
+#endif
 #if EL_SIMDE && defined(__AVX2__)
     if (nx_all >= EL_G_MIN_NX) return el_g_gemm_avx2(wt, w, rb, rows, rows_after, xq, x0, nx_all, y, ldy, bias);
 #endif
@@ -390,7 +400,8 @@ static inline __attribute__((always_inline)) int el_qrows_gemm(const int wt, con
     return 0;
 }
 
-/* 1: the AVX-512 or AVX2 GEMV tile (Q4, one x row) computed these rows; 0: run the portable tiles.
+/* 1: the AVX-512 or AVX2 GEMV tile (Q4; Q8_0 on AVX-512 only: one x row) computed these rows; 0: run
+ * the portable tiles (x86 Q8_0 without them: el_qtile_avx2).
  * after: the thread's previous chunk ended at w (EL_ITEM_AFTER): its prefetch stream ran on into
  * these rows. */
 static inline __attribute__((always_inline)) int el_qrows_gemv(const int wt, const uint8_t *w, size_t rb, int rows,
@@ -401,6 +412,11 @@ static inline __attribute__((always_inline)) int el_qrows_gemv(const int wt, con
         const int nb = xq->nb;
         el_qgemv_q4_avx512(wt, w, rb, rows, xq->q + (size_t)x0 * nb * QK, xq->d + (size_t)x0 * nb,
                            xq->s + (size_t)x0 * nb, nb, y, bias, after);
+        return 1;
+    }
+    if (el_wide_gemv(1) && nx_all == 1 && wt == EL_Q8_0 && xq->nb <= EL_X5_MAX_NB) {
+        const int nb = xq->nb;
+        el_qgemv_q8_avx512(w, rb, rows, xq->q + (size_t)x0 * nb * QK, xq->d + (size_t)x0 * nb, nb, y, bias, after);
         return 1;
     }
 #endif

@@ -288,6 +288,42 @@ def test_int_headroom_extremes(lib, qtype):
         check(lib, qtype, [raw], [deq], x, None, generic)
 
 
+@pytest.mark.parametrize("K", [32, 96, 576, 1536])
+def test_q8_0_gemm_rows_are_the_gemv_bits(lib, K):
+    """Q8_0 has one exact result per row on every tile: int32 block sums, then one FMA by d_w d_x
+    per block in block order. So a GEMM row (the NEON 4 x 4 tile, x86's 8-row AVX2 or 16-row
+    AVX-512 tile) equals that row alone (the 4-row tile, or x86's AVX-512 GEMV) bit for bit; an
+    x86 AVX-512 build runs its GEMV both ways (el_x86_gemv: 1 the AVX-512 one, 0 the 4-row AVX2
+    tile). Weights of -128 and x of +-127 (K = 96) take the tiles' u = q_w + 128 to its ends.
+    N: 16-row groups, an 8-row tail, a lone row; M: one tile, tails of 1..3 x rows."""
+    wide = lib.el_x86_gemv(-1)
+    masks = (wide,) if wide < 0 else (0, 1)
+    rng = np.random.default_rng(K)
+    try:
+        for N in (1, 8, 23, 40, 57):
+            raw, _ = weights(T.Q8_0, N, K, seed=2)
+            if K == 96:
+                raw = raw.copy()
+                raw.reshape(-1).view(quant._BLOCK_DTYPES[T.Q8_0])["qs"][::3] = -128
+            for M in (2, 4, 7, 37):
+                x = rng.standard_normal((M, K)).astype(np.float32)
+                x[1, :32] = np.sign(x[1, :32])
+                bias = rng.standard_normal(N).astype(np.float32)
+                rc, y = el_matmul(lib, T.Q8_0, [raw], x, bias=bias)
+                assert rc == 0
+                for mask in masks:
+                    if mask >= 0:
+                        lib.el_x86_gemv(mask)
+                    for r in range(M):
+                        rc, y1 = el_matmul(lib, T.Q8_0, [raw], x[r:r + 1], bias=bias)
+                        assert rc == 0
+                        np.testing.assert_array_equal(y1[0].view(np.uint32), y[r].view(np.uint32),
+                                                      err_msg=f"K={K} N={N} M={M} row {r} mask={mask}")
+    finally:
+        if wide >= 0:
+            lib.el_x86_gemv(wide)
+
+
 def test_scratch_null_allocates(lib):
     """scratch = NULL: the library allocates (and frees) the int8 copy of x itself."""
     raw, _ = weights(T.Q4_1, 33, 576)
