@@ -59,7 +59,7 @@ def file_state(path: str | os.PathLike) -> tuple | None:
 
 
 def temp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
-    """(fd, name) of a new temporary file beside `path`, named with this writer's pid; first the
+    """(fd, name) of a new temporary file beside `path`, locked by this writer (locked_temp); first the
     folder's temporary files whose writers are dead are removed (a killed writer, SIGKILL or a
     phone's low-memory killer, cannot clean up: a session's save left 54 MiB in 3 files)."""
     remove_dead_writers(path.parent)

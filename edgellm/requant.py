@@ -527,8 +527,8 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
         # the file is written beside it and renamed over it: a device (/dev/null as root) or a
         # pipe would be replaced by a regular file
         raise ConfigError(f"{dst_path}: is not a regular file (a device, pipe or socket)")
-    # the writer's pid in the name: a file whose writer has died (SIGKILL, a phone's low-memory
-    # killer) is an orphan the next writer in this folder removes (first: its room counts below)
+    # a temporary file whose writer has died (SIGKILL, a phone's low-memory killer: its lock is
+    # gone) is an orphan the next writer in this folder removes (first: its room counts below)
     remove_dead_writers(d)
     # the temporary file first: a folder that refuses files (EACCES, EPERM, EROFS, /proc's
     # ENOENT) says so in the system's words, naming the user's path, before any free-space figure
@@ -554,15 +554,11 @@ def requantize_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, fo
     # becomes later.
     try:
         src = open(src_path, "rb", buffering=0)
-        try:
-            _check_unchanged(src_path, src_key, os.fstat(src.fileno()))
-        except BaseException:
-            src.close()
-            raise
     except BaseException:
         give_up()
         raise
     try:
+        _check_unchanged(src_path, src_key, os.fstat(src.fileno()))
         writer = _Writer(tmp, g.metadata.get("general.architecture", "llama"))
     except BaseException:
         src.close()

@@ -210,7 +210,7 @@ def write_session(path: str | os.PathLike, *, model_sha256: str, config_hash: st
     head = _HEAD.pack(MAGIC, VERSION, len(hbytes)) + hbytes
     head += b"\0" * (_align(len(head)) - len(head))
 
-    # (named with this writer's pid: one a killed save left is removed by the next save here; its
+    # (locked by this writer: one a killed save left is removed by the next save here; its
     # lock, which tells other processes' cleaners the save is alive, lasts until f is closed)
     fd, tmp = temp_beside(path)
     try:

