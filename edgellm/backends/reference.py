@@ -66,21 +66,20 @@ def rope_rows(cfg: ModelConfig, positions: np.ndarray, freq_factors: np.ndarray 
         inv = inv / freq_factors.astype(np.float64)
     pos = np.asarray(positions, dtype=np.float64)
     yarn = getattr(cfg, "rope_yarn", None)
-    attn = 1.0 if rotation_only else getattr(cfg, "rope_attn_factor", 1.0)   # (rope.scaling.attn_factor)
+    m = 1.0 if rotation_only else getattr(cfg, "rope_attn_factor", 1.0)   # (rope.scaling.attn_factor)
     if yarn is None:
         ang = (pos * cfg.rope_freq_scale)[:, None] * inv[None, :]
-        if attn == 1.0:
-            return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-        return (np.cos(ang) * attn).astype(np.float32), (np.sin(ang) * attn).astype(np.float32)
-    s = cfg.rope_freq_scale
-    low, high = _yarn_corr_dims(cfg.rope_dim, yarn.n_ctx_orig, cfg.rope_theta, yarn.beta_fast, yarn.beta_slow)
-    i = np.arange(cfg.rope_dim // 2, dtype=np.float64)
-    ramp = (1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)) * yarn.ext_factor
-    ang = pos[:, None] * (inv * (s * (1.0 - ramp) + ramp))[None, :]
-    # ggml's 1 + 0.1 ln(1 / s), which llama_context cancels for a factor 1 / s below 1 (its
-    # get_mscale is 1 there): the magnitude is 1 + 0.1 ln(factor) above 1, else 1
-    m = 1.0 if rotation_only else attn * yarn.attn_factor * (
-        (1.0 + 0.1 * np.log(1.0 / s)) if yarn.ext_factor and s < 1.0 else 1.0)
+    else:
+        s = cfg.rope_freq_scale
+        low, high = _yarn_corr_dims(cfg.rope_dim, yarn.n_ctx_orig, cfg.rope_theta, yarn.beta_fast, yarn.beta_slow)
+        i = np.arange(cfg.rope_dim // 2, dtype=np.float64)
+        ramp = (1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)) * yarn.ext_factor
+        ang = pos[:, None] * (inv * (s * (1.0 - ramp) + ramp))[None, :]
+        # ggml's 1 + 0.1 ln(1 / s), which llama_context cancels for a factor 1 / s below 1 (its
+        # get_mscale is 1 there): the magnitude is 1 + 0.1 ln(factor) above 1, else 1
+        if not rotation_only:
+            m *= yarn.attn_factor * ((1.0 + 0.1 * np.log(1.0 / s)) if yarn.ext_factor and s < 1.0 else 1.0)
+    # (times 1.0 for a plain rotation: exact, the tables' bits are unchanged)
     return (np.cos(ang) * m).astype(np.float32), (np.sin(ang) * m).astype(np.float32)
 
 
