@@ -6,8 +6,12 @@ throughput was measured by `edgellm profile`, the measured figure at that token 
 few rows is far from its peak; the measurement says by how much). Attention and the elementwise
 ops, where the profile measured them on the unit, run at their measured rate for the step's token
 count (numpy's gather, mask and softmax keep attention far below the sgemm peak; swiglu's exp is
-far from DRAM speed). Handing an activation to a unit
-of another kind adds a fixed transfer overhead plus a copy unless the memory is shared zero-copy.
+far from DRAM speed). A matmul's weights stream no faster than the unit's measured one-row GEMM
+read them (its FLOP rate, in bytes of the format it was measured on), so a format with more bytes
+per weight decodes slower. Inside a fused native step an op pays no call of its own, and an
+elementwise op's one-row figure, timed as a call, is replaced by its call-free marginal rate.
+Handing an activation to a unit of another kind adds a fixed transfer overhead plus a copy unless
+the memory is shared zero-copy.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from .device.profile import CpuCluster, DeviceProfile
-from .ops import MATMUL_KINDS, OpCost, OpSpec, op_cost
+from .ops import ELEMENTWISE_FLOPS, MATMUL_KINDS, WEIGHT_BYTES, OpCost, OpSpec, op_cost
 from .model.config import ModelConfig
 
 # Per-call cost of one numpy op from Python (dispatch, temporaries): 4-6 us measured on the
@@ -67,13 +71,25 @@ class Unit:
     fused_kv_bytes: frozenset = frozenset({1.0, 2.0, 4.0})   # KV element sizes its fused step reads in place
     fused_decode_s: float | None = None        # cost of one call running every layer of a decode
                                                # step or a prefill chunk natively (None: no such call)
+    stream_bandwidth: float = 0.0              # bytes/s its matmuls read weights at from DRAM (a GEMV),
+                                               # when measured below `bandwidth` (0: `bandwidth`)
     op_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
                                                # (op kind, measured (tokens, FLOP/s)) of attention and
                                                # the elementwise ops as the engine runs them on this
                                                # unit; a kind not here runs at the roofline
+    fused_op_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+                                               # op_curves as the ops cost inside its fused step
+                                               # (in_fused_step); () = op_curves
     available: bool = True
     reason: str = ""                           # why it is (un)available
     notes: tuple[str, ...] = field(default=(), compare=False)
+
+    def in_fused_step(self, dispatch: bool = True) -> "Unit":
+        """This unit as an op costs inside its fused native step: no call of its own, only a pool
+        dispatch (none for one the call runs serially), and the elementwise rates without what a
+        call from Python left in their one-row figures (fused_elementwise_curves)."""
+        return replace(self, launch_s=FUSED_OP_S if dispatch else 0.0,
+                       op_curves=self.fused_op_curves or self.op_curves)
 
     def padded(self, tokens: int) -> int:
         """Tokens actually computed: a static-shape unit pads up to its next bucket, and runs
@@ -213,6 +229,11 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
     if peak <= 0:
         return None
     compute_s, memory_s = cost.flops / peak, cost.bytes / unit.bandwidth
+    if unit.stream_bandwidth and op.kind in MATMUL_KINDS:
+        # the measured GEMV rate is a FLOP rate of one weight format: a format with more bytes per
+        # weight streams proportionally longer (a Q8_0 file decoded ~1.7x slower than Q4_1 here,
+        # where FLOPs alone priced both the same)
+        memory_s = max(memory_s, cost.weight_bytes / unit.stream_bandwidth)
     body = max(compute_s, memory_s)
     bound = "launch" if unit.launch_s > body else ("compute" if compute_s >= memory_s else "memory")
     return Estimate((body + unit.launch_s) * 1e3, prec, fmt, cost, bound, peak / unit.bandwidth)
@@ -278,6 +299,9 @@ def cpu_peak(clusters: tuple[CpuCluster, ...], precision: str) -> float:
     return min(per_core) * sum(len(c.cores) for c in clusters) if per_core else 0.0
 
 
+# the weight format neon's GEMM curve is measured on (backends/neon_probe.py); its one-row figure
+# is turned into the rate a GEMV streams weight bytes at (_stream_bandwidth)
+NEON_CURVE_FORMAT = "q4_1"
 # neon's fp32-activation GEMM time over its int8 path's, by rows, where no profile measured it
 # (see cpu_unit)
 NEON_FP32ACT_SLOWDOWN = ((1, 2.3), (4, 4.2), (16, 3.7), (64, 3.3), (256, 3.1))
@@ -317,6 +341,7 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
             curve = tuple((m, f * peak["fp32"]) for m, f in BLAS_ROWS_EFFICIENCY)
             notes.append("GEMM efficiency by rows: nominal BLAS curve (not measured here)")
     llc = max((c.l3_bytes or c.l2_bytes * len(c.cores)) for c in clusters)
+    stream = _stream_bandwidth(curve, bw) if name == "neon" else 0.0
     # neon quantizes activations to int8 blocks with or without dotprod (SDOT or widening MLA)
     qprec = "int8" if name == "neon" else "fp32"
     return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, curve_precision=qprec, cache_bytes=llc,
@@ -336,7 +361,40 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
                 # the near-ties that pick the token; memory-bound either way)
                 head_precision="fp32" if name == "neon" else None,
                 fused_decode_s=launch if name == "neon" else None, op_curves=tuple(op_curves.items()),
+                stream_bandwidth=stream, fused_op_curves=tuple(fused_elementwise_curves(op_curves).items()),
                 notes=tuple(notes))
+
+
+def _stream_bandwidth(curve: tuple[tuple[int, float], ...], bandwidth: float) -> float:
+    """bytes/s neon's measured one-row GEMM read its weights at: `edgellm profile` times it on
+    NEON_CURVE_FORMAT weights streaming from DRAM, so its FLOP rate is a rate of those
+    bytes. 0 without a one-row figure, or where it is no lower than the DRAM bandwidth."""
+    if not curve or curve[0][0] != 1:
+        return 0.0
+    rate = curve[0][1] / 2.0 * WEIGHT_BYTES[NEON_CURVE_FORMAT]   # FLOP/s -> weights/s -> bytes/s
+    return rate if rate < bandwidth else 0.0
+
+
+def fused_elementwise_curves(op_curves: Mapping[str, tuple[tuple[int, float], ...]]) -> dict:
+    """op_curves with each elementwise op's one-row figure replaced by its marginal rate.
+
+    `edgellm profile` times an elementwise op as a call from Python and takes the unit's call
+    overhead out; at one row what is left is still mostly the call (its wrapper's own checks),
+    not the op: an rmsnorm over 576 values measured 3.6 us where the fused decode step spends
+    ~0.3 us on it (el_prof timings, Zen 5), and a decode step's six such ops were priced 22 us a
+    layer against ~2 us run. The growth between the two largest row counts has no call in it:
+    (t_b - t_a) rows' FLOPs over the time they added. The larger row counts keep their own
+    figures (within ~10% of the fused prefill's measured times)."""
+    out = dict(op_curves)
+    for kind, curve in op_curves.items():
+        if kind not in ELEMENTWISE_FLOPS or len(curve) < 3 or curve[0][0] != 1:
+            continue
+        (ta, ra), (tb, rb) = curve[-2], curve[-1]
+        added = tb / rb - ta / ra          # the time the extra rows took, per FLOP of one row
+        if added <= 0:
+            continue                       # (noise: no growth measured) the figures as they are
+        out[kind] = ((1, max(curve[0][1], (tb - ta) / added)),) + tuple(curve[1:])
+    return out
 
 
 def _op_curves(um) -> dict:

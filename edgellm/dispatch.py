@@ -16,7 +16,7 @@ from typing import Mapping, Sequence
 from . import backends
 from .chunking import ChunkChoice, choose_chunk, chunk_bounds
 from .precision_runtime import ENGINE_TO_PLAN, ComputeTable
-from .costmodel import FFN_INNER_KINDS, FUSED_OP_S, Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
+from .costmodel import FFN_INNER_KINDS, Estimate, Unit, cpu_unit, estimate, gpu_unit, handoff_ms, npu_unit
 from .device.profile import DeviceProfile
 from .errors import ConfigError, shown
 from .model.config import ModelConfig
@@ -542,7 +542,7 @@ class Dispatcher:
                 if msg not in self.warnings:
                     self.warnings.append(msg)
                 continue
-            fast = replace(u, launch_s=FUSED_OP_S)
+            fast = u.in_fused_step()
             # the step's one call, shared by its layers, is booked on each layer's first op
             share = u.fused_decode_s * 1e3 / self.cfg.n_layers
             opts, ms = [], 0.0
@@ -567,7 +567,7 @@ class Dispatcher:
         own; dispatch=False: not even a pool dispatch (an op the call runs serially). (ms, path,
         opts), or None when home cannot run one of them."""
         u = self.unit(home)
-        fast = replace(u, launch_s=FUSED_OP_S if dispatch else 0.0)
+        fast = u.in_fused_step(dispatch)
         opts, ms = [], 0.0
         for op in ops:
             ok, no = self._options(op, phase, tokens, context)
@@ -746,9 +746,9 @@ class Dispatcher:
         fused = self._fused_unit(plan, tokens, context)
         layer_cost = lead_cost = tail_cost = None
         if fused is not None:
-            layer_cost = tail_cost = replace(fused, launch_s=FUSED_OP_S)
+            layer_cost = tail_cost = fused.in_fused_step()
             if by_op[emb.name] == fused.name:
-                lead_cost = replace(fused, launch_s=0.0)      # looked up serially inside the call
+                lead_cost = fused.in_fused_step(dispatch=False)   # looked up serially inside the call
             if not by_op[onorm.name] == by_op[head_op.name] == fused.name:
                 tail_cost = None                              # its own calls
 

@@ -14,8 +14,13 @@ import time
 import numpy as np
 
 from .. import quant
+from ..costmodel import NEON_CURVE_FORMAT
 from ..device.probes import ProbeSizes, median_seconds
 from ..device.profile import GemmFigure, UnitMeasurement
+
+# the weight format of the GEMM curve (the cost model reads its one-row figure as a rate of
+# these bytes: costmodel._stream_bandwidth)
+CURVE_FORMAT = NEON_CURVE_FORMAT.upper()
 
 
 # row counts of the fp32-activation GEMM figures (those of sizes.gemm_rows among them)
@@ -32,9 +37,10 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
     neon.configure(threads=threads, cores=None)
     K, N = sizes.gemm_k, sizes.gemm_n
     rng = np.random.default_rng(0)
-    count = max(2, math.ceil(sizes.weight_bytes / (N * quant.bytes_per_row(quant.T.Q4_1, K))))
-    one = quant.quantize(rng.standard_normal((N, K)).astype(np.float32), quant.T.Q4_1)   # (N, row bytes)
-    mats = [neon.QMatrix.from_arrays("Q4_1", [one.copy()], [N], K) for _ in range(count)]
+    fmt = quant.T[CURVE_FORMAT]
+    count = max(2, math.ceil(sizes.weight_bytes / (N * quant.bytes_per_row(fmt, K))))
+    one = quant.quantize(rng.standard_normal((N, K)).astype(np.float32), fmt)   # (N, row bytes)
+    mats = [neon.QMatrix.from_arrays(CURVE_FORMAT, [one.copy()], [N], K) for _ in range(count)]
 
     a = np.ones((1, 8), np.float32)
     batch = max(1, sizes.overhead_batch)
@@ -46,7 +52,7 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
     curve = []
     for i, m in enumerate(sizes.gemm_rows):
         if progress:
-            progress(f"q4_1 gemm {m}x{K}x{N}", i, len(sizes.gemm_rows))
+            progress(f"{CURVE_FORMAT.lower()} gemm {m}x{K}x{N}", i, len(sizes.gemm_rows))
         x = rng.standard_normal((m, K)).astype(np.float32)
         turn = iter(range(1 << 62))
         t = median_seconds(lambda: neon.matmul(x, mats[next(turn) % count]), sizes)
@@ -59,7 +65,7 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
     rows = [m for m in sizes.gemm_rows if m in FP32ACT_ROWS]
     for i, m in enumerate(rows):
         if progress:
-            progress(f"q4_1 gemm, fp32 activations {m}x{K}x{N}", i, len(rows))
+            progress(f"{CURVE_FORMAT.lower()} gemm, fp32 activations {m}x{K}x{N}", i, len(rows))
         x = rng.standard_normal((m, K)).astype(np.float32)
         turn = iter(range(1 << 62))
         t = median_seconds(lambda: neon.matmul(x, mats[next(turn) % count], precision="fp32"), sizes)

@@ -1,0 +1,104 @@
+"""Two decode rates the cost model reads out of a measured profile.
+
+- Weight streaming: neon's one-row GEMM figure is measured on CURVE_FORMAT weights streaming from
+  DRAM, so it is a rate of their bytes; a format with more bytes per weight takes longer by that
+  much (FLOPs alone priced a Q8_0 file's decode the same as a Q4_1 one's; measured 1.3-1.7x
+  slower).
+- Elementwise ops inside a fused step: their one-row figures, timed as calls from Python, are
+  mostly the call; a fused step prices one row at the marginal rate of its larger row counts."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from edgellm.backends.neon_probe import CURVE_FORMAT
+from edgellm.costmodel import FUSED_OP_S, cpu_unit, estimate, fused_elementwise_curves
+from edgellm.device.profile import ElementwiseFigure, GemmFigure, Measured, UnitMeasurement, load_profile
+from edgellm.ops import WEIGHT_BYTES, OpSpec
+from tests.test_dispatch import CFG, OPS
+
+GEMV = OpSpec("ffn_down", "matmul", "layer", k=576, n=1536)
+ONE_ROW = 20e9        # FLOP/s of the measured one-row GEMM
+# (rows, FLOP/s) of an rmsnorm as a Python call measures it: 4.8 us at 32 rows, 18.8 at 256,
+# 3.6 at one (2304 FLOPs), most of it the call
+NORM = ((1, 2304 / 3.6e-6), (32, 32 * 2304 / 4.8e-6), (256, 256 * 2304 / 18.8e-6))
+
+
+def _neon(bandwidth=1e15, gemm=(GemmFigure(1, 576, 1536, ONE_ROW), GemmFigure(256, 576, 1536, 400e9)), norm=NORM):
+    p = load_profile("rk3588")
+    um = UnitMeasurement(precision_flops={"int8": 400e9, "fp32": 50e9}, gemm=gemm, call_overhead_s=5e-6,
+                         threads=4, elementwise=tuple(ElementwiseFigure("rmsnorm", t, f) for t, f in norm))
+    m = Measured(date="2026-11-28", tool="test", memory_read_bandwidth=bandwidth, clusters={}, units={"neon": um})
+    return cpu_unit("neon", dataclasses.replace(p, name="host", measured=m), threads=4)
+
+
+def _decode_ms(unit, fmt):
+    e = estimate(unit, GEMV, CFG, 1, 100, fmt, 2.0, prefill=False)
+    return e.ms - unit.launch_s * 1e3, e.bound
+
+
+def test_the_curve_format_is_a_cost_model_format():
+    assert CURVE_FORMAT.lower() in WEIGHT_BYTES
+
+
+def test_a_format_with_more_bytes_streams_longer_at_one_row():
+    neon = _neon()
+    base, _ = _decode_ms(neon, CURVE_FORMAT.lower())
+    q8, bound = _decode_ms(neon, "q8_0")
+    assert base == pytest.approx(2 * 576 * 1536 / ONE_ROW * 1e3, rel=1e-9)   # the figure itself
+    assert q8 / base == pytest.approx(WEIGHT_BYTES["q8_0"] / WEIGHT_BYTES[CURVE_FORMAT.lower()], rel=1e-9)
+    assert bound == "memory"
+    # fewer bytes than the measured format: no faster than the measured FLOP rate
+    assert _decode_ms(neon, "q4_0")[0] == pytest.approx(base, rel=1e-9)
+
+
+def test_many_rows_stay_compute_bound():
+    neon = _neon()
+    q41 = estimate(neon, GEMV, CFG, 256, 0, CURVE_FORMAT.lower(), 2.0, prefill=True)
+    q8 = estimate(neon, GEMV, CFG, 256, 0, "q8_0", 2.0, prefill=True)
+    assert q8.ms == q41.ms and q8.bound == "compute"
+
+
+@pytest.mark.parametrize("gemm", [(GemmFigure(16, 576, 1536, ONE_ROW),), ()], ids=["no one-row figure", "no curve"])
+def test_without_a_one_row_figure_formats_cost_alike(gemm):
+    neon = _neon(gemm=gemm)
+    assert neon.stream_bandwidth == 0.0
+    if gemm:
+        assert _decode_ms(neon, "q8_0")[0] == pytest.approx(_decode_ms(neon, "q4_1")[0], rel=1e-9)
+
+
+def test_a_stream_rate_above_the_dram_bandwidth_is_not_used():
+    # the figure would stream 20e9 / 2 * 0.625 = 6.25 GB/s; a 5 GB/s DRAM figure is the bound
+    assert _neon(bandwidth=5e9).stream_bandwidth == 0.0
+    assert _neon(bandwidth=7e9).stream_bandwidth == pytest.approx(ONE_ROW / 2 * WEIGHT_BYTES["q4_1"], rel=1e-9)
+
+
+def test_a_fused_step_prices_one_row_at_the_marginal_rate():
+    neon = _neon()
+    op = OPS["attn_norm"]
+    marginal = (256 - 32) * 2304 / (18.8e-6 - 4.8e-6)
+    alone = estimate(neon, op, CFG, 1, 0, "f32", 2.0, prefill=False)
+    fused = estimate(neon.in_fused_step(), op, CFG, 1, 0, "f32", 2.0, prefill=False)
+    flops = fused.cost.flops
+    assert alone.ms == pytest.approx((flops / NORM[0][1] + neon.launch_s) * 1e3, rel=1e-9)
+    assert fused.ms == pytest.approx((max(flops / marginal, fused.cost.bytes / neon.bandwidth) + FUSED_OP_S) * 1e3,
+                                     rel=1e-9)
+    assert fused.ms < alone.ms / 5
+    # the larger row counts keep their measured figures
+    big = estimate(neon.in_fused_step(), op, CFG, 256, 0, "f32", 2.0, prefill=True)
+    assert big.ms == pytest.approx((big.cost.flops / NORM[2][1] + FUSED_OP_S) * 1e3, rel=1e-9)
+
+
+def test_no_growth_measured_keeps_the_figures():
+    flat = ((1, 1e9), (32, 32e9), (256, 300e9))    # 256 rows took less time than 32: noise
+    assert fused_elementwise_curves({"rmsnorm": flat}) == {"rmsnorm": flat}
+    # attention is not an elementwise op: its one-row figure is mostly work of its own
+    att = ((1, 5e9), (32, 50e9), (256, 60e9))
+    assert fused_elementwise_curves({"attention": att}) == {"attention": att}
+
+
+def test_a_serial_op_in_the_fused_call_pays_no_dispatch():
+    neon = _neon()
+    assert neon.in_fused_step(dispatch=False).launch_s == 0.0
+    assert neon.in_fused_step().launch_s == FUSED_OP_S
