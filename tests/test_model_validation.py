@@ -30,7 +30,8 @@ CASES = {
     "eps an array": (dict(extra_metadata={A + "attention.layer_norm_rms_epsilon": ([1e-5], VT.ARRAY, VT.FLOAT32)}),
                      A + "attention.layer_norm_rms_epsilon"),
     # 14: hyperparameters inconsistent with tensor shapes, missing tensors, ids out of range
-    "width disagrees with tensors": (dict(extra_metadata={A + "embedding_length": 96}), "token_embd.weight"),
+    "width disagrees with tensors": (dict(extra_metadata={A + "embedding_length": 96, A + "rope.dimension_count": 24}),
+                                     "token_embd.weight"),
     "heads do not divide width": (dict(extra_metadata={A + "attention.head_count": 5}), A + "attention.head_count"),
     "heads x head_dim != q width": (dict(extra_metadata={A + "attention.key_length": 32,
                                                          A + "rope.dimension_count": 32}), "attn_q.weight"),
@@ -38,6 +39,9 @@ CASES = {
                                      A + "attention.head_count_kv"),
     "ffn width disagrees": (dict(extra_metadata={A + "feed_forward_length": 64}), "ffn_gate.weight"),
     "rope dims odd": (dict(extra_metadata={A + "rope.dimension_count": 7}), A + "rope.dimension_count"),
+    # (llama.cpp refuses this file: "invalid n_rot: 8, expected 16"; qwen2 asserts)
+    "rope dims below the head size": (dict(extra_metadata={A + "rope.dimension_count": 8}), A + "rope.dimension_count"),
+    "rope dims above the head size": (dict(extra_metadata={A + "rope.dimension_count": 32}), A + "rope.dimension_count"),
     "missing tensor": (dict(omit=["blk.1.ffn_down.weight"]), "blk.1.ffn_down.weight"),
     "missing norm": (dict(omit=["output_norm.weight"]), "output_norm.weight"),
     "missing key": (dict(omit=[A + "embedding_length"]), A + "embedding_length"),

@@ -41,9 +41,7 @@ MODELS = {
     "qwen2-F32": dict(arch="qwen2", tensor_type=QT.F32, n_kv_heads=1),
     "qwen2-Q8_0": dict(arch="qwen2", tensor_type=QT.Q8_0, n_kv_heads=1),
     "qwen2-Q4_0": dict(arch="qwen2", tensor_type=QT.Q4_0, n_kv_heads=1),
-    # partial RoPE: the last 8 of each head's 16 dims pass through unrotated
-    "qwen2-Q4_1": dict(arch="qwen2", tensor_type=QT.Q4_1, n_kv_heads=1,
-                       extra_metadata={"qwen2.rope.dimension_count": 8}),
+    "qwen2-Q4_1": dict(arch="qwen2", tensor_type=QT.Q4_1, n_kv_heads=1),
 }
 
 

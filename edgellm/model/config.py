@@ -244,9 +244,12 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
     if not 0 < theta < 1e12:
         raise ModelFormatError(path, a + "rope.freq_base", f"expected a positive frequency base, found {theta}")
     rope_dim = _get(meta, path, a + "rope.dimension_count", int, default=head_dim, required=False)
-    if not (0 < rope_dim <= head_dim and rope_dim % 2 == 0):
+    if rope_dim != head_dim:
+        # both architectures rotate every dim of a head: llama.cpp refuses a llama file whose count
+        # differs ("invalid n_rot") and asserts on a qwen2 one; run, the dims past it went
+        # unrotated with nothing to check them against
         raise ModelFormatError(path, a + "rope.dimension_count",
-                               f"expected an even count in 2..head_dim {head_dim}, found {rope_dim}")
+                               f"expected the head size {head_dim} ({arch} rotates whole heads), found {rope_dim}")
     eps = _get(meta, path, a + "attention.layer_norm_rms_epsilon", float)
     if not 0 < eps < 1:
         raise ModelFormatError(path, a + "attention.layer_norm_rms_epsilon", f"expected 0 < eps < 1, found {eps}")
