@@ -236,7 +236,10 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
         memory_s = max(memory_s, cost.weight_bytes / unit.stream_bandwidth)
     body = max(compute_s, memory_s)
     bound = "launch" if unit.launch_s > body else ("compute" if compute_s >= memory_s else "memory")
-    return Estimate((body + unit.launch_s) * 1e3, prec, fmt, cost, bound, peak / unit.bandwidth)
+    # the ridge at the bandwidth the memory term used (a stream rate below the DRAM figure), so
+    # that "AI vs ridge" reads the same way as the bound
+    bw = cost.bytes / memory_s if memory_s > 0 else unit.bandwidth
+    return Estimate((body + unit.launch_s) * 1e3, prec, fmt, cost, bound, peak / bw)
 
 
 def _layers_mean(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int, lf: LayerFormats,

@@ -49,6 +49,9 @@ def test_a_format_with_more_bytes_streams_longer_at_one_row():
     assert base == pytest.approx(2 * 576 * 1536 / ONE_ROW * 1e3, rel=1e-9)   # the figure itself
     assert q8 / base == pytest.approx(WEIGHT_BYTES["q8_0"] / WEIGHT_BYTES[CURVE_FORMAT.lower()], rel=1e-9)
     assert bound == "memory"
+    # the ridge shown beside it is at the stream rate: the intensity is below it, as the bound says
+    e = estimate(neon, GEMV, CFG, 1, 100, "q8_0", 2.0, prefill=False)
+    assert e.cost.intensity < e.ridge
     # fewer bytes than the measured format: no faster than the measured FLOP rate
     assert _decode_ms(neon, "q4_0")[0] == pytest.approx(base, rel=1e-9)
 
