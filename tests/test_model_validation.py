@@ -39,6 +39,8 @@ CASES = {
                                      A + "attention.head_count_kv"),
     "ffn width disagrees": (dict(extra_metadata={A + "feed_forward_length": 64}), "ffn_gate.weight"),
     "rope dims odd": (dict(extra_metadata={A + "rope.dimension_count": 7}), A + "rope.dimension_count"),
+    # an odd head size (36 / 4 heads; the count written equals it): no pairs to rotate
+    "head size odd": (dict(d_model=36), A + "rope.dimension_count"),
     # (llama.cpp refuses this file: "invalid n_rot: 8, expected 16"; qwen2 asserts)
     "rope dims below the head size": (dict(extra_metadata={A + "rope.dimension_count": 8}), A + "rope.dimension_count"),
     "rope dims above the head size": (dict(extra_metadata={A + "rope.dimension_count": 32}), A + "rope.dimension_count"),
