@@ -30,8 +30,7 @@ CASES = {
     "eps an array": (dict(extra_metadata={A + "attention.layer_norm_rms_epsilon": ([1e-5], VT.ARRAY, VT.FLOAT32)}),
                      A + "attention.layer_norm_rms_epsilon"),
     # 14: hyperparameters inconsistent with tensor shapes, missing tensors, ids out of range
-    "width disagrees with tensors": (dict(extra_metadata={A + "embedding_length": 96, A + "rope.dimension_count": 24}),
-                                     "token_embd.weight"),
+    "width disagrees with tensors": (dict(extra_metadata={A + "embedding_length": 96}), "token_embd.weight"),
     "heads do not divide width": (dict(extra_metadata={A + "attention.head_count": 5}), A + "attention.head_count"),
     "heads x head_dim != q width": (dict(extra_metadata={A + "attention.key_length": 32,
                                                          A + "rope.dimension_count": 32}), "attn_q.weight"),

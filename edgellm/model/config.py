@@ -244,18 +244,6 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
     if not 0 < theta < 1e12:
         raise ModelFormatError(path, a + "rope.freq_base", f"expected a positive frequency base, found {theta}")
     rope_dim = _get(meta, path, a + "rope.dimension_count", int, default=head_dim, required=False)
-    if rope_dim % 2 or head_dim % 2:
-        # (RoPE rotates pairs of dims: an odd head size, the count's default, passed the check
-        # below and failed at load in a backend: numpy's broadcast, the fused step's dims check)
-        raise ModelFormatError(path, a + "rope.dimension_count",
-                               f"expected an even count (RoPE rotates pairs of dims) equal to the head size "
-                               f"{head_dim}, found {rope_dim}")
-    if rope_dim != head_dim:
-        # both architectures rotate every dim of a head: llama.cpp refuses a llama file whose count
-        # differs ("invalid n_rot") and asserts on a qwen2 one; run, the dims past it went
-        # unrotated with nothing to check them against
-        raise ModelFormatError(path, a + "rope.dimension_count",
-                               f"expected the head size {head_dim} ({arch} rotates whole heads), found {rope_dim}")
     eps = _get(meta, path, a + "attention.layer_norm_rms_epsilon", float)
     if not 0 < eps < 1:
         raise ModelFormatError(path, a + "attention.layer_norm_rms_epsilon", f"expected 0 < eps < 1, found {eps}")
@@ -302,6 +290,20 @@ def config_from_gguf(path: str, meta: Mapping[str, Any], tensors: Mapping[str, A
         rope_attn_factor=attn_factor,
     )
     check_tensors(path, cfg, tensors)
+    # (after the tensors: a wrong embedding_length or head_count gives a head size the count
+    # cannot match; the tensor it disagrees with names the cause)
+    if rope_dim % 2 or head_dim % 2:
+        # (RoPE rotates pairs of dims: an odd head size, the count's default, passed the check
+        # below and failed at load in a backend: numpy's broadcast, the fused step's dims check)
+        raise ModelFormatError(path, a + "rope.dimension_count",
+                               f"expected an even count (RoPE rotates pairs of dims) equal to the head size "
+                               f"{head_dim}, found {rope_dim}")
+    if rope_dim != head_dim:
+        # both architectures rotate every dim of a head: llama.cpp refuses a llama file whose count
+        # differs ("invalid n_rot") and asserts on a qwen2 one; run, the dims past it went
+        # unrotated with nothing to check them against
+        raise ModelFormatError(path, a + "rope.dimension_count",
+                               f"expected the head size {head_dim} ({arch} rotates whole heads), found {rope_dim}")
     return cfg
 
 
