@@ -96,6 +96,10 @@ def test_a_fused_step_prices_one_row_at_the_marginal_rate():
 def test_no_growth_measured_keeps_the_figures():
     flat = ((1, 1e9), (32, 32e9), (256, 300e9))    # 256 rows took less time than 32: noise
     assert fused_elementwise_curves({"rmsnorm": flat}) == {"rmsnorm": flat}
+    # 256 rows 1 ns slower than 32: the marginal rate is capped at twice the best figure
+    near = ((1, 1e9), (32, 32 * 2304 / 4.8e-6), (256, 256 * 2304 / (4.8e-6 + 1e-9)))
+    got = fused_elementwise_curves({"rmsnorm": near})["rmsnorm"]
+    assert got[0] == (1, 2 * near[2][1]) and got[1:] == near[1:]
     # attention is not an elementwise op: its one-row figure is mostly work of its own
     att = ((1, 5e9), (32, 50e9), (256, 60e9))
     assert fused_elementwise_curves({"attention": att}) == {"attention": att}
@@ -105,3 +109,15 @@ def test_a_serial_op_in_the_fused_call_pays_no_dispatch():
     neon = _neon()
     assert neon.in_fused_step(dispatch=False).launch_s == 0.0
     assert neon.in_fused_step().launch_s == FUSED_OP_S
+
+
+def test_layers_of_two_formats_read_their_bound_from_the_mean():
+    # a Q4_1 op with a third of its layers in Q8_0 (a Q4_K_M file's Q6_K ffn_down runs as Q8_0):
+    # the majority's ridge beside the mean's AI read "compute-bound, AI 2.6 vs ridge 3.2"
+    from edgellm.costmodel import LayerFormats
+    neon = _neon(bandwidth=30e9)
+    lf = LayerFormats(("q4_1",) * 20 + ("q8_0",) * 10)
+    e = estimate(neon, GEMV, CFG, 1, 100, lf, 2.0, prefill=False)
+    assert e.bound == ("compute" if e.cost.intensity >= e.ridge else "memory") == "memory"
+    assert e.ms == pytest.approx((2 * _decode_ms(neon, "q4_1")[0] + _decode_ms(neon, "q8_0")[0]) / 3
+                                 + neon.launch_s * 1e3, rel=1e-9)
