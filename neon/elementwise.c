@@ -103,6 +103,36 @@ static inline EL_NO_CONTRACT __m512 el_vexp16_f32(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* The end of el_exp_sub_sum_avx2 from element i (n - i in 1..15, s its 8-lane sums so far): the
+ * last elements in one masked 16-lane exp, lanes past n -inf as in the buffer below (the lane
+ * values, and so the sums, are the same). The buffer's memcpy then a 256-bit load missed store
+ * forwarding, and the diagonal chunks of a prefill attention tile end here on most rows (perf:
+ * ~30% of this function's samples on that load). */
+static inline EL_NO_CONTRACT float el_exp_sub_sum_tail16(float *x, int i, int n, __m512 vm16, __m256 s) {
+    const int rest = n - i;
+    const __mmask16 k = (__mmask16)((1u << rest) - 1);
+    const __m512 a = el_vexp16_f32(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i), vm16));
+    _mm512_mask_storeu_ps(x + i, k, a);
+    __m128 s0, s1;
+    if (rest >= 8) {   /* the 8-block, then a tail of rest - 8 */
+        s = _mm256_add_ps(s, _mm512_castps512_ps256(a));
+        s0 = _mm256_castps256_ps128(s), s1 = _mm256_extractf128_ps(s, 1);
+        if (rest > 8) {
+            const __m256 t = _mm512_extractf32x8_ps(a, 1);
+            s0 = _mm_add_ps(s0, _mm256_castps256_ps128(t));
+            if (rest > 12) s0 = _mm_add_ps(s0, _mm256_extractf128_ps(t, 1));
+        }
+    } else {
+        const __m256 t = _mm512_castps512_ps256(a);
+        s0 = _mm256_castps256_ps128(s), s1 = _mm256_extractf128_ps(s, 1);
+        s0 = _mm_add_ps(s0, _mm256_castps256_ps128(t));
+        if (rest > 4) s0 = _mm_add_ps(s0, _mm256_extractf128_ps(t, 1));
+    }
+    return vaddvq_f32(simde_float32x4_from_m128(_mm_add_ps(s0, s1)));
+}
+#endif
+
 /* The same sums as the 4-lane loop below: lanes 0-3 of the 8-lane accumulator are its s0,
  * lanes 4-7 its s1; the 4-key block and the tail go to s0 only, in the same order. */
 static EL_NO_CONTRACT float el_exp_sub_sum_avx2(float *x, int n, float m) {
@@ -117,6 +147,7 @@ static EL_NO_CONTRACT float el_exp_sub_sum_avx2(float *x, int n, float m) {
         s = _mm256_add_ps(s, _mm512_castps512_ps256(a));
         s = _mm256_add_ps(s, _mm512_extractf32x8_ps(a, 1));
     }
+    if (i < n) return el_exp_sub_sum_tail16(x, i, n, vm16, s);
 #endif
     for (; i + 8 <= n; i += 8) {
         const __m256 a = el_vexp8_f32(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm));
@@ -126,13 +157,13 @@ static EL_NO_CONTRACT float el_exp_sub_sum_avx2(float *x, int n, float m) {
     __m128 s0 = _mm256_castps256_ps128(s);
     const __m128 s1 = _mm256_extractf128_ps(s, 1);
     if (i < n) {
-        /* the rest (< 8) through the same polynomial, padding lanes -inf (exp gives 0) */
-        float buf[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        /* the rest (< 8) through the same polynomial, padding lanes -inf (exp gives 0); masked
+         * moves, not a buffer filled by memcpy (its 256-bit load missed store forwarding) */
         const int rest = n - i;
-        memcpy(buf, x + i, (size_t)rest * sizeof(float));
-        const __m256 a = el_vexp8_f32(_mm256_sub_ps(_mm256_loadu_ps(buf), vm));
-        _mm256_storeu_ps(buf, a);
-        memcpy(x + i, buf, (size_t)rest * sizeof(float));
+        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 xr = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_maskload_ps(x + i, k), _mm256_castsi256_ps(k));
+        const __m256 a = el_vexp8_f32(_mm256_sub_ps(xr, vm));
+        _mm256_maskstore_ps(x + i, k, a);
         s0 = _mm_add_ps(s0, _mm256_castps256_ps128(a));
         if (rest > 4) s0 = _mm_add_ps(s0, _mm256_extractf128_ps(a, 1));
     }
