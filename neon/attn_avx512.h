@@ -14,15 +14,18 @@
 
 #include "el_avx512.h"
 
+/* The first half's sums stay in registers for the second (32 of them here: 8 accumulators,
+ * 8 held sums, 2 key vectors and a broadcast), where the AVX2 block has to park them in s and
+ * reload them; the sum is the same add, first half + second half. */
 static inline __attribute__((always_inline)) void
 el_scores_block_avx512(const int NR, const float *const *q, const float *kt, int ld, int nk, int hd,
                        float *const *s) {
     const int half = hd / 2;
     for (int k0 = 0; k0 < nk;) {
         const int wide = nk - k0 >= 32;   /* 2 registers of keys per row, else 1 (nk % 16 == 0) */
+        __m512 part[4][2], a[4][2];
         for (int pass = 0; pass < 2; pass++) {
             const int d0 = pass ? half : 0, d1 = pass ? hd : half;
-            __m512 a[4][2];
             for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
             const float *kc = kt + (size_t)d0 * ld + k0;
             if (wide) {
@@ -41,12 +44,11 @@ el_scores_block_avx512(const int NR, const float *const *q, const float *kt, int
                     for (int r = 0; r < NR; r++) a[r][0] = _mm512_fmadd_ps(k0v, _mm512_set1_ps(q[r][d]), a[r][0]);
                 }
             }
-            for (int r = 0; r < NR; r++)
-                for (int v = 0; v < 1 + wide; v++) {
-                    float *o = s[r] + k0 + 16 * v;
-                    _mm512_storeu_ps(o, pass ? _mm512_add_ps(_mm512_loadu_ps(o), a[r][v]) : a[r][v]);
-                }
+            if (pass == 0)
+                for (int r = 0; r < NR; r++) part[r][0] = a[r][0], part[r][1] = a[r][1];
         }
+        for (int r = 0; r < NR; r++)
+            for (int v = 0; v < 1 + wide; v++) _mm512_storeu_ps(s[r] + k0 + 16 * v, _mm512_add_ps(part[r][v], a[r][v]));
         k0 += wide ? 32 : 16;
     }
 }
