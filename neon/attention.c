@@ -458,17 +458,27 @@ static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, i
         }
         el_fetch_rows(&J->kv, J->kv.v, off[cur], c, off[cur ^ 1], c_next, hd, vbuf, vrow);
         int qi;
+        for (qi = 0; qi < nq; qi++) nvis[qi] = EL_MAX(0, EL_MIN(c, lim[qi] - j0));
+        /* A row block's scores stop at its widest row's visible keys (rounded up to a score
+         * block): the causal diagonal's chunk otherwise scored keys no row of the block sees,
+         * and a block whose rows see none of the chunk scores nothing. Scores past a row's
+         * keys are never read (the softmax sets them to 0); each key's score is computed as
+         * before, so the bits are the same. */
         for (qi = 0; qi < nq; qi += EL_ATTN_NR) {
             const int nr = EL_MIN(EL_ATTN_NR, nq - qi);
             float *srow[EL_ATTN_NR];
-            for (int r = 0; r < nr; r++) srow[r] = sc[qi + r];
-            el_scores_rows(nr, qrow + qi, kt, cp, cp, hd, srow);
+            int nk = 0;
+            for (int r = 0; r < nr; r++) {
+                srow[r] = sc[qi + r];
+                nk = EL_MAX(nk, nvis[qi + r]);
+            }
+            nk = (nk + EL_ATTN_KB - 1) / EL_ATTN_KB * EL_ATTN_KB;
+            if (nk > 0) el_scores_rows(nr, qrow + qi, kt, cp, nk, hd, srow);
         }
         /* online softmax per row; probabilities past a row's visible keys are 0 */
         for (qi = 0; qi < nq; qi++) {
-            const int nv = EL_MAX(0, EL_MIN(c, lim[qi] - j0));
+            const int nv = nvis[qi];
             float *s = sc[qi];
-            nvis[qi] = nv;
             alpha[qi] = 1.0f;
             if (nv > 0) {
                 const float32x4_t vs = vdupq_n_f32(J->scale);
