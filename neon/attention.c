@@ -30,9 +30,12 @@
 #define EL_ATTN_MAX_HD 512      /* head_dim bound of the stack scratch (models use 64..256) */
 /* (token, head) query rows per tile. Each tile converts (fp16) and transposes its kv head's keys
  * again, so bigger tiles repeat that less: 64 against 32 measured 0.53 vs 0.62 ms per layer for
- * 32 tokens after 400 (2 threads, SmolLM2 shapes), 3.3 vs 3.8 ms for 433 from 0; 96 was no
- * better. Scratch on the stack: ~250 KB with EL_ATTN_MAX_HD. */
-#define EL_ATTN_QMAX 64
+ * 32 tokens after 400 (2 threads, SmolLM2 shapes), 3.3 vs 3.8 ms for 433 from 0. 96 was no
+ * better then; once the score and PV blocks went 16 wide and the exp tails stopped stalling
+ * (Zen 5), 96 against 64 took 27.4 vs 29.6 ms of attention for a 432-token prompt and 133 vs
+ * 137 for 1024 (timing build, medians of 12, alternating); 128 was no better than 96. Scratch
+ * on the stack: ~325 KB with EL_ATTN_MAX_HD (the caller's thread runs tiles too). */
+#define EL_ATTN_QMAX 96
 #define EL_ATTN_KVBUF 8192      /* floats per K (transposed) and V chunk buffer: 32 KB each */
 #define EL_ATTN_CHMAX 64        /* keys per chunk */
 #define EL_ATTN_SPLIT_MIN 64    /* fewest keys worth a split of their own */
