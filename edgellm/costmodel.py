@@ -73,6 +73,9 @@ class Unit:
                                                # step or a prefill chunk natively (None: no such call)
     stream_bandwidth: float = 0.0              # bytes/s its matmuls read weights at from DRAM (a GEMV),
                                                # when measured below `bandwidth` (0: `bandwidth`)
+    gemv: tuple[tuple[str, float], ...] = ()   # measured one-row FLOP/s by weight format (weights
+                                               # streaming): what a one-row matmul in it runs at
+    gemv_fp32act: tuple[tuple[str, float], ...] = ()   # ... with fp32 activations
     op_curves: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
                                                # (op kind, measured (tokens, FLOP/s)) of attention and
                                                # the elementwise ops as the engine runs them on this
@@ -90,6 +93,12 @@ class Unit:
         call from Python left in their one-row figures (fused_elementwise_curves)."""
         return replace(self, launch_s=FUSED_OP_S if dispatch else 0.0,
                        op_curves=self.fused_op_curves or self.op_curves)
+
+    def gemv_rate(self, precision: str, weight_format: str) -> float:
+        """Measured FLOP/s of a one-row matmul at `precision` on `weight_format` weights (0: none):
+        fp32 against block weights is the fp32-activation path, anything else the unit's own."""
+        table = self.gemv_fp32act if precision == "fp32" and weight_format in ("q4_0", "q4_1", "q8_0") else self.gemv
+        return dict(table).get(str(weight_format), 0.0)
 
     def padded(self, tokens: int) -> int:
         """Tokens actually computed: a static-shape unit pads up to its next bucket, and runs
@@ -227,10 +236,13 @@ def estimate(unit: Unit, op: OpSpec, cfg: ModelConfig, tokens: int, context: int
         peak = _interpolate(unit.quant_fp32_curve, rows)
     elif prec == "fp32" and fmt in ("q4_0", "q4_1") and unit.quant_fp32_slowdown:
         peak = unit.attainable(unit.curve_precision, rows) / _interpolate(unit.quant_fp32_slowdown, rows)
+    gemv = unit.gemv_rate(prec, fmt) if op.kind in MATMUL_KINDS and rows == 1 else 0.0
+    if gemv:
+        peak = gemv      # measured on this format with its weights streaming: memory is in it
     if peak <= 0:
         return None
     compute_s, memory_s = cost.flops / peak, cost.bytes / unit.bandwidth
-    if unit.stream_bandwidth and op.kind in MATMUL_KINDS:
+    if unit.stream_bandwidth and op.kind in MATMUL_KINDS and not gemv:
         # the measured GEMV rate is a FLOP rate of one weight format: a format with more bytes per
         # weight streams proportionally longer (a Q8_0 file decoded ~1.7x slower than Q4_1 here,
         # where FLOPs alone priced both the same)
@@ -330,6 +342,8 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
     notes = []
     op_curves: dict = {}
     fp32act_curve: tuple = ()
+    gemv: dict = {}
+    gemv32: dict = {}
     if m is not None:
         bw = m.memory_read_bandwidth
         um = m.units.get(name)
@@ -342,6 +356,8 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
             launch = um.call_overhead_s
             op_curves = {k: tuple((t, f * ms) for t, f in c) for k, c in _op_curves(um).items()}
             fp32act_curve = tuple((g.m, g.flops * ms) for g in sorted(um.gemm_fp32act, key=lambda g: g.m))
+            gemv = {f: r * ms for f, r in um.gemv.items()}
+            gemv32 = {f: r * ms for f, r in um.gemv_fp32act.items()}
             notes.append(f"measured by {m.tool} on {m.date}"
                          + (f" with {um.threads} threads, scaled to {min(threads, n_big)}" if ms != 1.0 else ""))
     if name == "reference":
@@ -351,7 +367,9 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
             curve = tuple((m, f * peak["fp32"]) for m, f in BLAS_ROWS_EFFICIENCY)
             notes.append("GEMM efficiency by rows: nominal BLAS curve (not measured here)")
     llc = max((c.l3_bytes or c.l2_bytes * len(c.cores)) for c in clusters)
-    stream = _stream_bandwidth(curve, bw) if name == "neon" else 0.0
+    # (the format without a one-row figure of its own streams at the measured format's rate)
+    one_row = ((1, gemv[NEON_CURVE_FORMAT]),) if NEON_CURVE_FORMAT in gemv else curve
+    stream = _stream_bandwidth(one_row, bw) if name == "neon" else 0.0
     # neon quantizes activations to int8 blocks with or without dotprod (SDOT or widening MLA)
     qprec = "int8" if name == "neon" else "fp32"
     return Unit(name, "cpu", peak, bw, launch, gemm_curve=curve, curve_precision=qprec, cache_bytes=llc,
@@ -371,14 +389,15 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
                 # the near-ties that pick the token; memory-bound either way)
                 head_precision="fp32" if name == "neon" else None,
                 fused_decode_s=launch if name == "neon" else None, op_curves=tuple(op_curves.items()),
-                stream_bandwidth=stream, fused_op_curves=tuple(fused_elementwise_curves(op_curves).items()),
+                stream_bandwidth=stream, gemv=tuple(gemv.items()), gemv_fp32act=tuple(gemv32.items()),
+                fused_op_curves=tuple(fused_elementwise_curves(op_curves).items()),
                 notes=tuple(notes))
 
 
 def _stream_bandwidth(curve: tuple[tuple[int, float], ...], bandwidth: float) -> float:
     """bytes/s neon's measured one-row GEMM read its weights at: `edgellm profile` times it on
-    NEON_CURVE_FORMAT weights streaming from DRAM, so its FLOP rate is a rate of those
-    bytes. 0 without a one-row figure, or where it is no lower than the DRAM bandwidth."""
+    NEON_CURVE_FORMAT weights streaming from DRAM, so its FLOP rate is a rate of those bytes.
+    0 without a one-row figure, or where it is no lower than the DRAM bandwidth."""
     if not curve or curve[0][0] != 1:
         return 0.0
     rate = curve[0][1] / 2.0 * WEIGHT_BYTES[NEON_CURVE_FORMAT]   # FLOP/s -> weights/s -> bytes/s

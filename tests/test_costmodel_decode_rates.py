@@ -15,6 +15,7 @@ import pytest
 from edgellm.backends.neon_probe import CURVE_FORMAT
 from edgellm.costmodel import FUSED_OP_S, cpu_unit, estimate, fused_elementwise_curves
 from edgellm.device.profile import ElementwiseFigure, GemmFigure, Measured, UnitMeasurement, load_profile
+from edgellm.errors import ConfigError
 from edgellm.ops import WEIGHT_BYTES, OpSpec
 from tests.test_dispatch import CFG, OPS
 
@@ -121,3 +122,68 @@ def test_layers_of_two_formats_read_their_bound_from_the_mean():
     assert e.bound == ("compute" if e.cost.intensity >= e.ridge else "memory") == "memory"
     assert e.ms == pytest.approx((2 * _decode_ms(neon, "q4_1")[0] + _decode_ms(neon, "q8_0")[0]) / 3
                                  + neon.launch_s * 1e3, rel=1e-9)
+
+
+# ---- measured one-row figures by format (profile `gemv`, `gemv_fp32act`) ------------------------
+
+def _measured(gemv, gemv32=(), threads=4, **kw):
+    p = load_profile("rk3588")
+    um = UnitMeasurement(precision_flops={"int8": 400e9, "fp32": 50e9}, call_overhead_s=5e-6, threads=threads,
+                         gemm=(GemmFigure(1, 576, 1536, ONE_ROW), GemmFigure(256, 576, 1536, 400e9)),
+                         gemv=dict(gemv), gemv_fp32act=dict(gemv32))
+    m = Measured(date="2026-11-28", tool="test", memory_read_bandwidth=1e15, clusters={}, units={"neon": um})
+    return dataclasses.replace(p, name="host", measured=m)
+
+
+def test_a_format_with_its_own_one_row_figure_runs_at_it():
+    neon = cpu_unit("neon", _measured({"q4_1": 150e9, "q8_0": 70e9}), threads=4)
+    flops = 2 * 576 * 1536
+    for fmt, rate in (("q4_1", 150e9), ("q8_0", 70e9)):
+        ms, _ = _decode_ms(neon, fmt)
+        assert ms == pytest.approx(flops / rate * 1e3, rel=1e-9)   # no stream term on top
+    # q4_0 has none: it streams at the q4_1 figure's byte rate, no faster than the curve
+    stream = 150e9 / 2 * WEIGHT_BYTES["q4_1"]
+    assert neon.stream_bandwidth == pytest.approx(stream, rel=1e-9)
+    assert _decode_ms(neon, "q4_0")[0] == pytest.approx(max(flops / ONE_ROW, 576 * 1536 * WEIGHT_BYTES["q4_0"]
+                                                            / stream) * 1e3, rel=1e-9)
+    # more rows: the GEMM curve, whatever the format
+    big = estimate(neon, GEMV, CFG, 256, 0, "q8_0", 2.0, prefill=True)
+    assert big.ms == pytest.approx((big.cost.flops / 400e9 + neon.launch_s) * 1e3, rel=1e-9)
+
+
+def test_fp32_activations_take_their_own_figure():
+    neon = cpu_unit("neon", _measured({"q8_0": 70e9}, {"q8_0": 60e9}), threads=4)
+    head = OPS["lm_head"]
+    e = estimate(neon, head, CFG, 1, 100, "q8_0", 2.0, prefill=False)
+    assert e.precision == "fp32"     # neon's head keeps fp32 activations
+    assert e.ms == pytest.approx((e.cost.flops / 60e9 + neon.launch_s) * 1e3, rel=1e-9)
+
+
+def test_one_row_figures_scale_with_the_threads():
+    half = cpu_unit("neon", _measured({"q4_1": 150e9}), threads=2)   # measured with 4
+    assert dict(half.gemv)["q4_1"] == pytest.approx(75e9, rel=1e-9)
+
+
+def test_one_row_figures_round_trip_through_the_profile_file(tmp_path, monkeypatch):
+    from edgellm.device.profile import write_profile
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
+    path = write_profile(_measured({"q4_1": 150e9, "f16": 40e9}, {"q8_0": 60.5e9}),
+                         tmp_path / "profiles" / "host.yaml")
+    text = path.read_text()
+    assert "gemv: {q4_1: 150 GFLOPS, f16: 40 GFLOPS}" in text and "gemv_fp32act: {q8_0: 60.5 GFLOPS}" in text
+    back = load_profile("host").measured.units["neon"]
+    assert back.gemv == {"q4_1": 150e9, "f16": 40e9} and back.gemv_fp32act == {"q8_0": 60.5e9}
+    # a format the cost model has no bytes for is refused, naming the key
+    path.write_text(text.replace("f16: 40 GFLOPS", "q5_k: 40 GFLOPS"))
+    with pytest.raises(ConfigError, match=r"gemv\.q5_k"):
+        load_profile("host")
+
+
+def test_the_probe_measures_every_format():
+    from edgellm.backends.neon_probe import GEMV_FORMATS, measure_gemv
+    from edgellm.device.probes import QUICK
+    sizes = dataclasses.replace(QUICK, weight_bytes=8 << 20, runs=20, min_runs=3, budget_s=0.05)
+    gemv, gemv32 = measure_gemv(sizes)
+    assert set(gemv) == {f.lower() for f in GEMV_FORMATS["int8"]}
+    assert set(gemv32) == {f.lower() for f in GEMV_FORMATS["fp32"]}
+    assert all(1e8 < r < 1e14 for r in (*gemv.values(), *gemv32.values())), (gemv, gemv32)

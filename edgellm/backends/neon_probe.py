@@ -75,6 +75,7 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
         w = rng.standard_normal((N, K)).astype(dtype)
         qm = neon.QMatrix.from_arrays(typ, [w.view(np.uint8)], [N], K)
         flops[prec] = 2.0 * 256 * K * N / median_seconds(lambda: neon.matmul(x, qm), sizes)
+    gemv, gemv_fp32act = measure_gemv(sizes, progress)
     from ..device import op_probe
 
     def attend(q, seq, layer, start):   # straight from the pool's blocks, as the engine does
@@ -82,7 +83,55 @@ def probe(sizes: ProbeSizes, threads: int, progress=None) -> UnitMeasurement | N
     return UnitMeasurement(precision_flops=flops, gemm=tuple(curve), call_overhead_s=overhead, threads=threads,
                            attention=op_probe.measure_attention(attend, sizes, overhead, progress),
                            elementwise=op_probe.measure_elementwise(neon, sizes, overhead, progress),
-                           gemm_fp32act=tuple(fp32act))
+                           gemm_fp32act=tuple(fp32act), gemv=gemv, gemv_fp32act=gemv_fp32act)
+
+
+# weight formats of the one-row figures (those a model's matmuls run in on neon), by activations
+GEMV_FORMATS = {"int8": ("Q4_0", "Q4_1", "Q8_0", "F16"), "fp32": ("Q4_1", "Q8_0")}
+
+
+def measure_gemv(sizes: ProbeSizes, progress=None) -> tuple[dict[str, float], dict[str, float]]:
+    """One-row GEMM FLOP/s by weight format, int8 and fp32 activations: ({fmt: FLOP/s}, ...).
+
+    Decode's matmuls are these GEMVs, and their speed is not one FLOP rate: in the fused decode
+    step (Zen 5, SmolLM2 shapes) Q8_0's ran 2.0-2.25x Q4_1's time for 1.7x the bytes, and
+    Q4_1's 1.5x faster than the curve's one-row figure, timed through neon.matmul, said (its
+    Python, ~6 us a call, was counted as GEMM time). Here the library is called straight through
+    ctypes with arguments made beforehand, less the same call returning at once (M = 0); each
+    call reads another matrix of a set sizes.weight_bytes large, so weights stream from DRAM as
+    in decode. fmt keys are lower case (ops.WEIGHT_BYTES)."""
+    from . import neon
+
+    lib, pool = neon._lib(), neon.thread_pool()
+    K, N = sizes.gemm_k, sizes.gemm_n
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    y = np.empty((1, N), np.float32)
+    scratch = np.empty(lib.el_matmul_scratch(1, K), np.uint8)
+    fp = ctypes.POINTER(ctypes.c_float)
+    xp, yp = x.ctypes.data_as(fp), y.ctypes.data_as(fp)
+    out: dict[str, dict[str, float]] = {"int8": {}, "fp32": {}}
+    jobs = [(act, fmt) for act, fmts in GEMV_FORMATS.items() for fmt in fmts]
+    for i, (act, fmt) in enumerate(jobs):
+        if progress:
+            progress(f"{fmt.lower()} gemv, {act} activations", i, len(jobs))
+        t = quant.T[fmt]
+        w = rng.standard_normal((N, K)).astype(np.float32)
+        one = w.astype(np.float16).view(np.uint8) if fmt == "F16" else quant.quantize(w, t)
+        count = max(2, math.ceil(sizes.weight_bytes / one.nbytes))
+        mats = [neon.QMatrix.from_arrays(fmt, [one.copy()], [N], K) for _ in range(count)]
+        fn = lib.el_matmul if act == "int8" else lib.el_matmul_f32act
+        tail = (scratch.ctypes.data,) if act == "int8" else ()
+        args = [(pool.ptr, m.wtype, m.ptrs, m.rows_c, 1, xp, yp, 1, K, None) + tail for m in mats]
+        null = args[0][:7] + (0,) + args[0][8:]     # M = 0: refused before any work
+        turn = iter(range(1 << 62))
+
+        def call():
+            if fn(*args[next(turn) % count]) != 0:
+                raise RuntimeError(f"{fn.__name__} failed on {fmt} weights")
+        secs = median_seconds(call, sizes) - median_seconds(lambda: fn(*null), sizes)
+        out[act][fmt.lower()] = 2.0 * K * N / max(secs, 1e-9)
+    return out["int8"], out["fp32"]
 
 
 PEAK_KINDS = {"fp32": 0, "fp16": 1, "int8": 2}    # EL_PEAK_* of neon/edgellm_neon.h

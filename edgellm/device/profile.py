@@ -91,6 +91,9 @@ class UnitMeasurement:
     elementwise: tuple[ElementwiseFigure, ...] = ()   # rmsnorm, rope, swiglu, add, as the engine calls them
     gemm_fp32act: tuple[GemmFigure, ...] = ()     # neon: the same Q4_1 GEMM with fp32 activations
                                                   # (el_matmul_f32act, a precision plan's ask)
+    gemv: Mapping[str, float] = field(default_factory=dict)   # neon: one-row FLOP/s by weight format
+                                                  # (q4_1, q8_0, ...; weights streaming, no Python)
+    gemv_fp32act: Mapping[str, float] = field(default_factory=dict)   # the same, fp32 activations
 
 
 BUSY_SHARE = 0.1   # others' share of the CPUs above which a profile's figures are flagged (here, not in

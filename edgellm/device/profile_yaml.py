@@ -23,7 +23,7 @@ from edgellm.device.profile import (
 )
 from edgellm.errors import ConfigError
 from edgellm.backends import KNOWN as UNIT_NAMES
-from edgellm.ops import ELEMENTWISE_FLOPS, OP_KINDS
+from edgellm.ops import ELEMENTWISE_FLOPS, OP_KINDS, WEIGHT_BYTES
 from edgellm.fileio import write_atomic
 
 log = logging.getLogger("edgellm")
@@ -492,7 +492,8 @@ def _unit_name(r: _Reader, n: Any, p: str) -> str:
 
 
 def _unit(r: _Reader, v: Any, p: str, clusters: tuple[CpuCluster, ...]) -> UnitMeasurement:
-    r.mapping(v, p, ("threads", "call_overhead", "precision_flops", "gemm"), ("attention", "elementwise", "gemm_fp32act"))
+    r.mapping(v, p, ("threads", "call_overhead", "precision_flops", "gemm"),
+              ("attention", "elementwise", "gemm_fp32act", "gemv", "gemv_fp32act"))
     # the threads a unit ran with ran on the profile's cores (`edgellm profile` uses one per big
     # core): more than it lists is a figure from elsewhere, and the cost model scales the unit's
     # figures by cores / threads (neon's by 2/64 on a 2-core host: every op went to reference)
@@ -519,6 +520,12 @@ def _unit(r: _Reader, v: Any, p: str, clusters: tuple[CpuCluster, ...]) -> UnitM
         return ElementwiseFigure(op=e["op"], tokens=r.integer(e["tokens"], f"{q}.tokens", lo=1, hi=1 << 30),
                                  flops=r.qty(e["flops"], f"{q}.flops", "compute"))
 
+    def by_format(m: Any, q: str) -> dict[str, float]:   # {q4_1: 150 GFLOPS, ...}
+        if not isinstance(m, dict):
+            r.fail(q, f"expected a mapping of weight format to rate such as {{q4_1: 150 GFLOPS}}, got {_describe(m)}")
+        r.mapping(m, q, (), tuple(WEIGHT_BYTES))
+        return {f: r.qty(x, f"{q}.{f}", "compute") for f, x in m.items()}
+
     return UnitMeasurement(
         precision_flops=r.precisions(v["precision_flops"], f"{p}.precision_flops"),
         gemm=_by_rows(r, tuple(r.items(v["gemm"], f"{p}.gemm", gemm, nonempty=False)), f"{p}.gemm"),
@@ -528,6 +535,8 @@ def _unit(r: _Reader, v: Any, p: str, clusters: tuple[CpuCluster, ...]) -> UnitM
         elementwise=tuple(r.items(v.get("elementwise", []), f"{p}.elementwise", elementwise, nonempty=False)),
         gemm_fp32act=_by_rows(r, tuple(r.items(v.get("gemm_fp32act", []), f"{p}.gemm_fp32act", gemm,
                                                 nonempty=False)), f"{p}.gemm_fp32act"),
+        gemv=by_format(v.get("gemv", {}), f"{p}.gemv"),
+        gemv_fp32act=by_format(v.get("gemv_fp32act", {}), f"{p}.gemv_fp32act"),
     )
 
 
@@ -672,7 +681,9 @@ def _to_dict(p: DeviceProfile) -> dict:
                              **({"elementwise": [{"op": e.op, "tokens": e.tokens, "flops": q(e.flops, "compute")}
                                                  for e in u.elementwise]} if u.elementwise else {}),
                              **({"gemm_fp32act": [{"m": g.m, "k": g.k, "n": g.n, "flops": q(g.flops, "compute")}
-                                                  for g in u.gemm_fp32act]} if u.gemm_fp32act else {})}
+                                                  for g in u.gemm_fp32act]} if u.gemm_fp32act else {}),
+                             **{key: {f: q(x, "compute") for f, x in rates.items()}
+                                for key, rates in (("gemv", u.gemv), ("gemv_fp32act", u.gemv_fp32act)) if rates}}
                       for name, u in m.units.items()},
             **({"others_cpu_share": m.others_cpu_share} if m.others_cpu_share is not None else {}),
         }
