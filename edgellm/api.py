@@ -105,6 +105,7 @@ class Engine:
         # another thread's generation when a request started before that one's next step
         self._own_cancels: dict = {}
         self.plan = None        # the dispatcher's Plan (set by load): units, placement, chunk, reasons
+        self.dispatcher = None  # the Dispatcher that made it (bench asks it for predictions)
         self.profile = None     # the DeviceProfile it planned with
         self.pinning = None     # device.topology.PinResult of the compute threads
         self.precision_plan = None  # the PrecisionPlan loaded (None: each unit's own precision)
@@ -900,7 +901,7 @@ def _load(model, device, *, n_ctx, threads, prefill_chunk, kv, kv_precision, win
     eng = Engine(mf, runner, store, threads=threads, load_ms=(time.perf_counter() - t0) * 1e3)
     eng.load_rss_mb, eng.rss_after_load_mb = peak_rss_mb(), resident_mb()
     eng.prefault = paging
-    eng.plan, eng.profile, eng.pinning = plan, profile, pinning
+    eng.plan, eng.profile, eng.pinning, eng.dispatcher = plan, profile, pinning, dispatcher
     if guard is not None and not _guard_can_switch(runner):
         # off, not kept logging switches "to fp32" that changed nothing (a helper's probe)
         log.warning("quality guard: its switches change nothing with this placement: decode's matmuls (%s) "

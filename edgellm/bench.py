@@ -75,6 +75,17 @@ def memory_fields(engine: Engine) -> dict:
     return out
 
 
+def predicted(engine: Engine, prompt_tokens: int, context: int = 0) -> dict:
+    """What the engine's plan predicts for a prompt of `prompt_tokens` after `context` cached
+    tokens (the dispatcher's cost model under the engine's profile and chunk): set beside the
+    measured figures, it shows how far the model is off on this machine."""
+    d = engine.dispatcher
+    if d is None:
+        return {}
+    ttft, tps = d.predict(prompt_tokens, engine.plan.chunk.tokens, context)
+    return {"predicted_ttft_ms": round(ttft, 2), "predicted_decode_tps": round(tps, 2)}
+
+
 def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
         on_run: Callable[[int, int, dict], None] | None = None,
         bandwidth: Callable[[], float | None] | None = None) -> list[dict]:
@@ -123,6 +134,7 @@ def run(engine: Engine, prompt_tokens: list[int], gen_tokens: int, runs: int,
             "gen_tokens": gen_tokens,
             "runs": runs,
             "threads": engine.threads,
+            **predicted(engine, actual),
         })
         if bandwidth:
             records[-1].update(floor_fields(decode_weight_bytes(engine.model), statistics.median(decode_tps), bw,
@@ -231,5 +243,8 @@ def run_shared_prefix(engine: Engine, prefix_tokens: int, suffix_tokens: list[in
             # the prefix as run: the newline that ends it can add a token to the length asked for
             "shared_prefix_tokens": len(engine.tokenize(prefix)), "gen_tokens": gen_tokens, "runs": runs,
             "threads": engine.threads,
+            **predicted(engine, total),
+            **{f"{k}_cached": v for k, v in predicted(engine, total - int(statistics.median(cached_tokens)),
+                                                        int(statistics.median(cached_tokens))).items()},
         })
     return records

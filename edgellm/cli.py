@@ -1295,6 +1295,14 @@ def bench(
                    if r.get("decode_tps") == 0 and any(r.get("read_bandwidth_gbs") or ()) else
                    "no memory floor (the bandwidth probe failed)")
             typer.echo(f"decode at {r['prompt_tokens']}: {why}")
+    for r in recs if other is None else ():
+        if "predicted_ttft_ms" not in r:
+            continue
+        cached = (f"; cached prefix: TTFT {r['predicted_ttft_ms_cached']:.1f} ms (measured "
+                  f"{r['ttft_ms_p50_cached']:.1f})" if "predicted_ttft_ms_cached" in r else "")
+        typer.echo(f"plan's prediction at {r['prompt_tokens']}: TTFT {r['predicted_ttft_ms']:.1f} ms (measured "
+                   f"{r['ttft_ms_p50']:.1f}), decode {r['predicted_decode_tps']:.0f} tok/s (measured "
+                   f"{r['decode_tps']:.0f}){cached}")
     if shared_prefix:
         for r in recs:
             typer.echo(f"shared prefix: {r['cached_prefix_tokens']} of {r['prompt_tokens']} tokens cached: TTFT "

@@ -691,23 +691,39 @@ class Dispatcher:
             if chunk < 1:
                 raise ConfigError(f"prefill chunk must be >= 1, got {chunk}")
             choice = ChunkChoice(chunk, "", chunk, (f"chunk = {chunk} tokens ({chunk_why})",))
-        prefill = self.place("prefill", choice.tokens, 0)
-        decode = self.place("decode", 1, prompt_tokens)
-        short, short_max = self._short_prefill(prefill, choice.tokens, prompt_tokens)
+        prefill, decode, short, short_max, ttft, tps = self._priced(prompt_tokens, choice.tokens, 0)
+        key = self.prompt_phase(prompt_tokens, short_max if short is not None else 0)
+        self._say_to_reference()
+        return Plan(self.profile.name, self.units, prefill, decode, choice, prompt_tokens, ttft, tps,
+                    tuple(self.warnings), short, short_max, key)
+
+    def predict(self, prompt_tokens: int, chunk: int, context: int = 0) -> tuple[float, float]:
+        """(TTFT ms, decode tok/s) predicted for `prompt_tokens` new tokens after `context`
+        cached ones, in chunks of `chunk`, as plan() prices its own prompt; nothing is said
+        (bench sets these beside what it measures)."""
+        said = self._to_reference
+        try:
+            return self._priced(prompt_tokens, chunk, context)[4:]
+        finally:
+            self._to_reference = said
+
+    def _priced(self, prompt_tokens: int, chunk: int, context: int) -> tuple:
+        """(prefill, decode, short, short_max, TTFT ms, decode tok/s) of a prompt after `context`."""
+        prefill = self.place("prefill", chunk, 0)
+        decode = self.place("decode", 1, context + prompt_tokens)
+        short, short_max = self._short_prefill(prefill, chunk, context + prompt_tokens)
         # TTFT is priced chunk by chunk as the engine runs them: each call's placement from its
         # own length, and no one-token last chunk (Generation cuts 257 as 255 + 2, not 256 + 1,
         # whose token was priced on the chunk's placement: +32 ms on an rk3588's)
         sm = short_max if short is not None else 0
-        key = self.prompt_phase(prompt_tokens, sm)
         phases = {"decode": decode, "prefill_short": short, "prefill": prefill}
-        bounds = chunk_bounds(prompt_tokens, choice.tokens)
+        bounds = chunk_bounds(prompt_tokens, chunk)
         ttft = 0.0
         for c0, c1 in zip(bounds, bounds[1:]):
-            ttft += self.step_ms(phases[self.prompt_phase(c1 - c0, sm)], c1 - c0, c0, head=c1 >= prompt_tokens)
+            ttft += self.step_ms(phases[self.prompt_phase(c1 - c0, sm)], c1 - c0, context + c0,
+                                 head=c1 >= prompt_tokens)
         tps = 1e3 / decode.step_ms if decode.step_ms > 0 else math.inf
-        self._say_to_reference()
-        return Plan(self.profile.name, self.units, prefill, decode, choice, prompt_tokens, ttft, tps,
-                    tuple(self.warnings), short, short_max, key)
+        return prefill, decode, short, short_max, ttft, tps
 
     @staticmethod
     def prompt_phase(prompt_tokens: int, short_max: int) -> str:
