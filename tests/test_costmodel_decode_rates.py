@@ -187,3 +187,35 @@ def test_the_probe_measures_every_format():
     assert set(gemv) == {f.lower() for f in GEMV_FORMATS["int8"]}
     assert set(gemv32) == {f.lower() for f in GEMV_FORMATS["fp32"]}
     assert all(1e8 < r < 1e14 for r in (*gemv.values(), *gemv32.values())), (gemv, gemv32)
+
+
+def test_a_failing_format_loses_its_figure_only(monkeypatch, caplog):
+    """el_matmul failing on one format's call drops that figure (a warning), not neon's whole probe."""
+    from edgellm.backends import neon, neon_probe
+    from edgellm.device.probes import QUICK
+    sizes = dataclasses.replace(QUICK, weight_bytes=4 << 20, runs=5, min_runs=3, budget_s=0.02)
+    real = neon._lib()
+
+    class Failing:
+        def __getattr__(self, name):
+            if name == "el_matmul_f32act":
+                def fail(*args):
+                    return -2
+                fail.__name__ = name
+                return fail
+            return getattr(real, name)
+    monkeypatch.setattr(neon, "_lib", lambda: Failing())
+    gemv, gemv32 = neon_probe.measure_gemv(sizes)
+    assert set(gemv) == {f.lower() for f in neon_probe.GEMV_FORMATS["int8"]} and gemv32 == {}
+    assert "no one-row figure for Q4_1" in caplog.text
+
+
+def test_a_null_call_no_faster_than_the_gemv_cannot_make_a_huge_rate(monkeypatch):
+    """A measured time at or below the null call's reads as at most twice the raw rate."""
+    from edgellm.backends import neon_probe
+    from edgellm.device.probes import QUICK
+    sizes = dataclasses.replace(QUICK, weight_bytes=4 << 20, runs=5, min_runs=3, budget_s=0.02)
+    monkeypatch.setattr(neon_probe, "median_seconds", lambda call, s: (call(), 1e-5)[1])
+    gemv, gemv32 = neon_probe.measure_gemv(sizes)
+    K, N = sizes.gemm_k, sizes.gemm_n
+    assert all(r == pytest.approx(2.0 * K * N / 0.5e-5) for r in (*gemv.values(), *gemv32.values()))
