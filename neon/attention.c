@@ -24,6 +24,7 @@
 
 #include <limits.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,8 +34,8 @@
  * 32 tokens after 400 (2 threads, SmolLM2 shapes), 3.3 vs 3.8 ms for 433 from 0. 96 was no
  * better then; once the score and PV blocks went 16 wide and the exp tails stopped stalling
  * (Zen 5), 96 against 64 took 27.4 vs 29.6 ms of attention for a 432-token prompt and 133 vs
- * 137 for 1024 (timing build, medians of 12, alternating); 128 was no better than 96. Scratch
- * on the stack: ~325 KB with EL_ATTN_MAX_HD (the caller's thread runs tiles too). */
+ * 137 for 1024 (timing build, medians of 12, alternating); 128 was no better than 96. Scratch:
+ * ~325 KB with EL_ATTN_MAX_HD, per thread on the heap (el_tile_scratch). */
 #define EL_ATTN_QMAX 96
 #define EL_ATTN_KVBUF 8192      /* floats per K (transposed) and V chunk buffer: 32 KB each */
 #define EL_ATTN_CHMAX 64        /* keys per chunk */
@@ -72,6 +73,7 @@ typedef struct {
     float scale;
     el_kv_src kv;
     float *part;           /* n_split > 1: (T, H, n_split, hd + 2) partial states: m, l, acc */
+    int *nomem;            /* set (atomically) by a tile that got no scratch: the call fails */
 } el_attn_job;
 
 /* F(n, args...) with the row count nr (1..4) as the compile-time constant n: the block kernels
@@ -411,15 +413,47 @@ static int el_rows_finite(const float *const *rows, int n, int hd) {
     return e != 0x7f800000u;
 }
 
+/* A tile's large buffers (~325 KB), one set per thread that runs tiles, kept for the thread's
+ * life (freed at its exit). On the stack they crashed a caller whose thread stack was under
+ * ~350 KB (an app's worker thread with a 256 KB stack: SIGSEGV, a review's probe; musl's
+ * default is 128 KB); the pool's own workers have 2 MB. */
+typedef struct {
+    float acc[EL_ATTN_QMAX * EL_ATTN_MAX_HD];
+    float sc[EL_ATTN_QMAX][EL_ATTN_CHMAX];
+    float kt[EL_ATTN_KVBUF], kbuf[EL_ATTN_KVBUF], vbuf[EL_ATTN_KVBUF];
+} el_tile_scratch;
+
+static pthread_key_t el_tile_key;
+static pthread_once_t el_tile_once = PTHREAD_ONCE_INIT;
+static int el_tile_key_ok;
+
+static void el_tile_key_init(void) { el_tile_key_ok = pthread_key_create(&el_tile_key, free) == 0; }
+
+/* this thread's tile scratch, allocated at its first tile; NULL when memory is short */
+static el_tile_scratch *el_tile_scratch_get(void) {
+    pthread_once(&el_tile_once, el_tile_key_init);
+    if (!el_tile_key_ok) return NULL;
+    el_tile_scratch *s = pthread_getspecific(el_tile_key);
+    if (!s && (s = malloc(sizeof *s)) != NULL && pthread_setspecific(el_tile_key, s) != 0) {
+        free(s);
+        s = NULL;
+    }
+    return s;
+}
+
 /* One tile: kv head kh, query heads h0..h1-1 (all of group kh), token rows t0..t1-1, keys
  * [j_lo, j_hi) (a split; each row is also capped by causality). */
 static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, int t1, int j_lo, int j_hi, int split) {
     const int hd = J->hd, gh = h1 - h0, nq = gh * (t1 - t0);
     /* keys per chunk: a multiple of EL_ATTN_KB whose K and V fit the buffers */
     const int ch = EL_MAX(EL_ATTN_KB, EL_MIN(EL_ATTN_CHMAX, EL_ATTN_KVBUF / hd) / EL_ATTN_KB * EL_ATTN_KB);
-    float acc[EL_ATTN_QMAX * EL_ATTN_MAX_HD];
-    float sc[EL_ATTN_QMAX][EL_ATTN_CHMAX];
-    float kt[EL_ATTN_KVBUF], kbuf[EL_ATTN_KVBUF], vbuf[EL_ATTN_KVBUF];
+    el_tile_scratch *S = el_tile_scratch_get();
+    if (!S) {
+        __atomic_store_n(J->nomem, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    float *const acc = S->acc, *const kt = S->kt, *const kbuf = S->kbuf, *const vbuf = S->vbuf;
+    float (*const sc)[EL_ATTN_CHMAX] = S->sc;
     const float *krow[EL_ATTN_CHMAX], *vrow[EL_ATTN_CHMAX], *qrow[EL_ATTN_QMAX];
     float m[EL_ATTN_QMAX], l[EL_ATTN_QMAX], alpha[EL_ATTN_QMAX];
     int lim[EL_ATTN_QMAX], nvis[EL_ATTN_QMAX];
@@ -1088,12 +1122,14 @@ static int el_attn_run(el_pool *pool, el_attn_job *J) {
         if (!J->part) J->n_split = 1;  /* just slower */
     }
     J->split_len = (n + J->n_split - 1) / J->n_split;
+    int nomem = 0;
+    J->nomem = &nomem;
     el_parallel_for(pool, tiles * J->n_split, el_attn_task, J);
     if (J->n_split > 1) {
-        el_attn_merge(J);
+        if (!nomem) el_attn_merge(J);
         free(J->part);
     }
-    return EL_OK;
+    return nomem ? EL_ENOMEM : EL_OK;
 }
 
 int el_attention_dense(el_pool *pool, const float *q, float *out, int T, int H, int KVH, int hd, int start,
