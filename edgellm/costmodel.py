@@ -356,8 +356,9 @@ def cpu_unit(name: str, profile: DeviceProfile, *, threads: int | None = None) -
             launch = um.call_overhead_s
             op_curves = {k: tuple((t, f * ms) for t, f in c) for k, c in _op_curves(um).items()}
             fp32act_curve = tuple((g.m, g.flops * ms) for g in sorted(um.gemm_fp32act, key=lambda g: g.m))
-            gemv = {f: r * ms for f, r in um.gemv.items()}
-            gemv32 = {f: r * ms for f, r in um.gemv_fp32act.items()}
+            if name == "neon":   # (neon_probe measures them)
+                gemv = {f: r * ms for f, r in um.gemv.items()}
+                gemv32 = {f: r * ms for f, r in um.gemv_fp32act.items()}
             notes.append(f"measured by {m.tool} on {m.date}"
                          + (f" with {um.threads} threads, scaled to {min(threads, n_big)}" if ms != 1.0 else ""))
     if name == "reference":

@@ -219,3 +219,13 @@ def test_a_null_call_no_faster_than_the_gemv_cannot_make_a_huge_rate(monkeypatch
     gemv, gemv32 = neon_probe.measure_gemv(sizes)
     K, N = sizes.gemm_k, sizes.gemm_n
     assert all(r == pytest.approx(2.0 * K * N / 0.5e-5) for r in (*gemv.values(), *gemv32.values()))
+
+
+def test_one_row_figures_under_another_unit_are_refused(tmp_path, monkeypatch):
+    from edgellm.device.profile import write_profile
+    monkeypatch.setenv("EDGELLM_HOME", str(tmp_path))
+    p = _measured({"q4_1": 150e9})
+    um = p.measured.units["neon"]
+    m = dataclasses.replace(p.measured, units={"neon": um, "reference": dataclasses.replace(um, gemv={"f32": 1e9})})
+    with pytest.raises(ConfigError, match=r"units\.reference\.gemv: one-row figures by weight format are neon's"):
+        write_profile(dataclasses.replace(p, measured=m), tmp_path / "profiles" / "host.yaml")   # (read back)

@@ -521,6 +521,9 @@ def _unit(r: _Reader, v: Any, p: str, clusters: tuple[CpuCluster, ...]) -> UnitM
                                  flops=r.qty(e["flops"], f"{q}.flops", "compute"))
 
     def by_format(m: Any, q: str) -> dict[str, float]:   # {q4_1: 150 GFLOPS, ...}
+        if m and not p.endswith(".neon"):
+            # (the cost model reads them for neon only: under reference they repriced its decode)
+            r.fail(q, "one-row figures by weight format are neon's (edgellm profile measures them there only)")
         if not isinstance(m, dict):
             r.fail(q, f"expected a mapping of weight format to rate such as {{q4_1: 150 GFLOPS}}, got {_describe(m)}")
         r.mapping(m, q, (), tuple(WEIGHT_BYTES))
