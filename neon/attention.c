@@ -35,11 +35,15 @@
  * better then; once the score and PV blocks went 16 wide and the exp tails stopped stalling
  * (Zen 5), 96 against 64 took 27.4 vs 29.6 ms of attention for a 432-token prompt and 133 vs
  * 137 for 1024 (timing build, medians of 12, alternating); 128 was no better than 96. Scratch:
- * ~325 KB with EL_ATTN_MAX_HD, per thread on the heap (el_tile_scratch). */
+ * ~325 KB with EL_ATTN_MAX_HD, per thread on the heap (el_tile_scratch), as the int8 decode
+ * path's dequantized chunk (256 KB). */
 #define EL_ATTN_QMAX 96
 #define EL_ATTN_KVBUF 8192      /* floats per K (transposed) and V chunk buffer: 32 KB each */
 #define EL_ATTN_CHMAX 64        /* keys per chunk */
 #define EL_ATTN_SPLIT_MIN 64    /* fewest keys worth a split of their own */
+/* decode (one query token, below): */
+#define EL_ATTN_DEC_CH 64        /* keys per chunk (a multiple of 4) */
+#define EL_ATTN_DEC_I8ROW 512    /* KVH * hd of an int8 pool the decode path dequantizes per chunk */
 
 
 /* Where the K/V rows are. Element offset of (kv head kh, position j):
@@ -417,10 +421,15 @@ static int el_rows_finite(const float *const *rows, int n, int hd) {
  * life (freed at its exit). On the stack they crashed a caller whose thread stack was under
  * ~350 KB (an app's worker thread with a 256 KB stack: SIGSEGV, a review's probe; musl's
  * default is 128 KB); the pool's own workers have 2 MB. */
-typedef struct {
-    float acc[EL_ATTN_QMAX * EL_ATTN_MAX_HD];
-    float sc[EL_ATTN_QMAX][EL_ATTN_CHMAX];
-    float kt[EL_ATTN_KVBUF], kbuf[EL_ATTN_KVBUF], vbuf[EL_ATTN_KVBUF];
+typedef union {
+    struct {   /* a prefill tile's */
+        float acc[EL_ATTN_QMAX * EL_ATTN_MAX_HD];
+        float sc[EL_ATTN_QMAX][EL_ATTN_CHMAX];
+        float kt[EL_ATTN_KVBUF], kbuf[EL_ATTN_KVBUF], vbuf[EL_ATTN_KVBUF];
+    } t;
+    /* an int8 decode range's chunk of K and V rows dequantized (256 KB: on the stack it crashed
+     * a generation from an app thread with a 256-320 KB stack under kv_precision int8) */
+    struct { float k[EL_ATTN_DEC_CH * EL_ATTN_DEC_I8ROW], v[EL_ATTN_DEC_CH * EL_ATTN_DEC_I8ROW]; } d;
 } el_tile_scratch;
 
 static pthread_key_t el_tile_key;
@@ -452,8 +461,8 @@ static void el_attn_tile(const el_attn_job *J, int kh, int h0, int h1, int t0, i
         __atomic_store_n(J->nomem, 1, __ATOMIC_RELAXED);
         return;
     }
-    float *const acc = S->acc, *const kt = S->kt, *const kbuf = S->kbuf, *const vbuf = S->vbuf;
-    float (*const sc)[EL_ATTN_CHMAX] = S->sc;
+    float *const acc = S->t.acc, *const kt = S->t.kt, *const kbuf = S->t.kbuf, *const vbuf = S->t.vbuf;
+    float (*const sc)[EL_ATTN_CHMAX] = S->t.sc;
     const float *krow[EL_ATTN_CHMAX], *vrow[EL_ATTN_CHMAX], *qrow[EL_ATTN_QMAX];
     float m[EL_ATTN_QMAX], l[EL_ATTN_QMAX], alpha[EL_ATTN_QMAX];
     int lim[EL_ATTN_QMAX], nvis[EL_ATTN_QMAX];
@@ -639,11 +648,9 @@ static void el_attn_merge(const el_attn_job *J) {
  * n_layers * block apart, so the hardware prefetcher restarts at every block. Key ranges are
  * the tasks (several per thread, so that claiming evens out the threads); their partial states
  * are merged like the tile path's splits. */
-#define EL_ATTN_DEC_CH 64        /* keys per chunk (a multiple of 4) */
 #define EL_ATTN_DEC_HMAX 64      /* query heads the stack scratch holds */
 #define EL_ATTN_DEC_ACC 16384    /* floats of accumulator: H * hd */
 #define EL_ATTN_DEC_SPLIT_MIN 48 /* fewest keys worth a task of their own */
-#define EL_ATTN_DEC_I8ROW 512    /* KVH * hd of an int8 pool the decode path dequantizes per chunk */
 #define EL_AI inline __attribute__((always_inline))
 
 static EL_AI float32x4_t el_kv_ld4(const int F16, const char *p) {
@@ -868,10 +875,17 @@ static EL_AI void el_attn_dec_range(const int F16, const int I8, const el_attn_j
     float acc[EL_ATTN_DEC_ACC];
     /* int8 K/V (I8, with F16 = 0): each chunk's rows are dequantized here (q * scale, as the
      * pool's reader does) and the fp32 blocks run on these buffers through `Jb`, a dense view */
-    float kq8[I8 ? EL_ATTN_DEC_CH * EL_ATTN_DEC_I8ROW : 1], vq8[I8 ? EL_ATTN_DEC_CH * EL_ATTN_DEC_I8ROW : 1];
-    size_t boff[I8 ? EL_ATTN_DEC_CH : 1];
+    float *kq8 = NULL, *vq8 = NULL;   /* (the thread's heap scratch: 256 KB) */
+    size_t boff[EL_ATTN_DEC_CH];
     el_attn_job Jb;
     if (I8) {
+        el_tile_scratch *S = el_tile_scratch_get();
+        if (!S) {
+            __atomic_store_n(J->nomem, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        kq8 = S->d.k;
+        vq8 = S->d.v;
         Jb = *J;
         Jb.kv = (el_kv_src){.k = kq8, .v = vq8, .row_stride = (size_t)J->KVH * hd, .head_stride = (size_t)hd};
         for (int i = 0; i < EL_ATTN_DEC_CH; i++) boff[i] = (size_t)i * J->KVH * hd;
@@ -1015,7 +1029,7 @@ static void el_attn_dec_run(el_pool *pool, el_attn_job *J) {
     J->split_len = len;
     el_parallel_ranges(pool, S, el_attn_dec_item, J);
     if (S > 1) {
-        el_attn_merge(J);
+        if (!*J->nomem) el_attn_merge(J);
         free(J->part);
     }
 }
@@ -1080,9 +1094,11 @@ static int el_attn_run(el_pool *pool, el_attn_job *J) {
         el_parallel_for(pool, J->T * J->H, el_attn_task_generic, J);
         return EL_OK;
     }
+    int nomem = 0;   /* set by a thread that got no scratch */
+    J->nomem = &nomem;
     if (el_attn_dec_fits(J)) {
         el_attn_dec_run(pool, J);
-        return EL_OK;
+        return nomem ? EL_ENOMEM : EL_OK;
     }
     /* tile shape: as many heads of the group as fit, then token rows, evened out */
     J->n_hsub = (J->G + EL_ATTN_QMAX - 1) / EL_ATTN_QMAX;
@@ -1122,8 +1138,6 @@ static int el_attn_run(el_pool *pool, el_attn_job *J) {
         if (!J->part) J->n_split = 1;  /* just slower */
     }
     J->split_len = (n + J->n_split - 1) / J->n_split;
-    int nomem = 0;
-    J->nomem = &nomem;
     el_parallel_for(pool, tiles * J->n_split, el_attn_task, J);
     if (J->n_split > 1) {
         if (!nomem) el_attn_merge(J);

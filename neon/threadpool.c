@@ -53,8 +53,8 @@
  * tokens; 24 when it polled for 1 ms), and each next step's first ops waited for its wake-up. */
 #define EL_SLEEP_NS 2000000L
 /* Worker stack: the decode attention keeps ~80 KB of scratch on the stack (the prefill tiles'
- * ~325 KB are per thread on the heap); bionic's default thread stack is 1 MB, glibc's follows
- * ulimit -s, musl's is 128 KB. Pages are only committed when touched. */
+ * ~325 KB and int8 decode's 256 KB are per thread on the heap); bionic's default thread stack is
+ * 1 MB, glibc's follows ulimit -s, musl's is 128 KB. Pages are only committed when touched. */
 #define EL_WORKER_STACK (2u << 20)
 #define EL_LINE 128 /* covers the 64-byte lines of Cortex-A and the 128-byte ones of Apple cores */
 
