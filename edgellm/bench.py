@@ -82,7 +82,7 @@ def predicted(engine: Engine, prompt_tokens: int, context: int = 0) -> dict:
     d = engine.dispatcher
     if d is None:
         return {}
-    ttft, tps = d.predict(prompt_tokens, engine.plan.chunk.tokens, context)
+    ttft, tps = d.predict(prompt_tokens, engine.plan.chunk.tokens, context, plan=engine.plan)
     return {"predicted_ttft_ms": round(ttft, 2), "predicted_decode_tps": round(tps, 2)}
 
 

@@ -8,6 +8,7 @@ keeps its reason and the other units' predicted times or why they could not take
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from dataclasses import dataclass, replace
@@ -697,21 +698,32 @@ class Dispatcher:
         return Plan(self.profile.name, self.units, prefill, decode, choice, prompt_tokens, ttft, tps,
                     tuple(self.warnings), short, short_max, key)
 
-    def predict(self, prompt_tokens: int, chunk: int, context: int = 0) -> tuple[float, float]:
+    def predict(self, prompt_tokens: int, chunk: int, context: int = 0,
+                plan: Plan | None = None) -> tuple[float, float]:
         """(TTFT ms, decode tok/s) predicted for `prompt_tokens` new tokens after `context`
         cached ones, in chunks of `chunk`, as plan() prices its own prompt; nothing is said
-        (bench sets these beside what it measures)."""
-        said = self._to_reference
+        (bench sets these beside what it measures). plan: price the placements an engine loaded
+        with (its short-step placement and bound, its decode's), not those this length would get:
+        a 32-token prompt on exynos2100 was priced on a short-step placement the engine, planned
+        at 512, never runs (11.3 ms against the 15.3 its placement costs)."""
+        said = copy.deepcopy(self._to_reference)
         try:
-            return self._priced(prompt_tokens, chunk, context)[4:]
+            return self._priced(prompt_tokens, chunk, context, plan)[4:]
         finally:
             self._to_reference = said
 
-    def _priced(self, prompt_tokens: int, chunk: int, context: int) -> tuple:
-        """(prefill, decode, short, short_max, TTFT ms, decode tok/s) of a prompt after `context`."""
-        prefill = self.place("prefill", chunk, 0)
+    def _priced(self, prompt_tokens: int, chunk: int, context: int, fixed: Plan | None = None) -> tuple:
+        """(prefill, decode, short, short_max, TTFT ms, decode tok/s) of a prompt after `context`;
+        fixed: a loaded plan's placements instead of this length's."""
+        prefill = self.place("prefill", chunk, 0) if fixed is None else fixed.prefill
         decode = self.place("decode", 1, context + prompt_tokens)
-        short, short_max = self._short_prefill(prefill, chunk, context + prompt_tokens)
+        decode_ms = decode.step_ms
+        if fixed is not None and [p.unit for p in decode.placements] != [p.unit for p in fixed.decode.placements]:
+            decode_ms = self.step_ms(fixed.decode, 1, context + prompt_tokens)
+        if fixed is None:
+            short, short_max = self._short_prefill(prefill, chunk, context + prompt_tokens)
+        else:
+            short, short_max = fixed.prefill_short, fixed.short_max_tokens
         # TTFT is priced chunk by chunk as the engine runs them: each call's placement from its
         # own length, and no one-token last chunk (Generation cuts 257 as 255 + 2, not 256 + 1,
         # whose token was priced on the chunk's placement: +32 ms on an rk3588's)
@@ -722,7 +734,7 @@ class Dispatcher:
         for c0, c1 in zip(bounds, bounds[1:]):
             ttft += self.step_ms(phases[self.prompt_phase(c1 - c0, sm)], c1 - c0, context + c0,
                                  head=c1 >= prompt_tokens)
-        tps = 1e3 / decode.step_ms if decode.step_ms > 0 else math.inf
+        tps = 1e3 / decode_ms if decode_ms > 0 else math.inf
         return prefill, decode, short, short_max, ttft, tps
 
     @staticmethod

@@ -78,3 +78,36 @@ def test_another_devices_predictions_are_not_set_beside_this_machines_runs(tiny,
     assert r.exit_code == 0, r.output
     assert "plan's prediction" not in r.stdout
     assert json.loads(out.read_text())[0]["predicted_ttft_ms"] > 0   # (the record names its profile)
+
+
+def test_predict_prices_the_loaded_plans_placements(real_model_path):
+    """bench's predictions price the placements the engine runs: the plan's short-step placement
+    and bound, chosen at the plan's length, not the ones another length would get (a 32-token
+    prompt on exynos2100 was priced on a short-step placement its engine never runs: 11.3 ms
+    against 15.3)."""
+    import logging
+
+    from edgellm.device.profile_yaml import load_profile
+    from edgellm.dispatch import Dispatcher
+    from edgellm.model.loader import open_model
+    from edgellm.ops import weight_formats
+
+    from edgellm.chunking import chunk_bounds
+
+    logging.disable(logging.WARNING)
+    try:
+        mf = open_model(real_model_path)   # (the tiny model's plans have no short-step placement)
+        root = __import__("pathlib").Path(__file__).resolve().parent.parent
+        for name in ("exynos2100", "rk3588", "tensor-g1", "raspberry-pi-5"):
+            d = Dispatcher(load_profile(root / "device_profiles" / f"{name}.yaml"), mf.config, weight_formats(mf),
+                           probe=False)
+            plan = d.plan(prompt_tokens=512, n_ctx=2048, memory_budget=1e9)
+            chunk, sm = plan.chunk.tokens, (plan.short_max_tokens if plan.prefill_short is not None else 0)
+            assert d.predict(512, chunk, plan=plan) == (plan.predicted_ttft_ms, plan.predicted_decode_tps)
+            for n, ctx in ((8, 0), (32, 0), (128, 0), (16, 300)):
+                b = chunk_bounds(n, chunk)
+                own = sum(d.step_ms(plan.phase(d.prompt_phase(c1 - c0, sm)), c1 - c0, ctx + c0, head=c1 >= n)
+                          for c0, c1 in zip(b, b[1:]))
+                assert d.predict(n, chunk, ctx, plan=plan)[0] == pytest.approx(own, rel=1e-9), (name, n, ctx)
+    finally:
+        logging.disable(logging.NOTSET)
