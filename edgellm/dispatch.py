@@ -728,7 +728,8 @@ class Dispatcher:
         # own length, and no one-token last chunk (Generation cuts 257 as 255 + 2, not 256 + 1,
         # whose token was priced on the chunk's placement: +32 ms on an rk3588's)
         sm = short_max if short is not None else 0
-        phases = {"decode": decode, "prefill_short": short, "prefill": prefill}
+        # (a one-token prompt runs as a decode step: the loaded plan's, when one is given)
+        phases = {"decode": decode if fixed is None else fixed.decode, "prefill_short": short, "prefill": prefill}
         bounds = chunk_bounds(prompt_tokens, chunk)
         ttft = 0.0
         for c0, c1 in zip(bounds, bounds[1:]):
