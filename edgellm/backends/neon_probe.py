@@ -122,9 +122,8 @@ def measure_gemv(sizes: ProbeSizes, progress=None) -> tuple[dict[str, float], di
     for i, (act, fmt) in enumerate(jobs):
         if progress:
             progress(f"{fmt.lower()} gemv, {act} activations", i, len(jobs))
-        t = quant.T[fmt]
         w = rng.standard_normal((N, K)).astype(np.float32)
-        one = w.astype(np.float16).view(np.uint8) if fmt == "F16" else quant.quantize(w, t)
+        one = w.astype(np.float16).view(np.uint8) if fmt == "F16" else quant.quantize(w, quant.T[fmt])
         count = max(2, math.ceil(sizes.weight_bytes / one.nbytes))
         mats = [neon.QMatrix.from_arrays(fmt, [one.copy()], [N], K) for _ in range(count)]
         fn = lib.el_matmul if act == "int8" else lib.el_matmul_f32act
