@@ -6,9 +6,10 @@ throughput was measured by `edgellm profile`, the measured figure at that token 
 few rows is far from its peak; the measurement says by how much). Attention and the elementwise
 ops, where the profile measured them on the unit, run at their measured rate for the step's token
 count (numpy's gather, mask and softmax keep attention far below the sgemm peak; swiglu's exp is
-far from DRAM speed). A matmul's weights stream no faster than the unit's measured one-row GEMM
-read them (its FLOP rate, in bytes of the format it was measured on), so a format with more bytes
-per weight decodes slower. Inside a fused native step an op pays no call of its own, and an
+far from DRAM speed). A one-row matmul runs at the unit's measured figure for its weight format
+where the profile has one (neon's gemv); otherwise its weights stream no faster than the measured
+one-row GEMM read its own (a FLOP rate, in bytes of the format it was measured on), so a format
+with more bytes per weight decodes slower. Inside a fused native step an op pays no call of its own, and an
 elementwise op's one-row figure, timed as a call, is replaced by its call-free marginal rate.
 Handing an activation to a unit of another kind adds a fixed transfer overhead plus a copy unless
 the memory is shared zero-copy.
